@@ -1,0 +1,49 @@
+"""Frozen configuration objects. Every environment variable verispec reads is read here."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    debug: bool = False
+    model_cache: str | None = None  # VERISPEC_MODEL_CACHE: a local root searched before the HF cache
+    hf_hub_cache: str | None = None
+    hf_home: str | None = None
+    xdg_cache_home: str | None = None
+    hf_offline: bool = False
+
+    @classmethod
+    def from_environ(cls) -> "EnvSettings":
+        env = os.environ
+        return cls(
+            debug=_env_flag("VERISPEC_DEBUG"),
+            model_cache=env.get("VERISPEC_MODEL_CACHE") or None,
+            hf_hub_cache=env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or None,
+            hf_home=env.get("HF_HOME") or None,
+            xdg_cache_home=env.get("XDG_CACHE_HOME") or None,
+            hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
+        )
+
+
+def env() -> EnvSettings:
+    """Read the environment now (cheap; tests change it with monkeypatch)."""
+    return EnvSettings.from_environ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str | None = None  # None: bf16 on CUDA, float32 on CPU
+    device: str | None = None  # None: cuda if available, else cpu
+    prefill_step_size: int = 2048
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    default_max_tokens: int = 8192
+    max_logprobs: int = 20
+    seed: int | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,127 @@
+"""Tiny tokenizers and random-weight checkpoints, built locally (there is no model hub here).
+
+Tests build their fixtures with these, and `make serve` uses `build_tiny_model` for the default
+model until the trained demo model lands. Everything is saved through transformers'
+`save_pretrained`, so the files are genuine Hugging Face checkpoints.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_TOKENS = ["<think>", "</think>"]
+
+
+def corpus_text(max_chars: int = 400_000) -> str:
+    """Deterministic training text from the Python standard library (on every machine)."""
+    import argparse, collections, json, textwrap, string, functools  # noqa: E401
+
+    parts = []
+    for mod in (argparse, collections, json, textwrap, string, functools):
+        try:
+            parts.append(inspect.getsource(mod))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(parts)[:max_chars]
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer and save it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = corpus_text()
+    chunk = 2000
+    tok.train_from_iterator((text[i:i + chunk] for i in range(0, len(text), chunk)), trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf.add_tokens(THINK_TOKENS)  # not special: they stay in decoded text for the reasoning parser
+    hf.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out))
+    return hf
+
+
+def tiny_config(model_type: str, vocab_size: int, **overrides):
+    """A small transformers config of the given model_type (llama, qwen2, qwen3, mistral)."""
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    if model_type in ("qwen3",):
+        base["head_dim"] = 16
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def build_tiny_model(out_dir: str | Path, model_type: str = "qwen3", seed: int = 0,
+                     tokenizer_dir: str | Path | None = None, extra_vocab: int = 0,
+                     dtype: str = "float32", **config_overrides):
+    """Random-weight model + tokenizer + generation_config, saved as a HF checkpoint.
+
+    `extra_vocab` pads the model's vocabulary past the tokenizer's (as real checkpoints do).
+    Returns the transformers model (in float32) for use as a test oracle.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        hf_tok = build_tokenizer(out)
+    else:
+        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        hf_tok.save_pretrained(str(out))
+    vocab = len(hf_tok) + extra_vocab
+    config = tiny_config(model_type, vocab, **config_overrides)
+    config.eos_token_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    config.bos_token_id = None
+    config.pad_token_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; scaling the head sharpens them so greedy parity tests
+    # compare confident choices rather than near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0) if model_type != "gemma" else p.zero_()
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(eos_token_id=[config.eos_token_id, config.pad_token_id],
+                     pad_token_id=config.pad_token_id).save_pretrained(str(out))
+    return model

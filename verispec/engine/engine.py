@@ -1,0 +1,200 @@
+"""The engine: prompt ids + SamplingParams -> an iterator of token chunks, with stats.
+
+The server only ever talks to this. One generation runs at a time on an engine instance
+(the server serialises requests); the KV cache is allocated once and grown when needed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from verispec import log
+from verispec.cache.kv import KVCache
+from verispec.config import EngineConfig
+from verispec.engine.output import OutputBuilder
+from verispec.engine.params import SamplingParams
+from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, sample
+from verispec.engine.types import GenerationChunk, GenerationResult, GenerationStats
+from verispec.errors import InvalidRequestError, VerispecError
+from verispec.loading.model_loader import load_model, parse_device, parse_dtype
+from verispec.loading.resolve import resolve_model
+from verispec.loading.tokenizer import Tokenizer
+from verispec.models.base import CausalLM
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
+                 model_dir: Path | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = config.model
+        self.model_dir = model_dir
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        limit = model.max_position_embeddings
+        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
+        if config.prefill_step_size < 1:
+            raise VerispecError(f"--prefill-step-size must be >= 1, got {config.prefill_step_size}")
+        self.eos_token_ids = tokenizer.eos_token_ids
+        # Model vocabularies are often padded past the tokenizer's; those rows are never sampled.
+        self.num_real_tokens = min(tokenizer.vocab_size, model.vocab_size)
+        self._cache: KVCache | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "Engine":
+        device = parse_device(config.device)
+        dtype = parse_dtype(config.dtype, device)
+        model_dir = resolve_model(config.model)
+        t0 = time.perf_counter()
+        model = load_model(model_dir, dtype, device)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
+                  time.perf_counter() - t0)
+        return cls(model, tokenizer, config, model_dir)
+
+    # ---- request checks -------------------------------------------------------------------
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The number of new tokens this request may produce; raises on a request that cannot fit."""
+        if num_prompt_tokens < 1:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room in this model's "
+                f"context length of {self.max_model_len}", param="messages", code="context_length_exceeded")
+        if params.max_tokens is None:
+            return min(self.config.default_max_tokens, room)
+        if params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds this "
+                f"model's context length of {self.max_model_len} (at most {room} new tokens fit)",
+                param="max_tokens", code="context_length_exceeded")
+        return params.max_tokens
+
+    def check_prompt_ids(self, prompt_ids: list[int]) -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.model.vocab_size}); got {bad[:5]}", param="prompt")
+
+    # ---- generation -----------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
+        """Yield one chunk per target forward pass; the last chunk has finish_reason and stats."""
+        self.check_prompt_ids(prompt_ids)
+        max_new = self.resolve_max_tokens(len(prompt_ids), params)
+        with self._lock:
+            yield from self._generate(prompt_ids, params, max_new, cancel)
+
+    def _generate(self, prompt_ids, params, max_new, cancel) -> Iterator[GenerationChunk]:
+        stats = GenerationStats(method="ar", prompt_tokens=len(prompt_ids))
+        cache = self._cache_for(len(prompt_ids) + max_new)
+        generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
+        history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
+        out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
+
+        t0 = time.perf_counter()
+        logits = self._prefill(prompt_ids, cache)
+        token = self._choose(logits, params, history, generator)
+        _sync(self.device)
+        stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1000
+        chunk = out.push([token], logits[None])
+        t_decode = time.perf_counter()
+        while True:
+            if out.done:
+                break
+            if cancel is not None and cancel.is_set():
+                chunk = out.cancel()
+                break
+            yield chunk
+            position = len(prompt_ids) + len(out.token_ids) - 1
+            logits = self._decode_step(token, position, cache)
+            stats.rounds += 1
+            token = self._choose(logits, params, history, generator)
+            chunk = out.push([token], logits[None])
+        _sync(self.device)
+        stats.decode_ms = (time.perf_counter() - t_decode) * 1000
+        stats.generated_tokens = len(out.token_ids)
+        chunk.stats = stats
+        self._log_request(stats, out)
+        yield chunk
+
+    def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        chunks = list(self.generate(prompt_ids, params))
+        last = chunks[-1]
+        token_ids = [t for c in chunks for t in c.token_ids]
+        logprobs = [lp for c in chunks for lp in (c.logprobs or [])] if params.logprobs else None
+        return GenerationResult(list(prompt_ids), token_ids, "".join(c.text for c in chunks),
+                                last.finish_reason, last.stats, logprobs)
+
+    def prewarm(self) -> float:
+        """One short generation so the first request pays no warm-up. Returns seconds taken."""
+        t0 = time.perf_counter()
+        ids = self.tokenizer.encode("Hello") or [0]
+        self.generate_all(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    # ---- steps ----------------------------------------------------------------------------
+    def _cache_for(self, num_rows: int) -> KVCache:
+        if self._cache is None:
+            self._cache = self.model.make_cache(num_rows)
+        self._cache.reset()
+        self._cache.ensure_capacity(num_rows)
+        return self._cache
+
+    @torch.inference_mode()
+    def _prefill(self, prompt_ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Chunked prefill; returns the last position's logits [V]."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        step = self.config.prefill_step_size
+        hidden = None
+        for start in range(0, ids.shape[1], step):
+            chunk = ids[:, start:start + step]
+            positions = torch.arange(start, start + chunk.shape[1], device=self.device)[None]
+            hidden = self.model(chunk, positions, cache).hidden
+            cache.commit(chunk.shape[1])
+        return self._logits(hidden[:, -1])[0]
+
+    @torch.inference_mode()
+    def _decode_step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[position]], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, positions, cache).hidden
+        cache.commit(1)
+        return self._logits(hidden[:, -1])[0]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, V] in float32 (float64 stays float64), padding rows masked."""
+        logits = self.model.logits(hidden)
+        if logits.dtype != torch.float64:
+            logits = logits.float()
+        if self.num_real_tokens < logits.shape[-1]:
+            logits[..., self.num_real_tokens:] = float("-inf")
+        return logits
+
+    @torch.inference_mode()
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, history: TokenHistory,
+                generator: torch.Generator) -> int:
+        return sample(apply_penalties(logits, params, history), params, generator)
+
+    def _log_request(self, stats: GenerationStats, out: OutputBuilder) -> None:
+        log.debug("request: prompt=%d tokens, generated=%d, ttft=%.1fms, prefill=%.1f tok/s, "
+                  "decode=%.1f tok/s, finish=%s", stats.prompt_tokens, stats.generated_tokens,
+                  stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
+                  out.finish_reason.value if out.finish_reason else None)
+
+
+def load_engine(model: str, **kwargs) -> Engine:
+    return Engine.load(replace(EngineConfig(model=model), **kwargs))

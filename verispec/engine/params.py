@@ -1,0 +1,68 @@
+"""SamplingParams: what one request asks of the engine, validated once at the edge."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verispec.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = None  # None: up to the engine's default / the context's end
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + generated tokens (HF/vLLM convention)
+    presence_penalty: float = 0.0  # over generated tokens (OpenAI convention)
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"'{param}' {msg}", param=param)
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", f"must be between 0 and 2, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty!r}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", f"must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            self.logprobs = True
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

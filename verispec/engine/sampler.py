@@ -1,0 +1,99 @@
+"""Logits -> next token: penalties, temperature, top-k, top-p, min-p, seeded sampling, logprobs.
+
+Processing order (the same as vLLM): penalties on raw logits, then temperature, then top-k,
+top-p and min-p as filters. `processed_probs` returns the final distribution, which speculative
+sampling (the spec issue) compares between drafter and target.
+"""
+from __future__ import annotations
+
+import torch
+
+from verispec.engine.params import SamplingParams
+from verispec.engine.types import TokenLogprob
+
+
+class TokenHistory:
+    """Counts of prompt and generated tokens, for penalties. Lives on the logits' device."""
+
+    def __init__(self, vocab_size: int, prompt_ids: list[int], device: torch.device):
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if prompt_ids:
+            ids = torch.tensor([i for i in prompt_ids if i < vocab_size], dtype=torch.long, device=device)
+            self.in_prompt[ids] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+
+    def add(self, token_ids: list[int]) -> None:
+        for t in token_ids:
+            self.output_counts[t] += 1
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """logits [V] (float32) -> penalised logits [V]."""
+    if not params.has_penalties:
+        return logits
+    logits = logits.clone()
+    counts = history.output_counts
+    seen_output = counts > 0
+    if params.repetition_penalty != 1.0:
+        seen = seen_output | history.in_prompt
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts.to(logits.dtype)
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * seen_output.to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits [..., V] with top-k / top-p / min-p filtered out as -inf."""
+    logits = logits / params.temperature
+    neg_inf = torch.finfo(logits.dtype).min
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep a token if the mass strictly before it is < top_p (the first token always stays)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        threshold = params.min_p * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    return logits
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Penalised logits [..., V] -> the sampling distribution [..., V] (float32)."""
+    return filter_logits(logits.float(), params).softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Penalised logits [V] -> one token id (argmax when greedy)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = processed_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(raw_logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+    """The model's own log-probabilities (before penalties and filters) for the chosen token."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n)
+        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

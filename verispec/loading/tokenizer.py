@@ -1,0 +1,87 @@
+"""Tokenizer + chat template, through transformers (the format-defining library)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from verispec.errors import InvalidRequestError, VerispecError
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+class Tokenizer:
+    """A thin wrapper over a Hugging Face tokenizer with what the engine and server need."""
+
+    def __init__(self, hf_tokenizer, eos_token_ids: list[int]):
+        self.hf = hf_tokenizer
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.vocab_size = len(hf_tokenizer)  # includes added tokens
+        template = getattr(hf_tokenizer, "chat_template", None) or ""
+        vocab = hf_tokenizer.get_vocab()
+        # A model "thinks" when its template or vocabulary knows the <think> tags.
+        self.supports_thinking = THINK_OPEN in template or (THINK_OPEN in vocab and THINK_CLOSE in vocab)
+        self.has_chat_template = bool(template)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, extra_eos: list[int] | None = None) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as exc:  # transformers raises many types; the user needs the path + cause
+            raise VerispecError(f"could not load a tokenizer from {model_dir}: {exc}") from exc
+        eos: list[int] = list(extra_eos or [])
+        if hf.eos_token_id is not None:
+            eos.append(int(hf.eos_token_id))
+        eos.extend(_generation_config_eos(model_dir))
+        return cls(hf, eos)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token decodes to on its own (for logprobs)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                    tools: list | None = None) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template; use /v1/completions with a raw prompt "
+                "(or `--no-chat-template` on the command line)", param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        try:
+            return self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+        except Exception as exc:  # jinja raises on messages the template does not accept
+            raise InvalidRequestError(f"the chat template rejected these messages: {exc}",
+                                      param="messages") from exc
+
+    def chat_prompt_ids(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, chat_template_kwargs)
+        # The template already wrote any BOS/special tokens into the text.
+        return text, self.encode(text, add_special_tokens=False)
+
+    def prompt_opens_thinking(self, prompt_text: str) -> bool:
+        """True when the template itself opened <think>: generation starts inside reasoning."""
+        if not self.supports_thinking:
+            return False
+        tail = prompt_text.rstrip()
+        return tail.endswith(THINK_OPEN)
+
+
+def _generation_config_eos(model_dir: Path) -> list[int]:
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as exc:
+        raise VerispecError(f"{path} is not valid JSON: {exc}") from exc
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

@@ -1,0 +1,39 @@
+"""Safetensors checkpoints: single file or sharded with an index, plus sidecars."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from verispec.errors import VerispecError
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise VerispecError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise VerispecError(f"checkpoint shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(model_dir.glob("model-*.safetensors"))
+    if shards:
+        return shards
+    raise VerispecError(f"no safetensors weights in {model_dir} (expected model.safetensors or an index)")
+
+
+def iter_tensors(files: list[Path], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)

@@ -1,0 +1,154 @@
+"""The Llama family: llama, mistral, qwen2, qwen3 (one decoder, switched by config).
+
+Differences handled here: GQA, tied/untied embeddings, Qwen2's q/k/v bias, Qwen3's per-head
+q/k RMSNorm, Mistral's sliding window, per-layer `layer_types`, RoPE default/linear/llama3.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verispec.cache.kv import KVCache, LayerCacheSpec
+from verispec.errors import UnsupportedModelError
+from verispec.models.base import CausalLM, ForwardOutput
+from verispec.models.layers.attention import attention_mask, cached_attention
+from verispec.models.layers.mlp import GatedMLP
+from verispec.models.layers.norm import RMSNorm
+from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+
+class DecoderSettings:
+    """The config fields the Llama family reads, with each family's defaults."""
+
+    def __init__(self, config: dict):
+        model_type = config.get("model_type", "llama")
+        self.model_type = model_type
+        self.hidden_size = int(config["hidden_size"])
+        self.num_layers = int(config["num_hidden_layers"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(config.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = int(config.get("head_dim") or self.hidden_size // self.num_heads)
+        self.intermediate_size = int(config["intermediate_size"])
+        self.vocab_size = int(config["vocab_size"])
+        self.rms_norm_eps = float(config.get("rms_norm_eps", 1e-6))
+        self.hidden_act = config.get("hidden_act", "silu")
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.max_position_embeddings = int(config.get("max_position_embeddings", 4096))
+        self.qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
+        self.o_bias = model_type != "qwen2" and bool(config.get("attention_bias", False))
+        self.mlp_bias = bool(config.get("mlp_bias", False))
+        self.qk_norm = model_type == "qwen3"
+        self.rope = rope_parameters(config)
+        self.windows = self._layer_windows(config)
+
+    def _layer_windows(self, config: dict) -> list[int | None]:
+        window = config.get("sliding_window")
+        layer_types = config.get("layer_types")
+        if self.model_type == "mistral":
+            return [window] * self.num_layers
+        if layer_types:
+            if len(layer_types) != self.num_layers:
+                raise UnsupportedModelError(
+                    f"layer_types has {len(layer_types)} entries for {self.num_layers} layers")
+            for t in layer_types:
+                if t not in ("full_attention", "sliding_attention"):
+                    raise UnsupportedModelError(
+                        f"layer type '{t}' is not supported for {self.model_type} "
+                        "(supported: full_attention, sliding_attention)")
+            return [window if t == "sliding_attention" else None for t in layer_types]
+        if config.get("use_sliding_window") and window:
+            first = int(config.get("max_window_layers", 0))
+            return [window if i >= first else None for i in range(self.num_layers)]
+        return [None] * self.num_layers
+
+
+class Attention(nn.Module):
+    def __init__(self, s: DecoderSettings, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = s.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None) -> torch.Tensor:  # x: [B, T, H]
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = cached_attention(q, k, v, cache, self.layer_idx, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: DecoderSettings, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s, layer_idx)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act, s.mlp_bias)
+
+    def forward(self, x, cos, sin, cache, mask):  # x: [B, T, H]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, s: DecoderSettings):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: dict):
+        super().__init__()
+        s = DecoderSettings(config)
+        self.config, self.settings = config, s
+        self.vocab_size = s.vocab_size
+        self.max_position_embeddings = s.max_position_embeddings
+        self.model = DecoderModel(s)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(s.rope, s.head_dim)
+        self.num_layers = s.num_layers
+
+    def tie_weights(self) -> None:
+        if self.settings.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        s = self.settings
+        return [LayerCacheSpec(s.num_kv_heads, s.head_dim) for _ in range(s.num_layers)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                capture: tuple[int, ...] = ()) -> ForwardOutput:
+        """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        num_keys = cache.length + input_ids.shape[1]
+        masks: dict[int | None, torch.Tensor | None] = {}
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                aux.append(x)
+            window = self.settings.windows[i]
+            if window not in masks:
+                masks[window] = attention_mask(positions, num_keys, window)
+            x = layer(x, cos, sin, cache, masks[window])
+        return ForwardOutput(self.model.norm(x), aux)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,21 @@
+"""model_type -> implementing class ("module:Class"), imported on demand."""
+from __future__ import annotations
+
+import importlib
+
+from verispec.errors import UnsupportedModelError
+
+MODEL_REGISTRY: dict[str, str] = {
+    "llama": "verispec.models.llama:LlamaForCausalLM",
+    "mistral": "verispec.models.llama:LlamaForCausalLM",
+    "qwen2": "verispec.models.llama:LlamaForCausalLM",
+    "qwen3": "verispec.models.llama:LlamaForCausalLM",
+}
+
+
+def model_class(model_type: str | None):
+    if model_type not in MODEL_REGISTRY:
+        raise UnsupportedModelError(
+            f"model_type '{model_type}' is not supported (supported: {', '.join(sorted(MODEL_REGISTRY))})")
+    module_name, cls_name = MODEL_REGISTRY[model_type].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
