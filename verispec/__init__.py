@@ -1,0 +1,33 @@
+"""verispec: a local OpenAI-compatible LLM server with lossless speculative decoding.
+
+Python API:
+    from verispec import LLM, SamplingParams
+    llm = LLM("path/or/org-name")
+    result = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=64, temperature=0))
+"""
+from __future__ import annotations
+
+from verispec.engine.params import SamplingParams
+from verispec.engine.types import GenerationResult
+
+__all__ = ["LLM", "SamplingParams", "GenerationResult"]
+__version__ = "0.1.0"
+
+
+class LLM:
+    """Load a model once and generate from text prompts or chat messages."""
+
+    def __init__(self, model: str, **engine_options):
+        from verispec.engine.engine import load_engine
+
+        self.engine = load_engine(model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.engine.generate_all(ids, params or SamplingParams())
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             chat_template_kwargs: dict | None = None) -> GenerationResult:
+        _, ids = self.tokenizer.chat_prompt_ids(messages, chat_template_kwargs)
+        return self.engine.generate_all(ids, params or SamplingParams())

@@ -1,0 +1,3 @@
+from verispec.cli import main
+
+raise SystemExit(main())

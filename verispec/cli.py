@@ -1,0 +1,152 @@
+"""Command line: `verispec serve` and `verispec generate`.
+
+A bad flag or model path prints one readable line on stderr and exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+
+from verispec.errors import VerispecError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (not a usage dump) and exits 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        raise SystemExit(2)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True,
+                   help="local model directory or hub id (org/name)")
+    p.add_argument("--dtype", default=None,
+                   help="weights/activations dtype: bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=None, help="default sampling seed")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature_default: float) -> None:
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("-t", "--temperature", type=float, default=temperature_default)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="verispec", description="Local OpenAI-compatible LLM server with lossless speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_model_args(serve)
+    serve.add_argument("-H", "--host", default="127.0.0.1")
+    serve.add_argument("-p", "--port", type=int, default=9999)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="model id clients use (default: -m as given)")
+    serve.add_argument("--default-max-tokens", type=int, default=8192,
+                       help="max_tokens when a request gives none (capped by the context)")
+    serve.add_argument("--no-prewarm", action="store_true", help="skip the warm-up generation at start")
+
+    gen = sub.add_parser("generate", help="generate from one prompt and print the result")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat-template)")
+    gen.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as raw text")
+    gen.add_argument("--system", default=None, help="system message (chat template only)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+    _add_sampling_args(gen, temperature_default=0.0)
+    return parser
+
+
+def _engine_config(args):
+    from verispec.config import EngineConfig
+
+    for flag, value in (("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise VerispecError(f"{flag} must be >= 1, got {value}")
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
+                        seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise VerispecError(f"--port must be between 1 and 65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise VerispecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def cmd_serve(args) -> int:
+    from verispec.engine.engine import Engine
+    from verispec.server.app import run_server
+
+    _check_port_free(args.host, args.port)
+    engine = Engine.load(_engine_config(args))
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
+               served_model_name=args.served_model_name or args.model, prewarm=not args.no_prewarm)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from verispec.engine.engine import Engine
+    from verispec.engine.params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop)
+    engine = Engine.load(_engine_config(args))
+    tok = engine.tokenizer
+    if args.no_chat_template or not tok.has_chat_template:
+        prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        _, prompt_ids = tok.chat_prompt_ids(messages)
+    if args.json:
+        result = engine.generate_all(prompt_ids, params)
+        print(json.dumps(result.as_json(), ensure_ascii=False))
+        return 0
+    stats = None
+    for chunk in engine.generate(prompt_ids, params):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        stats = chunk.stats or stats
+    sys.stdout.write("\n")
+    if stats is not None:
+        sys.stderr.write(f"[{stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated, "
+                         f"ttft {stats.ttft_ms:.0f} ms, {stats.decode_tok_per_s:.1f} tok/s]\n")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except VerispecError as exc:
+        sys.stderr.write(f"verispec: error: {exc.message}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
