@@ -125,3 +125,78 @@ def build_tiny_model(out_dir: str | Path, model_type: str = "qwen3", seed: int =
     GenerationConfig(eos_token_id=[config.eos_token_id, config.pad_token_id],
                      pad_token_id=config.pad_token_id).save_pretrained(str(out))
     return model
+
+
+def write_random_eagle3(out_dir: str | Path, target_config: dict, draft_vocab_size: int | None = None,
+                        layer_type: str = "llama", seed: int = 0, with_embedding: bool = True,
+                        d2t_offset_stride: int = 1, aux_layer_ids: list[int] | None = None,
+                        norm_before_residual: bool = True, hidden_size: int | None = None,
+                        dtype: str = "float32") -> Path:
+    """A random-weight EAGLE3 drafter in the speculators format for a target config.
+
+    The draft vocabulary is every `d2t_offset_stride`-th target id (stride > 1 gives non-trivial
+    d2t offsets). Tests use it for identity; `verispec bench` for drafter cost at real shapes.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    h_t = int(target_config["hidden_size"])
+    h = int(hidden_size or h_t)
+    vocab = int(target_config["vocab_size"])
+    heads = int(target_config["num_attention_heads"])
+    kv_heads = int(target_config.get("num_key_value_heads") or heads)
+    head_dim = int(target_config.get("head_dim") or h_t // heads)
+    inter = int(target_config["intermediate_size"])
+    draft_ids = torch.arange(0, vocab, d2t_offset_stride)[: draft_vocab_size or vocab]
+    vd = len(draft_ids)
+    torch_dtype = getattr(torch, dtype)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.08).to(torch_dtype)
+
+    tensors = {
+        "fc.weight": rand(h, 3 * h_t),
+        "layers.0.hidden_norm.weight": torch.ones(h, dtype=torch_dtype),
+        "layers.0.input_layernorm.weight": torch.ones(h, dtype=torch_dtype),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=torch_dtype),
+        "layers.0.self_attn.q_proj.weight": rand(heads * head_dim, 2 * h),
+        "layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * h),
+        "layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * h),
+        "layers.0.self_attn.o_proj.weight": rand(h, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": rand(inter, h),
+        "layers.0.mlp.up_proj.weight": rand(inter, h),
+        "layers.0.mlp.down_proj.weight": rand(h, inter),
+        "norm.weight": torch.ones(h, dtype=torch_dtype),
+        "lm_head.weight": rand(vd, h),
+        "d2t": (draft_ids - torch.arange(vd)).to(torch.long),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft_ids, True),
+    }
+    if layer_type == "qwen3":
+        tensors["layers.0.self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=torch_dtype)
+        tensors["layers.0.self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=torch_dtype)
+    if with_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab, h)
+    save_file(tensors, str(out / "model.safetensors"))
+    layer_config = {
+        "model_type": layer_type, "hidden_size": h, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "vocab_size": vocab,
+        "rope_theta": 10000.0, "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
+        "hidden_act": "silu", "num_hidden_layers": 1,
+    }
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer_config, "draft_vocab_size": vd, "target_hidden_size": h_t,
+        "norm_before_residual": norm_before_residual,
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": 3}], "verifier": {"name_or_path": None}},
+    }
+    if aux_layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = aux_layer_ids
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out

@@ -18,13 +18,15 @@ from verispec.cache.kv import KVCache
 from verispec.config import EngineConfig
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, sample
+from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
 from verispec.engine.types import GenerationChunk, GenerationResult, GenerationStats
 from verispec.errors import InvalidRequestError, VerispecError
 from verispec.loading.model_loader import load_model, parse_device, parse_dtype
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
+from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.verify import verify_greedy, verify_sampling
 
 
 def _sync(device: torch.device) -> None:
@@ -34,7 +36,7 @@ def _sync(device: torch.device) -> None:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
-                 model_dir: Path | None = None):
+                 model_dir: Path | None = None, proposer: Proposer | None = None, num_drafts: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -50,6 +52,10 @@ class Engine:
         # Model vocabularies are often padded past the tokenizer's; those rows are never sampled.
         self.num_real_tokens = min(tokenizer.vocab_size, model.vocab_size)
         self._cache: KVCache | None = None
+        self.proposer = proposer
+        self.num_drafts = num_drafts if proposer is not None else 0
+        if proposer is not None and num_drafts < 1:
+            raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
         self._lock = threading.Lock()
 
     @classmethod
@@ -99,37 +105,72 @@ class Engine:
             yield from self._generate(prompt_ids, params, max_new, cancel)
 
     def _generate(self, prompt_ids, params, max_new, cancel) -> Iterator[GenerationChunk]:
-        stats = GenerationStats(method="ar", prompt_tokens=len(prompt_ids))
-        cache = self._cache_for(len(prompt_ids) + max_new)
+        proposer = self.proposer
+        stats = GenerationStats(method=proposer.method if proposer else "ar", prompt_tokens=len(prompt_ids))
+        cache = self._cache_for(len(prompt_ids) + max_new + self.num_drafts + 1)
         generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
         history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
+        capture = proposer.capture_layers if proposer else ()
 
         t0 = time.perf_counter()
-        logits = self._prefill(prompt_ids, cache)
-        token = self._choose(logits, params, history, generator)
+        hidden, aux = self._prefill(prompt_ids, cache, capture)
+        logits = self._logits(hidden[-1:])
+        token = self._choose(logits[0], params, history, generator)
+        if proposer is not None:
+            proposer.reset(prompt_ids)
+            proposer.observe(TargetStep(list(prompt_ids), 0, hidden, aux, token))
         _sync(self.device)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1000
-        chunk = out.push([token], logits[None])
+        chunk = out.push([token], logits)
         t_decode = time.perf_counter()
-        while True:
-            if out.done:
-                break
+        while not out.done:
             if cancel is not None and cancel.is_set():
                 chunk = out.cancel()
                 break
             yield chunk
+            remaining = max_new - len(out.token_ids)
+            num_drafts = min(self.num_drafts, remaining - 1) if proposer is not None else 0
+            draft = proposer.propose(num_drafts, params, generator) if num_drafts > 0 else Draft([])
             position = len(prompt_ids) + len(out.token_ids) - 1
-            logits = self._decode_step(token, position, cache)
+            inputs = [token] + draft.token_ids
+            hidden, aux, logits = self._verify_pass(inputs, position, cache, capture)
+            accepted, token = self._verify(draft, logits, params, history, generator)
+            cache.commit(accepted + 1)
             stats.rounds += 1
-            token = self._choose(logits, params, history, generator)
-            chunk = out.push([token], logits[None])
+            stats.drafted += len(draft.token_ids)
+            stats.accepted += accepted
+            if proposer is not None:
+                proposer.observe(TargetStep(inputs[:accepted + 1], position, hidden[:accepted + 1],
+                                            [a[:accepted + 1] for a in aux], token))
+            chunk = out.push(draft.token_ids[:accepted] + [token], logits[:accepted + 1])
         _sync(self.device)
         stats.decode_ms = (time.perf_counter() - t_decode) * 1000
         stats.generated_tokens = len(out.token_ids)
         chunk.stats = stats
         self._log_request(stats, out)
         yield chunk
+
+    def _verify(self, draft: Draft, logits: torch.Tensor, params: SamplingParams, history: TokenHistory,
+                generator: torch.Generator) -> tuple[int, int]:
+        """logits [k+1, V] from one target pass over [last token] + k drafts -> (accepted, next token).
+
+        Penalties for position i are computed on the committed sequence plus drafts[:i].
+        """
+        drafts = draft.token_ids
+
+        def penalised(i: int) -> torch.Tensor:
+            if not params.has_penalties or i == 0:
+                return apply_penalties(logits[i], params, history)
+            history.add(drafts[:i])
+            try:
+                return apply_penalties(logits[i], params, history)
+            finally:
+                history.remove(drafts[:i])
+
+        if params.greedy:
+            return verify_greedy(drafts, lambda i: int(torch.argmax(penalised(i))))
+        return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), generator)
 
     def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         chunks = list(self.generate(prompt_ids, params))
@@ -155,25 +196,36 @@ class Engine:
         return self._cache
 
     @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[int], cache: KVCache) -> torch.Tensor:
-        """Chunked prefill; returns the last position's logits [V]."""
+    def _prefill(self, prompt_ids: list[int], cache: KVCache, capture: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Chunked prefill. Returns final hidden [n, H] (only the last row when nothing is
+        captured: proposers that read the prompt need every row) and captured aux [n, H_t] each."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         step = self.config.prefill_step_size
-        hidden = None
+        hiddens: list[torch.Tensor] = []
+        auxes: list[list[torch.Tensor]] = []
+        keep_all = self.proposer is not None
         for start in range(0, ids.shape[1], step):
             chunk = ids[:, start:start + step]
             positions = torch.arange(start, start + chunk.shape[1], device=self.device)[None]
-            hidden = self.model(chunk, positions, cache).hidden
+            out = self.model(chunk, positions, cache, capture)
             cache.commit(chunk.shape[1])
-        return self._logits(hidden[:, -1])[0]
+            hiddens.append(out.hidden[0] if keep_all else out.hidden[0, -1:])
+            auxes.append([a[0] for a in out.aux])
+        hidden = torch.cat(hiddens) if keep_all else hiddens[-1]
+        aux = [torch.cat([chunk_aux[j] for chunk_aux in auxes]) for j in range(len(capture))]
+        return hidden, aux
 
     @torch.inference_mode()
-    def _decode_step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[position]], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, cache).hidden
-        cache.commit(1)
-        return self._logits(hidden[:, -1])[0]
+    def _verify_pass(self, token_ids: list[int], position: int, cache: KVCache, capture: tuple[int, ...]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """One target pass over T = k+1 tokens (T = 1 is a plain decode step), nothing committed.
+        Returns hidden [T, H], aux [T, H_t] each, logits [T, V]."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(position, position + len(token_ids), device=self.device)[None]
+        out = self.model(ids, positions, cache, capture)
+        hidden = out.hidden[0]
+        return hidden, [a[0] for a in out.aux], self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> logits [B, V] in float32 (float64 stays float64), padding rows masked."""

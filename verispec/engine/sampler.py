@@ -26,6 +26,11 @@ class TokenHistory:
         for t in token_ids:
             self.output_counts[t] += 1
 
+    def remove(self, token_ids: list[int]) -> None:
+        """Undo `add` (verification scores drafts provisionally)."""
+        for t in token_ids:
+            self.output_counts[t] -= 1
+
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
     """logits [V] (float32) -> penalised logits [V]."""

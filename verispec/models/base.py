@@ -24,6 +24,8 @@ class CausalLM(nn.Module):
 
     config: dict
     vocab_size: int
+    hidden_size: int
+    num_layers: int
     max_position_embeddings: int
     # checkpoint name prefix -> our module prefix, for wrappers (e.g. model.language_model.*)
     checkpoint_prefix_map: dict[str, str] = {}
@@ -43,6 +45,9 @@ class CausalLM(nn.Module):
     def make_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
         p = next(self.parameters())
         return KVCache(self.cache_specs(), capacity, p.dtype, p.device, batch_size)
+
+    def input_embeddings(self) -> nn.Module:
+        raise NotImplementedError
 
     def tie_weights(self) -> None:
         """Point tied parameters at each other after loading."""

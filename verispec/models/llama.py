@@ -63,13 +63,14 @@ class DecoderSettings:
 
 
 class Attention(nn.Module):
-    def __init__(self, s: DecoderSettings, layer_idx: int):
+    def __init__(self, s: DecoderSettings, layer_idx: int, input_size: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        d_in = input_size or s.hidden_size  # EAGLE3's drafter attends from [embedding, hidden] (2H)
+        self.q_proj = nn.Linear(d_in, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(d_in, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(d_in, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
@@ -125,6 +126,13 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(s.rope, s.head_dim)
         self.num_layers = s.num_layers
 
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def hidden_size(self) -> int:
+        return self.settings.hidden_size
+
     def tie_weights(self) -> None:
         if self.settings.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -140,15 +148,15 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = self.rotary(positions, x.dtype)
         num_keys = cache.length + input_ids.shape[1]
         masks: dict[int | None, torch.Tensor | None] = {}
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture:
-                aux.append(x)
+                captured[i] = x
             window = self.settings.windows[i]
             if window not in masks:
                 masks[window] = attention_mask(positions, num_keys, window)
             x = layer(x, cos, sin, cache, masks[window])
-        return ForwardOutput(self.model.norm(x), aux)
+        return ForwardOutput(self.model.norm(x), [captured[i] for i in capture])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,78 @@
+"""Prometheus metrics, in a registry owned by one app (so two apps in a process never mix)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Requests are labelled by route, never by raw path, so unknown URLs cannot grow the label set.
+KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def endpoint_label(path: str) -> str:
+    if path in KNOWN_ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("verispec_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("verispec_prompt_tokens", "Prompt tokens of finished generations",
+                                     registry=self.registry)
+        self.generated_tokens = Counter("verispec_generation_tokens", "Tokens generated",
+                                        registry=self.registry)
+        self.latency = Histogram("verispec_request_latency_seconds",
+                                 "Time from request arrival to the response's last byte",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("verispec_time_to_first_token_seconds",
+                              "Time from request arrival to the first generated chunk (queueing included)",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("verispec_generations_in_flight", "Generation requests queued or running",
+                               registry=self.registry)
+
+    def observe_request(self, path: str, status: int, seconds: float) -> None:
+        endpoint = endpoint_label(path)
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.latency.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_generation(self, num_prompt_tokens: int, num_generated_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generated_tokens.inc(num_generated_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request with its final status, errors and auth failures included."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets if the app raises before starting a response
+
+        async def send_and_note_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            self.metrics.observe_request(scope["path"], status, time.perf_counter() - start)

@@ -1,0 +1,141 @@
+"""A validated request body -> what the engine takes: prompt token ids and SamplingParams."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from verispec.engine.params import MAX_TOP_LOGPROBS, SamplingParams
+from verispec.errors import InvalidRequestError
+from verispec.server.errors import invalid_request, model_not_found
+from verispec.server.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+if TYPE_CHECKING:
+    from verispec.engine.engine import Engine
+
+# Request fields that map one-to-one onto SamplingParams (None means "the engine's default").
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed")
+
+
+@dataclass
+class PreparedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str = ""  # the rendered chat prompt or the completion prompt (for echo)
+    opens_thinking: bool = False  # the chat template ended the prompt inside <think>
+
+
+def check_model(requested: str | None, served_name: str) -> None:
+    """Accept the served name, its last path component ("org/name" -> "name"), or no model."""
+    if not requested:
+        return
+    short = served_name.rstrip("/").rsplit("/", 1)[-1]
+    if requested not in (served_name, short):
+        raise model_not_found(requested, served_name)
+
+
+def prepare_chat(req: ChatCompletionRequest, engine: Engine) -> PreparedRequest:
+    tokenizer = engine.tokenizer
+    _check_n(req)
+    if not req.messages:
+        raise invalid_request("'messages' must be a non-empty list of {role, content} objects",
+                              param="messages")
+    messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
+    prompt_text, prompt_ids = tokenizer.chat_prompt_ids(messages, req.chat_template_kwargs)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs or req.top_logprobs),
+                              top_logprobs=req.top_logprobs or 0)
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _check_fits(engine, prompt_ids, params, "messages", max_tokens_param)
+    return PreparedRequest(prompt_ids, params, prompt_text, tokenizer.prompt_opens_thinking(prompt_text))
+
+
+def prepare_completion(req: CompletionRequest, engine: Engine) -> PreparedRequest:
+    tokenizer = engine.tokenizer
+    _check_n(req)
+    if req.suffix:
+        raise invalid_request("'suffix' (fill-in-the-middle) is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_request(f"'logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}, "
+                              f"got {req.logprobs}", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise invalid_request("'echo' together with 'logprobs' is not supported (no prompt logprobs)",
+                              param="echo")
+    prompt = _single_prompt(req.prompt)
+    if isinstance(prompt, str):
+        # A raw prompt gets the tokenizer's own BOS, as Hugging Face and vLLM do.
+        prompt_ids, prompt_text = tokenizer.encode(prompt, add_special_tokens=True), prompt
+    else:
+        prompt_ids, prompt_text = prompt, ""
+    params = _sampling_params(req, req.max_tokens, logprobs=req.logprobs is not None,
+                              top_logprobs=req.logprobs or 0)
+    _check_fits(engine, prompt_ids, params, "prompt", "max_tokens")
+    if req.echo and not prompt_text:
+        prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    return PreparedRequest(prompt_ids, params, prompt_text)
+
+
+def _check_fits(engine: Engine, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                max_tokens_param: str) -> None:
+    """The engine's own checks, run before any response starts, naming the fields this API uses."""
+    try:
+        engine.check_prompt_ids(prompt_ids)
+        engine.resolve_max_tokens(len(prompt_ids), params)
+    except InvalidRequestError as exc:
+        exc.param = {"prompt": prompt_param, "messages": prompt_param,
+                     "max_tokens": max_tokens_param}.get(exc.param, exc.param)
+        raise
+
+
+def _check_n(req: GenerationRequest) -> None:
+    if req.n is not None and req.n != 1:
+        raise invalid_request(f"'n' must be 1 (one choice per request), got {req.n}", param="n")
+
+
+def _template_message(index: int, message) -> dict:
+    """A request message -> the dict the chat template reads, with list content joined to text."""
+    out = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        unsupported = [f"content[{j}] has type '{part.type}'"
+                       for j, part in enumerate(content) if part.type != "text"]
+        if unsupported:
+            raise invalid_request(
+                f"messages[{index}]: {', '.join(unsupported)}; this server accepts only 'text' "
+                "content parts", param=f"messages[{index}].content")
+        content = "".join(part.text or "" for part in content)
+    out["content"] = content or ""
+    return out
+
+
+def _single_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise invalid_request("'prompt' is empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if len(prompt) != 1:
+        raise invalid_request(f"'prompt' holds {len(prompt)} prompts; this server takes one per request",
+                              param="prompt")
+    return prompt[0]
+
+
+def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: bool,
+                     top_logprobs: int) -> SamplingParams:
+    kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=_stop_list(req.stop),
+                              stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                              logprobs=logprobs, top_logprobs=top_logprobs, **kwargs)
+    except InvalidRequestError as exc:
+        # The completions API calls its top-logprobs count `logprobs`: name the field the client sent.
+        if exc.param == "top_logprobs" and isinstance(req, CompletionRequest):
+            exc.param = "logprobs"
+        raise
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)

@@ -1,0 +1,37 @@
+"""What the app owns (the engine and its bridge, metrics, names) and the fields every response shares."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from verispec.server.bridge import EngineBridge
+from verispec.server.metrics import ServerMetrics
+
+
+def _version() -> str:
+    try:
+        return metadata.version("verispec")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+@dataclass
+class ServerState:
+    engine: object  # verispec.engine.engine.Engine, or a test double with the same surface
+    served_model_name: str
+    bridge: EngineBridge
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str = field(default_factory=lambda: f"verispec-{_version()}")
+
+    def response_header(self, id_prefix: str, object_name: str) -> dict:
+        """id/object/created/model/system_fingerprint, the same on every chunk of one response."""
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": int(time.time()),
+                "model": self.served_model_name, "system_fingerprint": self.system_fingerprint}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}

@@ -1,0 +1,244 @@
+"""EAGLE3 drafters in the speculators checkpoint format, and the proposer that runs them.
+
+Draft forward (see shared/reference/eagle3.md):
+    g   = fc(cat(aux_0, aux_1, aux_2))       when g comes from the target (not for fed-back g)
+    x   = residual + o_proj(attn(cat(input_layernorm(embed(token)), hidden_norm(g))))
+    pre = x + mlp(post_attention_layernorm(x));   logits_draft = lm_head(norm(pre))
+with residual = hidden_norm(g) if norm_before_residual else g, and `pre` (or norm(pre) when
+norm_output) fed back as the next g. Aux id k is the residual stream *entering* target layer k.
+Draft ids map to target ids by offset: target_id = draft_id + d2t[draft_id].
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verispec.cache.kv import KVCache, LayerCacheSpec
+from verispec.engine.params import SamplingParams
+from verispec.engine.sampler import processed_probs
+from verispec.errors import VerispecError
+from verispec.loading.weights import iter_tensors
+from verispec.models.base import CausalLM
+from verispec.models.layers.attention import attention_mask, cached_attention
+from verispec.models.layers.mlp import GatedMLP
+from verispec.models.layers.norm import RMSNorm
+from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary
+from verispec.models.llama import Attention, DecoderSettings
+from verispec.spec.proposer import Draft, Proposer, TargetStep
+
+SUPPORTED_LAYER_TYPES = ("llama", "qwen3")
+
+
+class Eagle3Config:
+    def __init__(self, raw: dict, target: CausalLM, where: Path):
+        if raw.get("speculators_model_type") != "eagle3":
+            raise VerispecError(f"{where}/config.json is not an EAGLE3 speculator "
+                                f"(speculators_model_type={raw.get('speculators_model_type')!r}, expected 'eagle3')")
+        layer = dict(raw.get("transformer_layer_config") or {})
+        if not layer:
+            raise VerispecError(f"{where}/config.json has no transformer_layer_config")
+        layer.setdefault("model_type", "llama")
+        if layer["model_type"] not in SUPPORTED_LAYER_TYPES:
+            raise VerispecError(f"EAGLE3 decoder layer type '{layer['model_type']}' is not supported "
+                                f"(supported: {', '.join(SUPPORTED_LAYER_TYPES)})")
+        layer["num_hidden_layers"] = 1
+        layer.setdefault("vocab_size", target.vocab_size)
+        self.layer = DecoderSettings(layer)
+        self.hidden_size = self.layer.hidden_size
+        self.draft_vocab_size = int(raw.get("draft_vocab_size") or layer.get("vocab_size"))
+        self.target_hidden_size = int(raw.get("target_hidden_size") or self.hidden_size)
+        n = target.num_layers
+        ids = raw.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3]
+        self.aux_layer_ids = tuple(int(i) for i in ids)
+        self.norm_before_residual = bool(raw.get("norm_before_residual", False))
+        self.norm_output = bool(raw.get("norm_output", False))
+        if self.target_hidden_size != target.hidden_size:
+            raise VerispecError(f"EAGLE3 drafter at {where} expects target hidden size {self.target_hidden_size}, "
+                                f"but the target model has hidden size {target.hidden_size}")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < n]
+        if bad or len(self.aux_layer_ids) != 3:
+            raise VerispecError(f"EAGLE3 aux layer ids {list(self.aux_layer_ids)} must be 3 layers of the "
+                                f"target's {n} (0..{n - 1})")
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        s = c.layer
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s, 0, input_size=2 * s.hidden_size)
+        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act, s.mlp_bias)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, c: Eagle3Config, has_embedding: bool, fc_bias: bool):
+        super().__init__()
+        self.cfg = c
+        s = c.layer
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size) if has_embedding else None
+        self.fc = nn.Linear(3 * c.target_hidden_size, s.hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList([Eagle3Layer(c)])
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.rotary = RotaryEmbedding(s.rope, s.head_dim)
+        # The target's embedding when the checkpoint has none: kept out of this module's
+        # parameters (it belongs to the target and is neither loaded nor moved here).
+        self.__dict__["shared_embedding"] = None
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # EAGLE3 embeddings are never scaled (not even for Gemma targets).
+        table = self.embed_tokens if self.embed_tokens is not None else self.shared_embedding
+        return table(token_ids)
+
+    def forward(self, token_ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids, positions [1, T]; g [1, T, H] -> (fed-back hidden [1, T, H], draft logits [1, T, Vd])."""
+        layer = self.layers[0]
+        e = layer.input_layernorm(self.embed(token_ids).to(g.dtype))
+        gn = layer.hidden_norm(g)
+        residual = gn if self.cfg.norm_before_residual else g
+        attn = layer.self_attn
+        x_in = torch.cat((e, gn), dim=-1)
+        b, t, _ = x_in.shape
+        q = attn.q_proj(x_in).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(x_in).view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(x_in).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = self.rotary(positions, x_in.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # drafter cache rows sit at their positions (row i = position i), as in the target
+        mask = attention_mask(positions, cache.length + t, None)
+        out = cached_attention(q, k, v, cache, 0, mask, attn.scale)
+        x = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        pre = x + layer.mlp(layer.post_attention_layernorm(x))
+        normed = self.norm(pre)
+        return (normed if self.cfg.norm_output else pre), self.lm_head(normed)
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        s = self.cfg.layer
+        return [LayerCacheSpec(s.num_kv_heads, s.head_dim)]
+
+
+def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
+    where = Path(drafter_dir).expanduser()
+    cfg_path = where / "config.json"
+    if not cfg_path.is_file():
+        raise VerispecError(f"--eagle3 {where}: no config.json there (expected a speculators EAGLE3 directory)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise VerispecError(f"{cfg_path} is not valid JSON: {exc}") from exc
+    c = Eagle3Config(raw, target, where)
+    files = sorted(where.glob("*.safetensors"))
+    if not files:
+        raise VerispecError(f"--eagle3 {where}: no .safetensors weights")
+    tensors = {}
+    for name, t in iter_tensors(files):
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        tensors[name] = t
+    param = next(target.parameters())
+    drafter = Eagle3Drafter(c, has_embedding="embed_tokens.weight" in tensors, fc_bias="fc.bias" in tensors)
+    if drafter.embed_tokens is None:
+        if c.hidden_size != target.hidden_size:
+            raise VerispecError(f"EAGLE3 drafter at {where} has no embed_tokens and hidden size {c.hidden_size}; "
+                                f"sharing the target's needs hidden size {target.hidden_size}")
+        drafter.__dict__["shared_embedding"] = target.input_embeddings()
+    expected = dict(drafter.named_parameters())
+    expected["d2t"] = drafter.d2t
+    for name, p in expected.items():
+        if name not in tensors:
+            raise VerispecError(f"EAGLE3 drafter at {where} is missing tensor '{name}'")
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise VerispecError(f"EAGLE3 tensor '{name}' has shape {tuple(tensors[name].shape)}; the drafter "
+                                f"config and target (hidden {target.hidden_size}, vocab {target.vocab_size}) "
+                                f"imply {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensors[name])
+    if "t2d" in tensors and tensors["t2d"].shape[0] != target.vocab_size:
+        raise VerispecError(f"EAGLE3 t2d covers {tensors['t2d'].shape[0]} target ids, the target vocabulary "
+                            f"has {target.vocab_size}")
+    target_ids = torch.arange(c.draft_vocab_size) + drafter.d2t
+    if int(target_ids.max()) >= target.vocab_size or int(target_ids.min()) < 0:
+        raise VerispecError(f"EAGLE3 d2t maps draft ids outside the target vocabulary of {target.vocab_size}")
+    drafter.to(device=param.device, dtype=param.dtype)
+    drafter.d2t.data = drafter.d2t.data.to(device=param.device, dtype=torch.long)
+    drafter.eval().requires_grad_(False)
+    return drafter
+
+
+class Eagle3Proposer(Proposer):
+    method = "eagle3"
+
+    def __init__(self, drafter: Eagle3Drafter, target_vocab_size: int):
+        self.drafter = drafter
+        self.capture_layers = drafter.cfg.aux_layer_ids
+        self.target_vocab_size = target_vocab_size
+        p = next(drafter.parameters())
+        self.cache = KVCache(drafter.cache_specs(), 256, p.dtype, p.device)
+        self.committed = 0  # drafter rows that hold target features (in-round rows come after)
+        self.draft_to_target = torch.arange(drafter.cfg.draft_vocab_size, device=p.device) + drafter.d2t
+        self.last_g: torch.Tensor | None = None  # [1, 1, H] fed-back hidden of the last row
+        self.last_logits: torch.Tensor | None = None  # [Vd]
+        self.next_position = 0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.cache.reset()
+        self.committed = 0
+
+    @torch.inference_mode()
+    def observe(self, step: TargetStep) -> None:
+        """Run the drafter over step.token_ids[1:] + [next_token], paired with the target
+        features of step.token_ids (token at p+1 with feature at p), at positions p..."""
+        self.cache.rollback(self.cache.length - self.committed)  # drop last round's draft rows
+        n = len(step.token_ids)
+        self.cache.ensure_capacity(self.committed + n + 64)
+        tokens = step.token_ids[1:] + [step.next_token]
+        device = self.draft_to_target.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        positions = torch.arange(step.start_position, step.start_position + n, device=device)[None]
+        g = self.drafter.fc(torch.cat(step.aux, dim=-1))[None]
+        fed_back, logits = self.drafter(ids, g, positions, self.cache)
+        self.cache.commit(n)
+        self.committed = self.cache.length
+        self.last_g, self.last_logits = fed_back[:, -1:], logits[0, -1]
+        self.next_position = step.start_position + n
+
+    @torch.inference_mode()
+    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        logits, g = self.last_logits, self.last_g
+        self.cache.ensure_capacity(self.cache.length + num_drafts + 1)
+        for i in range(num_drafts):
+            token, q = self._choose(logits, params, generator)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 == num_drafts:
+                break
+            device = g.device
+            ids = torch.tensor([[token]], dtype=torch.long, device=device)
+            positions = torch.tensor([[self.next_position + i]], device=device)
+            g, step_logits = self.drafter(ids, g, positions, self.cache)
+            self.cache.commit(1)
+            logits = step_logits[0, -1]
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _choose(self, draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+        """draft_logits [Vd] -> (target token id, q over the target vocabulary [V] or None)."""
+        if params.greedy:
+            return int(self.draft_to_target[int(torch.argmax(draft_logits))]), None
+        full = torch.full((self.target_vocab_size,), float("-inf"), dtype=torch.float32, device=draft_logits.device)
+        full[self.draft_to_target] = draft_logits.float()
+        q = processed_probs(full, params)
+        return int(torch.multinomial(q, 1, generator=generator)), q

@@ -1,0 +1,55 @@
+"""The proposer protocol: every drafter (EAGLE3, MTP head, Gemma 4 assistant, test doubles).
+
+The spec loop (engine) is written once against this. After each target pass it calls
+`observe` with what the target committed; then `propose` returns up to k drafts that continue
+from `TargetStep.next_token`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from verispec.engine.params import SamplingParams
+
+
+@dataclass
+class TargetStep:
+    """What the target committed in one pass (prefill or verify).
+
+    The target processed `token_ids` at positions start_position.., producing `hidden`
+    (final-norm) and `aux` (captured residual streams) for each, and chose `next_token` after
+    them (the first token after prefill, or the bonus token after a verify pass).
+    """
+
+    token_ids: list[int]
+    start_position: int
+    hidden: torch.Tensor  # [n, H]
+    aux: list[torch.Tensor]  # each [n, H_target]
+    next_token: int
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]  # k drafted tokens (target vocabulary ids)
+    # [k, V] the (processed) distribution each draft was sampled from; None = chosen
+    # deterministically (greedy drafting), which verification treats as a one-hot q.
+    probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    method: str = "spec"
+    capture_layers: tuple[int, ...] = ()  # target layers whose incoming residual stream it reads
+
+    @abstractmethod
+    def reset(self, prompt_ids: list[int]) -> None:
+        """A new sequence starts (before the prefill's observe)."""
+
+    @abstractmethod
+    def observe(self, step: TargetStep) -> None:
+        """The target committed `step.token_ids`; the next draft continues after `step.next_token`."""
+
+    @abstractmethod
+    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        """Up to `num_drafts` tokens continuing after the last observed next_token."""
