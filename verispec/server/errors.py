@@ -84,6 +84,9 @@ def describe_validation_errors(errors: Iterable[dict[str, Any]], field_names: se
         return invalid_request(f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})")
     path = _field_path(first["loc"], field_names)
     if not path:
+        if isinstance(first.get("input"), bytes):  # FastAPI hands over raw bytes for non-JSON content types
+            return invalid_request("the request body was not read as JSON: send it with "
+                                   "'Content-Type: application/json'")
         return invalid_request("the request body must be a JSON object with the request's fields")
     if first.get("type") == "missing":
         return invalid_request(f"'{path}' is required", param=path)

@@ -1,13 +1,14 @@
 """A validated request body -> what the engine takes: prompt token ids and SamplingParams."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from verispec.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.server.errors import invalid_request, model_not_found
-from verispec.server.schema import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 
 if TYPE_CHECKING:
     from verispec.engine.engine import Engine
@@ -42,11 +43,14 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine) -> PreparedRequest:
                               param="messages")
     messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
     prompt_text, prompt_ids = tokenizer.chat_prompt_ids(messages, req.chat_template_kwargs)
+    # The engine says "max_tokens" and "prompt"; errors name the fields this client actually sent.
+    sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            "prompt": "messages"}
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs or req.top_logprobs),
-                              top_logprobs=req.top_logprobs or 0)
-    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    _check_fits(engine, prompt_ids, params, "messages", max_tokens_param)
+    with _renamed_params(sent):
+        params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs or req.top_logprobs),
+                                  top_logprobs=req.top_logprobs or 0)
+        _check_fits(engine, prompt_ids, params)
     return PreparedRequest(prompt_ids, params, prompt_text, tokenizer.prompt_opens_thinking(prompt_text))
 
 
@@ -55,6 +59,7 @@ def prepare_completion(req: CompletionRequest, engine: Engine) -> PreparedReques
     _check_n(req)
     if req.suffix:
         raise invalid_request("'suffix' (fill-in-the-middle) is not supported", param="suffix")
+    # Checked here, not by SamplingParams: the legacy API calls its top-logprobs count `logprobs`.
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise invalid_request(f"'logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}, "
                               f"got {req.logprobs}", param="logprobs")
@@ -67,23 +72,28 @@ def prepare_completion(req: CompletionRequest, engine: Engine) -> PreparedReques
         prompt_ids, prompt_text = tokenizer.encode(prompt, add_special_tokens=True), prompt
     else:
         prompt_ids, prompt_text = prompt, ""
-    params = _sampling_params(req, req.max_tokens, logprobs=req.logprobs is not None,
-                              top_logprobs=req.logprobs or 0)
-    _check_fits(engine, prompt_ids, params, "prompt", "max_tokens")
+    with _renamed_params({"messages": "prompt"}):  # the engine names a too-long prompt "messages"
+        params = _sampling_params(req, req.max_tokens, logprobs=req.logprobs is not None,
+                                  top_logprobs=req.logprobs or 0)
+        _check_fits(engine, prompt_ids, params)
     if req.echo and not prompt_text:
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
     return PreparedRequest(prompt_ids, params, prompt_text)
 
 
-def _check_fits(engine: Engine, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
-                max_tokens_param: str) -> None:
-    """The engine's own checks, run before any response starts, naming the fields this API uses."""
+def _check_fits(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> None:
+    """The engine's own checks, run before any response starts (a stream cannot change its status)."""
+    engine.check_prompt_ids(prompt_ids)
+    engine.resolve_max_tokens(len(prompt_ids), params)
+
+
+@contextlib.contextmanager
+def _renamed_params(names: dict[str, str]):
+    """Rename the `param` of an InvalidRequestError raised inside (engine name -> request field)."""
     try:
-        engine.check_prompt_ids(prompt_ids)
-        engine.resolve_max_tokens(len(prompt_ids), params)
+        yield
     except InvalidRequestError as exc:
-        exc.param = {"prompt": prompt_param, "messages": prompt_param,
-                     "max_tokens": max_tokens_param}.get(exc.param, exc.param)
+        exc.param = names.get(exc.param, exc.param)
         raise
 
 
@@ -92,7 +102,7 @@ def _check_n(req: GenerationRequest) -> None:
         raise invalid_request(f"'n' must be 1 (one choice per request), got {req.n}", param="n")
 
 
-def _template_message(index: int, message) -> dict:
+def _template_message(index: int, message: ChatMessage) -> dict:
     """A request message -> the dict the chat template reads, with list content joined to text."""
     out = message.model_dump(exclude_none=True)
     content = message.content
@@ -124,15 +134,9 @@ def _single_prompt(prompt) -> str | list[int]:
 def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: bool,
                      top_logprobs: int) -> SamplingParams:
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
-    try:
-        return SamplingParams(max_tokens=max_tokens, stop=_stop_list(req.stop),
-                              stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                              logprobs=logprobs, top_logprobs=top_logprobs, **kwargs)
-    except InvalidRequestError as exc:
-        # The completions API calls its top-logprobs count `logprobs`: name the field the client sent.
-        if exc.param == "top_logprobs" and isinstance(req, CompletionRequest):
-            exc.param = "logprobs"
-        raise
+    return SamplingParams(max_tokens=max_tokens, stop=_stop_list(req.stop),
+                          stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
+                          logprobs=logprobs, top_logprobs=top_logprobs, **kwargs)
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

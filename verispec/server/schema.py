@@ -28,7 +28,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class GenerationRequest(BaseModel):
@@ -47,9 +47,10 @@ class GenerationRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    # Optional flags accept null: many clients send every field, unset ones as null.
+    ignore_eos: bool | None = None
     n: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -70,7 +71,7 @@ class CompletionRequest(GenerationRequest):
     # A string, token ids, or a one-element list of either (batches of prompts are refused).
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # legacy API: the number of top alternatives per token
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
 
 

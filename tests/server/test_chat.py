@@ -1,0 +1,153 @@
+"""/v1/chat/completions through the official openai client against the live server."""
+from __future__ import annotations
+
+import math
+import re
+
+from server_helpers import SERVED_NAME, USER_MESSAGES, pick_stop, sse_payloads
+
+GREEDY = dict(model=SERVED_NAME, messages=USER_MESSAGES, temperature=0.0)
+
+
+def stream_text(client, **kwargs) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_non_stream_shape_and_usage(client):
+    out = client.chat.completions.create(max_tokens=8, **GREEDY)
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]+", out.id)
+    assert out.object == "chat.completion" and out.model == SERVED_NAME
+    assert out.created > 0 and out.system_fingerprint
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens > 0 and 1 <= out.usage.completion_tokens <= 8
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_stream_matches_non_stream(client):
+    full = client.chat.completions.create(max_tokens=16, **GREEDY)
+    text, chunks = stream_text(client, max_tokens=16, **GREEDY)
+    assert text == full.choices[0].message.content
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_max_tokens_gives_length(client):
+    out = client.chat.completions.create(max_tokens=5, extra_body={"ignore_eos": True}, **GREEDY)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+    newer = client.chat.completions.create(max_completion_tokens=3, extra_body={"ignore_eos": True}, **GREEDY)
+    assert newer.usage.completion_tokens == 3
+
+
+def test_stop_string_cuts_before_match(client):
+    kwargs = dict(max_tokens=24, extra_body={"ignore_eos": True}, **GREEDY)
+    text = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop = pick_stop(text)
+    expected = text[:text.find(stop)]
+
+    out = client.chat.completions.create(stop=stop, **kwargs)
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].finish_reason == "stop"
+
+    streamed, chunks = stream_text(client, stop=[stop, "never-seen-stop"], **kwargs)
+    assert streamed == expected  # nothing of the stop string leaked into any delta
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_include_usage(client, http):
+    chunks = list(client.chat.completions.create(
+        max_tokens=4, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and 1 <= last.usage.completion_tokens <= 4
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+    # The raw stream: `data: {json}` events, "usage": null on each chunk, then [DONE].
+    with http.stream("POST", "/v1/chat/completions", json={
+            **GREEDY, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(r.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    chunks = payloads[:-1]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_no_usage_field_without_include_usage(http):
+    with http.stream("POST", "/v1/chat/completions", json={**GREEDY, "max_tokens": 2, "stream": True}) as r:
+        payloads = sse_payloads(r.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    assert all("usage" not in c for c in payloads[:-1])
+
+
+def test_logprobs_and_top_logprobs(client):
+    out = client.chat.completions.create(max_tokens=6, logprobs=True, top_logprobs=3, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        # Greedy: the chosen token is the most likely one.
+        assert entry.token == entry.top_logprobs[0].token
+        assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-5)
+
+    chunks = list(client.chat.completions.create(max_tokens=6, logprobs=True, top_logprobs=2, stream=True,
+                                                 **GREEDY))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+
+    plain = client.chat.completions.create(max_tokens=2, logprobs=True, **GREEDY)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(max_tokens=2, **GREEDY).choices[0].logprobs is None
+
+
+def test_seed_reproducible_sampling(client):
+    kwargs = dict(model=SERVED_NAME, messages=USER_MESSAGES, temperature=1.0, max_tokens=12,
+                  extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    again = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    other = client.chat.completions.create(seed=99, **kwargs).choices[0].message.content
+    assert first == again
+    assert first != other  # 12 near-uniform draws from ~500 tokens do not collide by chance
+
+
+def test_content_parts_and_short_model_name(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a function "},
+                                          {"type": "text", "text": "that parses arguments."}]}]
+    joined = client.chat.completions.create(model="tiny-qwen3", messages=parts, temperature=0.0, max_tokens=6)
+    plain = client.chat.completions.create(max_tokens=6, **GREEDY)
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+    assert joined.model == SERVED_NAME
+
+
+def test_sampling_fields_accepted(client):
+    out = client.chat.completions.create(
+        max_tokens=4, temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.2, seed=3,
+        user="someone", extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "unknown_field": 1},
+        model=SERVED_NAME, messages=USER_MESSAGES)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_null_optional_fields_mean_defaults(http):
+    nulls = {name: None for name in ("max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+                                     "stream_options", "logprobs", "top_logprobs", "user", "ignore_eos")}
+    response = http.post("/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": USER_MESSAGES, **nulls, "max_completion_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
+
+
+def test_openapi_schema_renders(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    assert "/v1/chat/completions" in paths and "/v1/completions" in paths

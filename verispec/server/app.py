@@ -1,0 +1,47 @@
+"""The FastAPI app around one engine, and `run_server` for the CLI."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from verispec import log
+from verispec.server.auth import ApiKeyMiddleware
+from verispec.server.bridge import EngineBridge
+from verispec.server.errors import install_error_handlers
+from verispec.server.metrics import MetricsMiddleware
+from verispec.server.routes import build_router
+from verispec.server.schema import request_field_names
+from verispec.server.state import ServerState
+
+
+def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` as model `served_model_name` (default: engine.model_name)."""
+    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.bridge.shutdown()
+
+    # strict_content_type=False: a JSON body without a Content-Type header (curl -d) is still JSON.
+    app = FastAPI(title="verispec", lifespan=lifespan, strict_content_type=False)
+    app.state.verispec = state
+    install_error_handlers(app, request_field_names())
+    app.include_router(build_router(state))
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts 401s too
+    return app
+
+
+def run_server(engine, host: str, port: int, api_key: str | None, served_model_name: str | None,
+               prewarm: bool) -> None:
+    """Prewarm (so the first request pays no warm-up and /health means ready), then serve until stopped."""
+    if prewarm:
+        seconds = engine.prewarm()
+        log.info("prewarm took %.2fs", seconds)
+    app = create_app(engine, served_model_name, api_key)
+    log.info("serving %s at http://%s:%d/v1", served_model_name or engine.model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level="info")

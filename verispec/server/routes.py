@@ -1,0 +1,58 @@
+"""The HTTP routes. Handlers close over the app's ServerState: there is no module-level state."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from verispec.server.chat import chat_completion
+from verispec.server.completions import completion
+from verispec.server.errors import as_api_error
+from verispec.server.prepare import check_model
+from verispec.server.schema import ChatCompletionRequest, CompletionRequest
+from verispec.server.state import ServerState
+
+
+def build_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
+        try:
+            return await chat_completion(state, request, body)
+        except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
+            return as_api_error(exc, " on /v1/chat/completions").response()
+
+    @router.post("/v1/completions")
+    async def create_completion(request: Request, body: CompletionRequest) -> Response:
+        try:
+            return await completion(state, request, body)
+        except Exception as exc:
+            return as_api_error(exc, " on /v1/completions").response()
+
+    @router.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        try:
+            check_model(model_id, state.served_model_name)
+        except Exception as exc:
+            return as_api_error(exc).response()
+        return JSONResponse(_model_card(state))
+
+    @router.get("/health")
+    async def health() -> dict:
+        # The server only starts listening after prewarm, so answering at all means ready.
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return router
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.served_model_name, "object": "model", "created": state.started_at,
+            "owned_by": "verispec", "max_model_len": state.engine.max_model_len}
