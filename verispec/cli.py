@@ -30,6 +30,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
+    p.add_argument("--eagle3", metavar="DIR", default=None,
+                   help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
+    p.add_argument("--draft-block", type=int, default=None, metavar="K",
+                   help="drafts per round (default: VERISPEC_EAGLE3_BLOCK, else 2)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature_default: float) -> None:
@@ -71,12 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_config(args):
     from verispec.config import EngineConfig
 
-    for flag, value in (("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len)):
+    for flag, value in (("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len),
+                        ("--draft-block", args.draft_block)):
         if value is not None and value < 1:
             raise VerispecError(f"{flag} must be >= 1, got {value}")
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
-                        seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192))
+                        seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
+                        eagle3=args.eagle3, draft_block=args.draft_block)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        from verispec.errors import VerispecError
+        raise VerispecError(f"{name}={raw!r} is not an integer") from None
 
 
 @dataclass(frozen=True)
@@ -17,6 +28,8 @@ class EnvSettings:
     hf_home: str | None = None
     xdg_cache_home: str | None = None
     hf_offline: bool = False
+    eagle3_block: int | None = None  # VERISPEC_EAGLE3_BLOCK: drafts per round for EAGLE3
+    eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -28,6 +41,8 @@ class EnvSettings:
             hf_home=env.get("HF_HOME") or None,
             xdg_cache_home=env.get("XDG_CACHE_HOME") or None,
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
+            eagle3_block=_env_int("VERISPEC_EAGLE3_BLOCK"),
+            eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
         )
 
 
@@ -46,4 +61,5 @@ class EngineConfig:
     default_max_tokens: int = 8192
     max_logprobs: int = 20
     seed: int | None = None
-    extra: dict = field(default_factory=dict)
+    eagle3: str | None = None  # speculators EAGLE3 drafter directory
+    draft_block: int | None = None  # drafts per round (None: VERISPEC_EAGLE3_BLOCK, else 2)

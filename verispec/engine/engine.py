@@ -15,7 +15,7 @@ import torch
 
 from verispec import log
 from verispec.cache.kv import KVCache
-from verispec.config import EngineConfig
+from verispec.config import EngineConfig, env
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
 from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
@@ -27,6 +27,9 @@ from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
+
+
+DEFAULT_EAGLE3_BLOCK = 2  # drafts per round: the seed system's measured sweet spot
 
 
 def _sync(device: torch.device) -> None:
@@ -68,7 +71,16 @@ class Engine:
         tokenizer = Tokenizer.from_dir(model_dir)
         log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
                   time.perf_counter() - t0)
-        return cls(model, tokenizer, config, model_dir)
+        proposer, num_drafts = None, 0
+        if config.eagle3:
+            from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+
+            drafter = load_eagle3(config.eagle3, model)
+            proposer = Eagle3Proposer(drafter, model.vocab_size)
+            num_drafts = config.draft_block or env().eagle3_block or DEFAULT_EAGLE3_BLOCK
+            log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
+                      config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
+        return cls(model, tokenizer, config, model_dir, proposer=proposer, num_drafts=num_drafts)
 
     # ---- request checks -------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -113,6 +125,11 @@ class Engine:
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
         capture = proposer.capture_layers if proposer else ()
 
+        if cancel is not None and cancel.is_set():  # the client left while queued
+            chunk = out.cancel()
+            chunk.stats = stats
+            yield chunk
+            return
         t0 = time.perf_counter()
         hidden, aux = self._prefill(prompt_ids, cache, capture)
         logits = self._logits(hidden[-1:])
@@ -123,6 +140,7 @@ class Engine:
         _sync(self.device)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1000
         chunk = out.push([token], logits)
+        profile = proposer is not None and env().eagle3_profile
         t_decode = time.perf_counter()
         while not out.done:
             if cancel is not None and cancel.is_set():
@@ -131,11 +149,20 @@ class Engine:
             yield chunk
             remaining = max_new - len(out.token_ids)
             num_drafts = min(self.num_drafts, remaining - 1) if proposer is not None else 0
+            t_round = time.perf_counter()
             draft = proposer.propose(num_drafts, params, generator) if num_drafts > 0 else Draft([])
+            if profile:
+                _sync(self.device)
+                t_drafted = time.perf_counter()
             position = len(prompt_ids) + len(out.token_ids) - 1
             inputs = [token] + draft.token_ids
             hidden, aux, logits = self._verify_pass(inputs, position, cache, capture)
             accepted, token = self._verify(draft, logits, params, history, generator)
+            if profile:
+                _sync(self.device)
+                log.info("[%s] round %d: draft %.2f ms (k=%d), verify %.2f ms, accepted %d", stats.method,
+                         stats.rounds + 1, (t_drafted - t_round) * 1000, len(draft.token_ids),
+                         (time.perf_counter() - t_drafted) * 1000, accepted)
             cache.commit(accepted + 1)
             stats.rounds += 1
             stats.drafted += len(draft.token_ids)
@@ -242,10 +269,15 @@ class Engine:
         return sample(apply_penalties(logits, params, history), params, generator)
 
     def _log_request(self, stats: GenerationStats, out: OutputBuilder) -> None:
+        spec = ""
+        if stats.drafted:
+            spec = (f", {stats.method}: accepted {stats.accepted}/{stats.drafted} "
+                    f"({100 * stats.accepted / stats.drafted:.0f}%), "
+                    f"{(stats.generated_tokens - 1) / max(stats.rounds, 1):.2f} tokens/round")
         log.debug("request: prompt=%d tokens, generated=%d, ttft=%.1fms, prefill=%.1f tok/s, "
-                  "decode=%.1f tok/s, finish=%s", stats.prompt_tokens, stats.generated_tokens,
+                  "decode=%.1f tok/s, finish=%s%s", stats.prompt_tokens, stats.generated_tokens,
                   stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
-                  out.finish_reason.value if out.finish_reason else None)
+                  out.finish_reason.value if out.finish_reason else None, spec)
 
 
 def load_engine(model: str, **kwargs) -> Engine:

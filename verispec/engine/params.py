@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 from verispec.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflows float32
+# to inf, and softmax of inf - inf is NaN, which torch.multinomial rejects.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = None  # None: up to the engine's default / the context's end
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables
     min_p: float = 0.0
@@ -35,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

@@ -29,6 +29,8 @@ async def observed_generation(state: ServerState, request: Request,
                 if num_generated == 0 and chunk.token_ids:
                     state.metrics.ttft.observe(time.perf_counter() - start)  # queueing included
                 num_generated += len(chunk.token_ids)
+                if chunk.stats is not None:
+                    state.metrics.observe_stats(chunk.stats)
                 yield chunk
     finally:
         state.metrics.in_flight.dec()

@@ -36,6 +36,12 @@ class ServerMetrics:
         self.ttft = Histogram("verispec_time_to_first_token_seconds",
                               "Time from request arrival to the first generated chunk (queueing included)",
                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self.drafted_tokens = Counter("verispec_spec_drafted_tokens", "Draft tokens proposed for verification",
+                                      ["method"], registry=self.registry)
+        self.accepted_tokens = Counter("verispec_spec_accepted_tokens", "Draft tokens the target accepted",
+                                       ["method"], registry=self.registry)
+        self.target_passes = Counter("verispec_target_forward_passes", "Target forward passes after prefill",
+                                     ["method"], registry=self.registry)
         self.in_flight = Gauge("verispec_generations_in_flight", "Generation requests queued or running",
                                registry=self.registry)
 
@@ -47,6 +53,12 @@ class ServerMetrics:
     def observe_generation(self, num_prompt_tokens: int, num_generated_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generated_tokens.inc(num_generated_tokens)
+
+    def observe_stats(self, stats) -> None:
+        """Speculation counters from a finished generation's GenerationStats."""
+        self.drafted_tokens.labels(method=stats.method).inc(stats.drafted)
+        self.accepted_tokens.labels(method=stats.method).inc(stats.accepted)
+        self.target_passes.labels(method=stats.method).inc(stats.rounds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,107 @@
+"""Speculative vs plain greedy on one device and dtype: identical, or where they first diverge.
+
+Run on the lent GPU:  python3 scripts/gpu_spec_identity.py --device cuda --out $OUT/spec_identity.json
+In float32 the outputs should be identical. In bf16 a verify pass over k+1 tokens runs other
+kernel shapes than a 1-token decode step, so near-ties can flip: this measures how often and
+after how many tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.demo.tiny import build_tiny_model, build_tokenizer, corpus_text, write_random_eagle3
+from verispec.engine.engine import Engine, load_engine
+from verispec.engine.params import SamplingParams
+from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+from verispec.spec.proposer import Draft, Proposer
+
+SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=4096)
+
+
+class Replay(Proposer):
+    method = "replay"
+
+    def __init__(self, cont, every: int, vocab_size: int):
+        self.cont, self.every, self.vocab_size = cont, every, vocab_size  # every: wrong at each every-th slot
+
+    def reset(self, prompt_ids):
+        self.n = len(prompt_ids)
+
+    def observe(self, step):
+        self.i = step.start_position + len(step.token_ids) - self.n + 1
+
+    def propose(self, k, params, gen):
+        out = []
+        for j in range(k):
+            t = self.cont[self.i + j] if self.i + j < len(self.cont) else 0
+            out.append(t if not self.every or (self.i + j) % self.every else (t + 1) % self.vocab_size)
+        return Draft(out)
+
+
+def divergence(a, b) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t0 = time.time()
+    root = Path(tempfile.mkdtemp())
+    build_tokenizer(root / "tok")
+    rows = []
+    text = corpus_text()
+    for model_type in ("llama", "qwen3"):
+        mdir = root / model_type
+        build_tiny_model(mdir, model_type, tokenizer_dir=root / "tok", **SHAPE,
+                         **({"head_dim": 64} if model_type == "qwen3" else {}))
+        cfg = json.loads((mdir / "config.json").read_text())
+        ddir = write_random_eagle3(root / f"{model_type}-eagle3", cfg)
+        for dtype in ("float32", "bfloat16"):
+            plain_engine = load_engine(str(mdir), dtype=dtype, device=args.device)
+            tok = plain_engine.tokenizer
+            prompts = [tok.encode(text[i * 997: i * 997 + 400]) for i in range(args.prompts)]
+            params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+            plain = [plain_engine.generate_all(p, params).token_ids for p in prompts]
+            eagle = Eagle3Proposer(load_eagle3(ddir, plain_engine.model), plain_engine.model.vocab_size)
+            vocab = plain_engine.model.vocab_size
+            for name, k, make in (("eagle3-random", 3, lambda c: eagle), ("replay-right", 3, lambda c: Replay(c, 0, vocab)),
+                                  ("replay-right", 5, lambda c: Replay(c, 0, vocab)),
+                                  ("replay-partial", 4, lambda c: Replay(c, 3, vocab))):
+                divs, acc, drafted = [], 0, 0
+                for p, cont in zip(prompts, plain):
+                    eng = Engine(plain_engine.model, tok, plain_engine.config, proposer=make(cont), num_drafts=k)
+                    r = eng.generate_all(p, params)
+                    divs.append(divergence(cont, r.token_ids))
+                    acc += r.stats.accepted
+                    drafted += r.stats.drafted
+                rows.append(dict(model=model_type, dtype=dtype, proposer=name, k=k,
+                                 identical=sum(d is None for d in divs), prompts=len(prompts),
+                                 first_divergence=[d for d in divs if d is not None],
+                                 acceptance=acc / max(drafted, 1)))
+            del plain_engine
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"| model | dtype | proposer | k | identical ({args.new_tokens} tok) | first divergence at | acceptance |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['dtype']} | {r['proposer']} | {r['k']} | {r['identical']}/{r['prompts']} | "
+              f"{r['first_divergence'] or '-'} | {r['acceptance']:.2f} |")
+    print(f"({time.time() - t0:.0f}s on {args.device}, torch {torch.__version__})")
+
+
+if __name__ == "__main__":
+    main()
