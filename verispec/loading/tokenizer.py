@@ -22,6 +22,8 @@ class Tokenizer:
         # A model "thinks" when its template or vocabulary knows the <think> tags.
         self.supports_thinking = THINK_OPEN in template or (THINK_OPEN in vocab and THINK_CLOSE in vocab)
         self.has_chat_template = bool(template)
+        self._special_ids = set(hf_tokenizer.all_special_ids)
+        self._byte_level = _is_byte_level(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_eos: list[int] | None = None) -> "Tokenizer":
@@ -46,6 +48,23 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The text one token decodes to on its own (for logprobs)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The raw bytes one token stands for (a token may hold part of a UTF-8 character, whose
+        decoded text would be U+FFFD). Byte-level BPE tokens map back through the GPT-2 byte
+        table; sentencepiece byte-fallback tokens look like <0xAB>."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return list(self.token_text(token_id).encode("utf-8"))
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+        table = _byte_decoder()
+        if self._byte_level and token_id not in self._special_ids and all(ch in table for ch in piece):
+            return [table[ch] for ch in piece]
+        return list(self.token_text(token_id).encode("utf-8"))
 
     def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
                     tools: list | None = None) -> str:
@@ -85,3 +104,30 @@ def _generation_config_eos(model_dir: Path) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def _is_byte_level(hf_tokenizer) -> bool:
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    return "ByteLevel" in type(backend.decoder).__name__ or "ByteLevel" in repr(backend.decoder)
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: the printable stand-in character -> its byte."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+            list(range(ord("\xae"), ord("\xff") + 1))
+        chars = printable[:]
+        extra = 0
+        for b in range(256):
+            if b not in printable:
+                printable.append(b)
+                chars.append(256 + extra)
+                extra += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(printable, chars)}
+    return _BYTE_DECODER

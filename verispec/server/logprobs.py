@@ -10,7 +10,7 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
 
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": tokenizer.token_bytes(token_id)}
 
     return {"content": [{**entry(e.token_id, e.logprob),
                          "top_logprobs": [entry(tid, lp) for tid, lp in e.top]} for e in entries]}

@@ -1,0 +1,66 @@
+"""Shared fixtures: one tiny tokenizer and a cache of tiny random checkpoints per test session."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec.demo.tiny import build_tiny_model, build_tokenizer
+
+# Tiny models run as fast on one thread, and multi-threaded OpenMP collapses when the CI machine's
+# few cores are busy (measured on 2 busy cores: tests/unit + tests/models 110 s -> 10 s).
+torch.set_num_threads(1)
+
+
+class TinyModels:
+    """Builds tiny Hugging Face checkpoints on first request and reuses them for the session.
+
+    `build_tiny_model` sets every norm weight to 1.0, which would hide a norm weight that is
+    never applied (or q_norm/k_norm swapped), so the norm weights are re-drawn and the checkpoint
+    saved again. `modify(model)`, when given, edits the transformers model before that save.
+    """
+
+    def __init__(self, root: Path, tokenizer_dir: Path):
+        self.root = root
+        self.tokenizer_dir = tokenizer_dir
+        self._dirs: dict[str, Path] = {}
+
+    def get(self, name: str, model_type: str, extra_vocab: int = 0, modify=None, **overrides) -> Path:
+        if name not in self._dirs:
+            out = self.root / name
+            seed = zlib.crc32(name.encode())  # the same weights whichever tests run first
+            model = build_tiny_model(out, model_type, seed=seed, tokenizer_dir=self.tokenizer_dir,
+                                     extra_vocab=extra_vocab, **overrides)
+            gen = torch.Generator().manual_seed(seed + 1)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if "norm" in pname:
+                        p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+                if modify is not None:
+                    modify(model)
+            # save_pretrained rewrites generation_config.json from the model; keep build_tiny_model's
+            gen_config = (out / "generation_config.json").read_text()
+            model.save_pretrained(str(out))
+            (out / "generation_config.json").write_text(gen_config)
+            self._dirs[name] = out
+        return self._dirs[name]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("models"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_models) -> Path:
+    """The default small model for engine-level tests (GQA, q/k norms)."""
+    return tiny_models.get("qwen3", "qwen3")

@@ -1,0 +1,108 @@
+"""Tokenizer wrapper: eos ids from tokenizer + generation_config.json, chat template, <think>."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models
+from transformers import PreTrainedTokenizerFast
+
+from verispec.errors import InvalidRequestError, VerispecError
+from verispec.loading.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def tok_dir(tokenizer_dir, tmp_path) -> Path:
+    """A private copy of the session tokenizer, free to edit."""
+    return Path(shutil.copytree(tokenizer_dir, tmp_path / "tok"))
+
+
+def tokenizer_eos(path: Path) -> int:
+    """The tokenizer's own eos id, read from the saved files (not through our wrapper)."""
+    eos_token = json.loads((path / "tokenizer_config.json").read_text())["eos_token"]
+    vocab = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
+    return vocab[eos_token]
+
+
+def test_eos_from_tokenizer_only(tok_dir):
+    assert not (tok_dir / "generation_config.json").exists()
+    assert Tokenizer.from_dir(tok_dir).eos_token_ids == [tokenizer_eos(tok_dir)]
+
+
+@pytest.mark.parametrize("gen_eos, extra", [([7, 9], {7, 9}), (11, {11}), (None, set())])
+def test_eos_merged_with_generation_config(tok_dir, gen_eos, extra):
+    (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": gen_eos}))
+    eos = tokenizer_eos(tok_dir)
+    assert Tokenizer.from_dir(tok_dir).eos_token_ids == sorted({eos} | extra)
+
+
+def test_eos_duplicates_collapse(tok_dir):
+    eos = tokenizer_eos(tok_dir)
+    (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5, eos]}))
+    assert Tokenizer.from_dir(tok_dir, extra_eos=[5]).eos_token_ids == sorted({eos, 5})
+
+
+def test_tiny_model_eos_matches_its_generation_config(qwen3_dir):
+    gen = json.loads((qwen3_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert isinstance(gen, list) and len(gen) == 2
+    assert Tokenizer.from_dir(qwen3_dir).eos_token_ids == sorted(set(gen) | {tokenizer_eos(qwen3_dir)})
+
+
+def test_invalid_generation_config_is_named(tok_dir):
+    (tok_dir / "generation_config.json").write_text("{not json")
+    with pytest.raises(VerispecError, match="generation_config.json"):
+        Tokenizer.from_dir(tok_dir)
+
+
+def test_missing_tokenizer_is_named(tmp_path):
+    with pytest.raises(VerispecError, match=str(tmp_path)):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_chat_template_renders(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text = tok.render_chat(messages)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nHi there<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    text_ids, ids = tok.chat_prompt_ids(messages)
+    assert text_ids == text
+    start = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == start and ids.count(start) == 3  # special tokens stay single ids
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_prompt_opens_thinking_only_when_template_opens_think(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
+    messages = [{"role": "user", "content": "2+2?"}]
+    thinking = tok.render_chat(messages, {"enable_thinking": True})
+    plain = tok.render_chat(messages, {"enable_thinking": False})
+    default = tok.render_chat(messages)
+    assert thinking.endswith("<think>\n")
+    assert tok.prompt_opens_thinking(thinking)
+    assert not tok.prompt_opens_thinking(plain)
+    assert not tok.prompt_opens_thinking(default)
+    # a <think> that the user wrote earlier in the prompt does not count
+    assert not tok.prompt_opens_thinking(tok.render_chat([{"role": "user", "content": "<think>"}]))
+
+
+def test_model_without_thinking_never_opens_it():
+    raw = RawTokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2}, unk_token="<unk>"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>")
+    tok = Tokenizer(hf, [2])
+    assert not tok.supports_thinking
+    assert not tok.prompt_opens_thinking("some prompt <think>")
+    with pytest.raises(InvalidRequestError) as info:
+        tok.render_chat([{"role": "user", "content": "hi"}])
+    assert info.value.param == "messages"
+
+
+def test_template_error_is_a_request_error(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
+    with pytest.raises(InvalidRequestError) as info:
+        tok.render_chat([{"role": "user"}])  # no content: the template cannot render it
+    assert info.value.param == "messages"
