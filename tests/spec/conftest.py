@@ -119,15 +119,15 @@ def train_drafter(engine: Engine, proposer: Eagle3Proposer, prompts: list[list[i
             ids = torch.tensor([seq])
             cache = engine.model.make_cache(len(seq))
             out = engine.model(ids, torch.arange(len(seq))[None], cache, proposer.capture_layers)
-            aux = torch.cat(out.aux, dim=-1)  # [1, n, 3H]
+            aux = [a[:, :-2] for a in out.aux]  # each [1, n-2, H]
             # row p pairs token p+1 with the feature at p and predicts token p+2
             labels = [target_to_draft.get(t, -100) for t in seq[2:]]
-            batches.append((ids[:, 1:-1], aux[:, :-2], torch.tensor(labels)))
+            batches.append((ids[:, 1:-1], aux, torch.tensor(labels)))
     for step in range(steps):
         tokens, aux, labels = batches[step % len(batches)]
-        cache = proposer.cache.__class__(drafter.cache_specs(), tokens.shape[1] + 1, aux.dtype, aux.device)
+        cache = proposer.cache.__class__(drafter.cache_specs(), tokens.shape[1] + 1, aux[0].dtype, aux[0].device)
         positions = torch.arange(tokens.shape[1])[None]
-        _, logits = drafter(tokens, drafter.fc(aux), positions, cache)
+        _, logits = drafter(tokens, drafter.project(aux), positions, cache)
         loss = torch.nn.functional.cross_entropy(logits[0].float(), labels, ignore_index=-100)
         opt.zero_grad()
         loss.backward()

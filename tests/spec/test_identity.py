@@ -39,12 +39,15 @@ def test_eagle3_trained_drafter_identity_with_acceptance(targets, eagle3_dirs, p
     text = corpus_text(20_000)
     held_out = [engine.tokenizer.encode(text[i:i + 200]) for i in range(1000, 20_000, 3000)]
     train_drafter(engine, proposer, held_out)
+    # two training prompts (partly memorised: partial acceptance) and the unseen test prompts
+    cases = [(ids, plain[(target, i)]) for i, ids in enumerate(prompt_ids)]
+    cases += [(ids, engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids) for ids in held_out[:2]]
     accepted = drafted = 0
     for k in (1, 2, 3, 4, 5):
         spec = spec_engine(engine, proposer, k)
-        for i, ids in enumerate(prompt_ids):
+        for i, (ids, expected) in enumerate(cases):
             result = spec.generate_all(ids, greedy(NEW_TOKENS))
-            assert result.token_ids == plain[(target, i)], f"k={k} prompt {i}"
+            assert result.token_ids == expected, f"k={k} case {i}"
             accepted += result.stats.accepted
             drafted += result.stats.drafted
     # both branches of verification must have run for this test to mean anything

@@ -131,7 +131,7 @@ def write_random_eagle3(out_dir: str | Path, target_config: dict, draft_vocab_si
                         layer_type: str = "llama", seed: int = 0, with_embedding: bool = True,
                         d2t_offset_stride: int = 1, aux_layer_ids: list[int] | None = None,
                         norm_before_residual: bool = True, hidden_size: int | None = None,
-                        dtype: str = "float32") -> Path:
+                        dtype: str = "float32", norm_before_fc: bool = False, fc_norm: bool = False) -> Path:
     """A random-weight EAGLE3 drafter in the speculators format for a target config.
 
     The draft vocabulary is every `d2t_offset_stride`-th target id (stride > 1 gives non-trivial
@@ -160,7 +160,6 @@ def write_random_eagle3(out_dir: str | Path, target_config: dict, draft_vocab_si
         return (torch.randn(*shape, generator=gen) * 0.08).to(torch_dtype)
 
     tensors = {
-        "fc.weight": rand(h, 3 * h_t),
         "layers.0.hidden_norm.weight": torch.ones(h, dtype=torch_dtype),
         "layers.0.input_layernorm.weight": torch.ones(h, dtype=torch_dtype),
         "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=torch_dtype),
@@ -179,6 +178,13 @@ def write_random_eagle3(out_dir: str | Path, target_config: dict, draft_vocab_si
     if layer_type == "qwen3":
         tensors["layers.0.self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=torch_dtype)
         tensors["layers.0.self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=torch_dtype)
+    num_aux = len(aux_layer_ids) if aux_layer_ids is not None else 3
+    tensors["fc.weight"] = rand(h, num_aux * h_t)
+    if norm_before_fc:
+        tensors["input_norm.weight"] = (1 + rand(num_aux * h_t)).to(torch_dtype)
+    if fc_norm:
+        for i in range(num_aux):
+            tensors[f"fc_norm.{i}.weight"] = (1 + rand(h_t)).to(torch_dtype)
     if with_embedding:
         tensors["embed_tokens.weight"] = rand(vocab, h)
     save_file(tensors, str(out / "model.safetensors"))
@@ -192,7 +198,7 @@ def write_random_eagle3(out_dir: str | Path, target_config: dict, draft_vocab_si
     config = {
         "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
         "transformer_layer_config": layer_config, "draft_vocab_size": vd, "target_hidden_size": h_t,
-        "norm_before_residual": norm_before_residual,
+        "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "fc_norm": fc_norm,
         "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": 3}], "verifier": {"name_or_path": None}},
     }

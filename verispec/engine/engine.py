@@ -131,12 +131,13 @@ class Engine:
             yield chunk
             return
         t0 = time.perf_counter()
-        hidden, aux = self._prefill(prompt_ids, cache, capture)
+        if proposer is not None:
+            proposer.reset(prompt_ids)
+        hidden, aux, last_start = self._prefill(prompt_ids, cache, capture)
         logits = self._logits(hidden[-1:])
         token = self._choose(logits[0], params, history, generator)
         if proposer is not None:
-            proposer.reset(prompt_ids)
-            proposer.observe(TargetStep(list(prompt_ids), 0, hidden, aux, token))
+            proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token))
         _sync(self.device)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1000
         chunk = out.push([token], logits)
@@ -224,24 +225,25 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int], cache: KVCache, capture: tuple[int, ...]
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Chunked prefill. Returns final hidden [n, H] (only the last row when nothing is
-        captured: proposers that read the prompt need every row) and captured aux [n, H_t] each."""
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """Chunked prefill. The proposer observes each chunk but the last as it goes (so the
+        prompt's features never all sit in memory at once); the last chunk's hidden [n, H] and
+        aux [n, H_t] each are returned with its start position, to be observed once the first
+        token is chosen. Without a proposer only the last row's hidden is kept."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         step = self.config.prefill_step_size
-        hiddens: list[torch.Tensor] = []
-        auxes: list[list[torch.Tensor]] = []
-        keep_all = self.proposer is not None
+        proposer = self.proposer
         for start in range(0, ids.shape[1], step):
             chunk = ids[:, start:start + step]
-            positions = torch.arange(start, start + chunk.shape[1], device=self.device)[None]
+            end = start + chunk.shape[1]
+            positions = torch.arange(start, end, device=self.device)[None]
             out = self.model(chunk, positions, cache, capture)
             cache.commit(chunk.shape[1])
-            hiddens.append(out.hidden[0] if keep_all else out.hidden[0, -1:])
-            auxes.append([a[0] for a in out.aux])
-        hidden = torch.cat(hiddens) if keep_all else hiddens[-1]
-        aux = [torch.cat([chunk_aux[j] for chunk_aux in auxes]) for j in range(len(capture))]
-        return hidden, aux
+            if end < len(prompt_ids) and proposer is not None:
+                proposer.observe(TargetStep(prompt_ids[start:end], start, out.hidden[0],
+                                            [a[0] for a in out.aux], prompt_ids[end]))
+        hidden = out.hidden[0] if proposer is not None else out.hidden[0, -1:]
+        return hidden, [a[0] for a in out.aux], start
 
     @torch.inference_mode()
     def _verify_pass(self, token_ids: list[int], position: int, cache: KVCache, capture: tuple[int, ...]

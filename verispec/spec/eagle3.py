@@ -46,6 +46,9 @@ class Eagle3Config:
                                 f"(supported: {', '.join(SUPPORTED_LAYER_TYPES)})")
         layer["num_hidden_layers"] = 1
         layer.setdefault("vocab_size", target.vocab_size)
+        if int(layer["vocab_size"]) != target.vocab_size:
+            raise VerispecError(f"EAGLE3 drafter at {where} was built for a vocabulary of {layer['vocab_size']} "
+                                f"tokens, but the target model has {target.vocab_size}")
         self.layer = DecoderSettings(layer)
         self.hidden_size = self.layer.hidden_size
         self.draft_vocab_size = int(raw.get("draft_vocab_size") or layer.get("vocab_size"))
@@ -55,12 +58,16 @@ class Eagle3Config:
         self.aux_layer_ids = tuple(int(i) for i in ids)
         self.norm_before_residual = bool(raw.get("norm_before_residual", False))
         self.norm_output = bool(raw.get("norm_output", False))
+        # Optional normalisation of the target features before `fc`: one RMSNorm over the
+        # concatenation (norm_before_fc, weight `input_norm`) and/or one per aux layer (fc_norm).
+        self.norm_before_fc = bool(raw.get("norm_before_fc") or False)
+        self.fc_norm = bool(raw.get("fc_norm") or False)
         if self.target_hidden_size != target.hidden_size:
             raise VerispecError(f"EAGLE3 drafter at {where} expects target hidden size {self.target_hidden_size}, "
                                 f"but the target model has hidden size {target.hidden_size}")
         bad = [i for i in self.aux_layer_ids if not 0 <= i < n]
-        if bad or len(self.aux_layer_ids) != 3:
-            raise VerispecError(f"EAGLE3 aux layer ids {list(self.aux_layer_ids)} must be 3 layers of the "
+        if bad or not self.aux_layer_ids:
+            raise VerispecError(f"EAGLE3 aux layer ids {list(self.aux_layer_ids)} must be layers of the "
                                 f"target's {n} (0..{n - 1})")
 
 
@@ -81,7 +88,11 @@ class Eagle3Drafter(nn.Module):
         self.cfg = c
         s = c.layer
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size) if has_embedding else None
-        self.fc = nn.Linear(3 * c.target_hidden_size, s.hidden_size, bias=fc_bias)
+        num_aux = len(c.aux_layer_ids)
+        self.fc = nn.Linear(num_aux * c.target_hidden_size, s.hidden_size, bias=fc_bias)
+        self.input_norm = RMSNorm(num_aux * c.target_hidden_size, s.rms_norm_eps) if c.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(c.target_hidden_size, s.rms_norm_eps) for _ in range(num_aux))
+                        if c.fc_norm else None)
         self.layers = nn.ModuleList([Eagle3Layer(c)])
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, c.draft_vocab_size, bias=False)
@@ -90,6 +101,15 @@ class Eagle3Drafter(nn.Module):
         # The target's embedding when the checkpoint has none: kept out of this module's
         # parameters (it belongs to the target and is neither loaded nor moved here).
         self.__dict__["shared_embedding"] = None
+
+    def project(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        """Target features, each [..., H_t] -> g [..., H] (fc of their concatenation)."""
+        if self.fc_norm is not None:
+            aux = [norm(a) for norm, a in zip(self.fc_norm, aux)]
+        x = torch.cat(aux, dim=-1)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # EAGLE3 embeddings are never scaled (not even for Gemma targets).
@@ -206,7 +226,7 @@ class Eagle3Proposer(Proposer):
         device = self.draft_to_target.device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         positions = torch.arange(step.start_position, step.start_position + n, device=device)[None]
-        g = self.drafter.fc(torch.cat(step.aux, dim=-1))[None]
+        g = self.drafter.project(step.aux)[None]
         fed_back, logits = self.drafter(ids, g, positions, self.cache)
         self.cache.commit(n)
         self.committed = self.cache.length
