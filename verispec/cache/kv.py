@@ -1,4 +1,4 @@
-"""KV cache for attention layers: preallocated buffers, a committed length, and rollback.
+"""The model cache: K/V for attention layers and state for recurrent layers, with commit/rollback.
 
 A forward pass writes its T new rows after the committed length ("pending" rows) and attends
 over committed + pending. Nothing is committed until the caller says how many of those rows to
@@ -6,6 +6,12 @@ keep: `commit(n)` keeps the first n (plain decode keeps all T, a verify pass kee
 prefix), and `rollback(n)` drops n committed rows. Both are pointer moves: rejected rows are
 simply overwritten by the next pass. Sliding windows are masks over this full cache, never a
 ring buffer, so rollback works after the window has slid.
+
+Recurrent layers (Gated DeltaNet) cannot be un-applied, so a pass keeps what commit(n) needs:
+the SSM state after each of its positions (passes of at most `max_tracked_positions` tokens:
+decode and verify steps; a longer pass, a prefill chunk, keeps only its final state and must be
+committed whole), and the pre-convolution input window, whose slice at n is the conv state after
+n rows. Committed recurrent rows cannot be rolled back.
 """
 from __future__ import annotations
 
@@ -20,8 +26,26 @@ class LayerCacheSpec:
     head_dim: int
 
 
+@dataclass(frozen=True)
+class RecurrentLayerSpec:
+    conv_dim: int  # channels of the depthwise causal convolution
+    conv_kernel: int
+    num_heads: int  # value heads of the SSM state
+    key_dim: int
+    value_dim: int
+
+
+@dataclass
+class _PendingRecurrent:
+    conv_window: torch.Tensor  # [B, conv_dim, kernel - 1 + T]: committed conv state + this pass's inputs
+    ssm_states: torch.Tensor  # [T, B, H, Dk, Dv] after each position, or [1, ...] final only
+    per_position: bool
+
+
 class KVCache:
-    def __init__(self, specs: list[LayerCacheSpec], capacity: int, dtype: torch.dtype,
+    max_tracked_positions = 16  # passes up to this many tokens keep per-position recurrent states
+
+    def __init__(self, specs: list[LayerCacheSpec | RecurrentLayerSpec], capacity: int, dtype: torch.dtype,
                  device: torch.device | str, batch_size: int = 1):
         self.specs = specs
         self.dtype = dtype
@@ -30,8 +54,13 @@ class KVCache:
         self.capacity = 0
         self.length = 0  # committed rows
         self.pending = 0  # rows written by the last forward, not yet committed
-        self.keys: list[torch.Tensor] = []  # per layer [B, Hkv, capacity, D]
-        self.values: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor | None] = []  # per attention layer [B, Hkv, capacity, D]
+        self.values: list[torch.Tensor | None] = []
+        self.recurrent_layers = [i for i, spec in enumerate(specs) if isinstance(spec, RecurrentLayerSpec)]
+        self.conv_states: dict[int, torch.Tensor] = {}  # [B, conv_dim, kernel - 1]
+        self.ssm_states: dict[int, torch.Tensor] = {}  # [B, H, Dk, Dv] float32
+        self._pending_recurrent: dict[int, _PendingRecurrent] = {}
+        self._reset_recurrent()
         self.ensure_capacity(capacity)
 
     def ensure_capacity(self, needed: int) -> None:
@@ -42,6 +71,10 @@ class KVCache:
         new_capacity = (new_capacity + 255) // 256 * 256
         keys, values = [], []
         for i, spec in enumerate(self.specs):
+            if isinstance(spec, RecurrentLayerSpec):
+                keys.append(None)
+                values.append(None)
+                continue
             shape = (self.batch_size, spec.num_kv_heads, new_capacity, spec.head_dim)
             k = torch.empty(shape, dtype=self.dtype, device=self.device)
             v = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -63,20 +96,63 @@ class KVCache:
         self.pending = t
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
+    # ---- recurrent layers ---------------------------------------------------------------
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed (conv state [B, conv_dim, kernel-1], SSM state [B, H, Dk, Dv] float32)."""
+        return self.conv_states[layer], self.ssm_states[layer]
+
+    def set_recurrent_pending(self, layer: int, conv_window: torch.Tensor, ssm_states: torch.Tensor,
+                              per_position: bool) -> None:
+        """Record a pass over T tokens: conv_window [B, conv_dim, kernel-1+T] (committed state
+        followed by this pass's pre-conv inputs) and ssm_states [T or 1, B, H, Dk, Dv]."""
+        self._pending_recurrent[layer] = _PendingRecurrent(conv_window, ssm_states, per_position)
+        self.pending = conv_window.shape[-1] - (self.specs[layer].conv_kernel - 1)
+
+    def _commit_recurrent(self, num_rows: int) -> None:
+        for layer, p in self._pending_recurrent.items():
+            t = p.conv_window.shape[-1] - (self.specs[layer].conv_kernel - 1)
+            if num_rows == 0:
+                continue
+            if p.per_position:
+                self.ssm_states[layer] = p.ssm_states[num_rows - 1]
+            elif num_rows == t:
+                self.ssm_states[layer] = p.ssm_states[-1]
+            else:
+                raise ValueError(f"commit({num_rows}) of a {t}-token pass that kept only its final "
+                                 f"recurrent state (passes over {self.max_tracked_positions} tokens or fewer "
+                                 "keep per-position states)")
+            self.conv_states[layer] = p.conv_window[..., num_rows:num_rows + self.specs[layer].conv_kernel - 1]
+        self._pending_recurrent.clear()
+
+    def _reset_recurrent(self) -> None:
+        for i in self.recurrent_layers:
+            spec: RecurrentLayerSpec = self.specs[i]
+            self.conv_states[i] = torch.zeros(self.batch_size, spec.conv_dim, spec.conv_kernel - 1,
+                                              dtype=self.dtype, device=self.device)
+            self.ssm_states[i] = torch.zeros(self.batch_size, spec.num_heads, spec.key_dim, spec.value_dim,
+                                             dtype=torch.float32, device=self.device)
+        self._pending_recurrent.clear()
+
+    # ---- commit / rollback ----------------------------------------------------------------
     def commit(self, num_rows: int) -> None:
         """Keep the first `num_rows` pending rows of the last forward."""
         if not 0 <= num_rows <= self.pending:
             raise ValueError(f"commit({num_rows}) with {self.pending} pending rows")
+        self._commit_recurrent(num_rows)
         self.length += num_rows
         self.pending = 0
 
     def rollback(self, num_rows: int) -> None:
-        """Drop the last `num_rows` committed rows."""
+        """Drop the last `num_rows` committed rows (attention-only caches)."""
         if not 0 <= num_rows <= self.length:
             raise ValueError(f"rollback({num_rows}) with {self.length} committed rows")
+        if num_rows and self.recurrent_layers:
+            raise ValueError("committed rows of recurrent layers cannot be rolled back")
         self.length -= num_rows
         self.pending = 0
+        self._pending_recurrent.clear()
 
     def reset(self) -> None:
         self.length = 0
         self.pending = 0
+        self._reset_recurrent()

@@ -13,6 +13,7 @@ from verispec.cache.kv import KVCache, LayerCacheSpec
 class ForwardOutput:
     hidden: torch.Tensor  # [B, T, H] final-norm hidden states
     aux: list[torch.Tensor]  # residual streams entering the captured layers, each [B, T, H]
+    pre_norm: torch.Tensor | None = None  # [B, T, H] the residual stream before the final norm
 
 
 class CausalLM(nn.Module):

@@ -156,7 +156,7 @@ class LlamaForCausalLM(CausalLM):
             if window not in masks:
                 masks[window] = attention_mask(positions, num_keys, window)
             x = layer(x, cos, sin, cache, masks[window])
-        return ForwardOutput(self.model.norm(x), [captured[i] for i in capture])
+        return ForwardOutput(self.model.norm(x), [captured[i] for i in capture], pre_norm=x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
