@@ -35,6 +35,20 @@ def random_model(config: dict, device: str, dtype: torch.dtype) -> LlamaForCausa
     return model.eval().requires_grad_(False)
 
 
+def step_ms(engine: Engine, num_tokens: int, position: int, repeats: int = 50) -> float:
+    """Median milliseconds of one graphed target step over num_tokens tokens at `position`."""
+    step = engine._graphs.get(num_tokens)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(list(range(5, 5 + num_tokens)), position)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -48,23 +62,55 @@ def main() -> None:
     import tempfile
     tok_dir = tempfile.mkdtemp()
     build_tokenizer(tok_dir)
-    engine = Engine(model, Tokenizer.from_dir(tok_dir), EngineConfig(model=args.shape))
+    tokenizer = Tokenizer.from_dir(tok_dir)
     prompt = torch.randint(1000, 100000, (args.context,)).tolist()
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0, ignore_eos=True)
-    engine.generate_all(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
-    rates = []
-    for _ in range(3):
-        r = engine.generate_all(prompt, params)
-        rates.append(r.stats.decode_tok_per_s)
-    rate = sorted(rates)[1]
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     kv_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2 * (args.context + args.gen_tokens // 2)
     roofline = args.bandwidth_tbs * 1e12 / (weight_bytes + kv_bytes)
-    print(f"| shape | context | decode tok/s (median of 3) | roofline tok/s | fraction |")
-    print(f"|---|---|---|---|---|")
-    print(f"| {args.shape} | {args.context} | {rate:.1f} | {roofline:.1f} | {rate / roofline:.1%} |")
+    rows = []
+    outputs = {}
+    for mode in ("eager-sdpa", "eager-splitk", "graphs"):
+        engine = Engine(model, tokenizer, EngineConfig(model=args.shape, max_model_len=8192, cuda_graphs=mode == "graphs",
+                                                       draft_block=4), proposer=None)
+        if mode == "eager-sdpa":
+            engine._cache = model.make_cache(args.context + args.gen_tokens)  # use_decode_kernel stays False
+        capture_s = engine.capture_graphs()
+        engine.generate_all(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+        rates, first = [], None
+        for _ in range(3):
+            r = engine.generate_all(prompt, params)
+            rates.append(r.stats.decode_tok_per_s)
+            first = first or r.token_ids
+        outputs[mode] = first
+        rate = sorted(rates)[1]
+        rows.append((mode, rate, capture_s))
+        del engine
+    same = outputs["graphs"] == outputs["eager-splitk"]
+    print("| mode | decode tok/s (median of 3) | roofline tok/s | fraction | capture s |")
+    print("|---|---|---|---|---|")
+    for mode, rate, cap in rows:
+        print(f"| {mode} | {rate:.1f} | {roofline:.1f} | {rate / roofline:.1%} | {cap:.2f} |")
+    print(f"graphs output == eager split-k output: {same}; == eager sdpa: {outputs['graphs'] == outputs['eager-sdpa']}")
+    # verify-step cost: graphs for T = 1..5 at the same context
+    engine = Engine(model, tokenizer, EngineConfig(model=args.shape, max_model_len=8192), proposer=_NullProposer(),
+                    num_drafts=4)
+    engine.capture_graphs()
+    cache = engine._cache
+    cache.length = args.context
+    base = step_ms(engine, 1, args.context)
+    print("| step tokens | ms | ratio to T=1 |")
+    print("|---|---|---|")
+    for t in (1, 2, 3, 5):
+        ms = step_ms(engine, t, args.context)
+        print(f"| {t} | {ms:.3f} | {ms / base:.3f} |")
     print(f"(weights read per token {weight_bytes / 1e9:.2f} GB; torch {torch.__version__}; peak mem "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)")
+
+
+class _NullProposer:
+    method = "null"
+    capture_layers = ()
 
 
 if __name__ == "__main__":

@@ -75,6 +75,7 @@ def main() -> None:
             tok = plain_engine.tokenizer
             prompts = [tok.encode(text[i * 997: i * 997 + 400]) for i in range(args.prompts)]
             params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+            plain_engine.capture_graphs()
             plain = [plain_engine.generate_all(p, params).token_ids for p in prompts]
             eagle = Eagle3Proposer(load_eagle3(ddir, plain_engine.model), plain_engine.model.vocab_size)
             vocab = plain_engine.model.vocab_size
@@ -84,6 +85,7 @@ def main() -> None:
                 divs, acc, drafted = [], 0, 0
                 for p, cont in zip(prompts, plain):
                     eng = Engine(plain_engine.model, tok, plain_engine.config, proposer=make(cont), num_drafts=k)
+                    eng.capture_graphs()
                     r = eng.generate_all(p, params)
                     divs.append(divergence(cont, r.token_ids))
                     acc += r.stats.accepted

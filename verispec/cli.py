@@ -1,4 +1,4 @@
-"""Command line: `verispec serve` and `verispec generate`.
+"""Command line: `verispec serve`, `verispec generate` and `verispec bench`.
 
 A bad flag or model path prints one readable line on stderr and exits non-zero.
 """
@@ -30,6 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode/verify steps eagerly on CUDA")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
     p.add_argument("--draft-block", type=int, default=None, metavar="K",
@@ -69,7 +70,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message (chat template only)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     _add_sampling_args(gen, temperature_default=0.0)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="measure speed: offline (-m / --shape) or over HTTP (--url / --serve)")
+    where = bench.add_mutually_exclusive_group(required=True)
+    where.add_argument("-m", "--model", default=None, help="offline: a checkpoint directory or hub id")
+    where.add_argument("--shape", default=None,
+                       help="offline: random weights of a real model's shape, built on the device (e.g. qwen3-8b)")
+    where.add_argument("--url", default=None, help="HTTP: an OpenAI-compatible server, e.g. http://127.0.0.1:9999")
+    where.add_argument("--serve", action="append", default=None, metavar="ARGS",
+                       help="HTTP: boot `verispec serve ARGS` for this configuration (repeatable: one per config)")
+    bench.add_argument("--methods", default=None, help="offline: comma-separated methods (ar, eagle3; default ar)")
+    bench.add_argument("--contexts", default="512", help="comma-separated prompt lengths in tokens (default 512; 4k = 4096)")
+    bench.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per run (default 128)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs per context after a warm-up; medians (default 3)")
+    bench.add_argument("--draft-block", type=int, default=None, metavar="K", help="drafts per round (default 2)")
+    bench.add_argument("--eagle3", metavar="DIR", default=None,
+                       help="offline: a real EAGLE3 drafter (default: random weights of the real drafter shape)")
+    bench.add_argument("--dtype", default=None, help="bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
+    bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
+    bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
+    bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
+    bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
+                       help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
+    bench.add_argument("--step-iters", type=int, default=20, help="timed steps for the speculative cost columns (default 20)")
+    bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md and bench.png here")
+    bench.add_argument("--endpoint", default="chat", choices=["chat", "completions"], help="HTTP: which API (default chat)")
+    bench.add_argument("--api-key", default=None, help="HTTP: sent as 'Authorization: Bearer KEY'")
+    bench.add_argument("--serve-timeout", type=float, default=900.0, help="HTTP: seconds to wait for /health (default 900)")
+    bench.add_argument("--seed", type=int, default=0, help="seed for random weights and prompts")
 
 
 def _engine_config(args):
@@ -82,7 +114,7 @@ def _engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
-                        eagle3=args.eagle3, draft_block=args.draft_block)
+                        eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -139,7 +171,35 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate}
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from verispec.bench import run_bench
+    from verispec.bench.options import BenchOptions, Endpoint, parse_contexts, parse_methods, parse_peers
+
+    http = bool(args.url or args.serve)
+    for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3)):
+        if http and value is not None:
+            raise VerispecError(f"{flag} is for offline runs (-m / --shape); over HTTP the server's flags pick it")
+    kwargs = {}
+    if args.methods is not None:
+        kwargs["methods"] = tuple(parse_methods(args.methods))
+    if args.compare is not None:
+        kwargs["compare"] = tuple(parse_peers(args.compare))
+    if args.draft_block is not None:
+        kwargs["draft_block"] = args.draft_block
+    opts = BenchOptions(
+        model=args.model, shape=args.shape, url=args.url, serve=tuple(args.serve or ()),
+        contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
+        dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
+        out=Path(args.out) if args.out else None, bandwidth_tbs=args.bandwidth, eagle3=args.eagle3,
+        step_iters=args.step_iters, endpoint=Endpoint(args.endpoint), api_key=args.api_key,
+        serve_timeout_s=args.serve_timeout, seed=args.seed, **kwargs)
+    run_bench(opts)
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

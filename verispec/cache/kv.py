@@ -44,6 +44,8 @@ class _PendingRecurrent:
 
 class KVCache:
     max_tracked_positions = 16  # passes up to this many tokens keep per-position recurrent states
+    # Short passes write K/V at device-side positions and attend with the split-K kernel (CUDA).
+    use_decode_kernel = False
 
     def __init__(self, specs: list[LayerCacheSpec | RecurrentLayerSpec], capacity: int, dtype: torch.dtype,
                  device: torch.device | str, batch_size: int = 1):
@@ -134,6 +136,16 @@ class KVCache:
         self._pending_recurrent.clear()
 
     # ---- commit / rollback ----------------------------------------------------------------
+    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write k, v [B, Hkv, T, D] at rows positions[0] (row == position), as pending rows.
+
+        Indexing by a device tensor (not Python ints) keeps the step capturable in a CUDA graph;
+        every sequence of the batch shares the positions of row 0."""
+        rows = positions[0]
+        self.keys[layer].index_copy_(2, rows, k)
+        self.values[layer].index_copy_(2, rows, v)
+        self.pending = k.shape[2]
+
     def commit(self, num_rows: int) -> None:
         """Keep the first `num_rows` pending rows of the last forward."""
         if not 0 <= num_rows <= self.pending:

@@ -14,7 +14,9 @@ from typing import Iterator
 import torch
 
 from verispec import log
-from verispec.cache.kv import KVCache
+from verispec.cache.kv import KVCache, RecurrentLayerSpec
+from verispec.engine.cuda_graphs import StepGraphs
+from verispec.kernels import decode_attention as split_k
 from verispec.config import EngineConfig, env
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
@@ -59,6 +61,8 @@ class Engine:
         self.num_drafts = num_drafts if proposer is not None else 0
         if proposer is not None and num_drafts < 1:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
+        self._graphs: StepGraphs | None = None
+        self.use_graphs = self._graphs_possible()
         self._lock = threading.Lock()
 
     @classmethod
@@ -196,6 +200,9 @@ class Engine:
             finally:
                 history.remove(drafts[:i])
 
+        if params.greedy and not params.has_penalties:
+            choices = logits.argmax(-1).tolist()  # one device sync for the whole round
+            return verify_greedy(drafts, lambda i: choices[i])
         if params.greedy:
             return verify_greedy(drafts, lambda i: int(torch.argmax(penalised(i))))
         return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), generator)
@@ -209,19 +216,56 @@ class Engine:
                                 last.finish_reason, last.stats, logprobs)
 
     def prewarm(self) -> float:
-        """One short generation so the first request pays no warm-up. Returns seconds taken."""
+        """Capture CUDA graphs, then one short generation, so the first request pays no
+        warm-up. Returns seconds taken."""
         t0 = time.perf_counter()
+        self.capture_graphs()
         ids = self.tokenizer.encode("Hello") or [0]
         self.generate_all(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - t0
 
     # ---- steps ----------------------------------------------------------------------------
+    def _graphs_possible(self) -> bool:
+        if self.device.type != "cuda":
+            return False
+        reason = None
+        if not self.config.cuda_graphs:
+            reason = "disabled (--no-cuda-graphs)"
+        elif not split_k.available(self.device):
+            reason = "Triton is not installed, so attention cannot read the cache in place"
+        elif any(isinstance(s, RecurrentLayerSpec) for s in self.model.cache_specs()):
+            reason = "recurrent layers are not graph-captured yet"
+        if reason:
+            log.debug("CUDA graphs off: %s; decode steps run eagerly", reason)
+            return False
+        return True
+
     def _cache_for(self, num_rows: int) -> KVCache:
         if self._cache is None:
-            self._cache = self.model.make_cache(num_rows)
+            if self.use_graphs:
+                # graphs hold pointers into the cache: allocate it once, for the whole context
+                self._cache = self.model.make_cache(self.max_model_len + self.num_drafts + 1)
+                self._cache.use_decode_kernel = True
+            else:
+                self._cache = self.model.make_cache(num_rows)
+                self._cache.use_decode_kernel = split_k.available(self.device)
         self._cache.reset()
         self._cache.ensure_capacity(num_rows)
         return self._cache
+
+    def capture_graphs(self) -> float:
+        """Capture decode/verify steps (T = 1..k+1) as CUDA graphs. Returns seconds taken."""
+        if not self.use_graphs or self._graphs is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        cache = self._cache_for(1)
+        capture = self.proposer.capture_layers if self.proposer else ()
+        self._graphs = StepGraphs(self.model, cache, self.num_drafts + 1, capture, self._logits)
+        cache.reset()
+        seconds = time.perf_counter() - t0
+        log.debug("captured %d CUDA graphs (steps of 1..%d tokens) in %.2fs", self.num_drafts + 1,
+                  self.num_drafts + 1, seconds)
+        return seconds
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int], cache: KVCache, capture: tuple[int, ...]
@@ -250,6 +294,9 @@ class Engine:
                      ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """One target pass over T = k+1 tokens (T = 1 is a plain decode step), nothing committed.
         Returns hidden [T, H], aux [T, H_t] each, logits [T, V]."""
+        step = self._graphs.get(len(token_ids)) if self._graphs is not None else None
+        if step is not None:
+            return step(token_ids, position)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(position, position + len(token_ids), device=self.device)[None]
         out = self.model(ids, positions, cache, capture)

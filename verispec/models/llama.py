@@ -11,7 +11,7 @@ from torch import nn
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.errors import UnsupportedModelError
 from verispec.models.base import CausalLM, ForwardOutput
-from verispec.models.layers.attention import attention_mask, cached_attention
+from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -78,9 +78,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.scale = s.head_dim ** -0.5
+        self.window = s.windows[layer_idx] if layer_idx < len(s.windows) else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None) -> torch.Tensor:  # x: [B, T, H]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -89,7 +90,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = cached_attention(q, k, v, cache, self.layer_idx, mask, self.scale)
+        out = attend(q, k, v, inputs, self.layer_idx, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -101,8 +102,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act, s.mlp_bias)
 
-    def forward(self, x, cos, sin, cache, mask):  # x: [B, T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+    def forward(self, x, cos, sin, inputs: AttentionInputs):  # x: [B, T, H]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,16 +147,12 @@ class LlamaForCausalLM(CausalLM):
         """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        num_keys = cache.length + input_ids.shape[1]
-        masks: dict[int | None, torch.Tensor | None] = {}
+        inputs = AttentionInputs(positions, cache)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture:
                 captured[i] = x
-            window = self.settings.windows[i]
-            if window not in masks:
-                masks[window] = attention_mask(positions, num_keys, window)
-            x = layer(x, cos, sin, cache, masks[window])
+            x = layer(x, cos, sin, inputs)
         return ForwardOutput(self.model.norm(x), [captured[i] for i in capture], pre_norm=x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

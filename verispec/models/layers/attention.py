@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.cache.kv import KVCache
+from verispec.kernels import decode_attention as split_k
 
 
 def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
@@ -30,3 +31,34 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     k_all, v_all = cache.append(layer, k, v)
     gqa = q.shape[1] != k_all.shape[1]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+class AttentionInputs:
+    """Per-forward attention context shared by all layers: positions, and masks built once per
+    window size. Short passes (decode / verify, T <= 8) on a cache that enables it use the
+    split-K kernel, which reads the cache in place with bounds from `positions` (CUDA-graph safe)."""
+
+    def __init__(self, positions: torch.Tensor, cache: KVCache):
+        self.positions = positions  # [B, T]
+        self.cache = cache
+        num_tokens = positions.shape[1]
+        self.use_kernel = cache.use_decode_kernel and num_tokens <= split_k.MAX_QUERY_TOKENS
+        self.num_keys = cache.length + num_tokens
+        self._masks: dict[int | None, torch.Tensor | None] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        if window not in self._masks:
+            self._masks[window] = attention_mask(self.positions, self.num_keys, window)
+        return self._masks[window]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, layer: int,
+           window: int | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D], new k/v [B, Hkv, T, D] -> out [B, Hq, T, D]; writes k/v into the cache."""
+    cache = inputs.cache
+    if inputs.use_kernel:
+        cache.write_at(layer, k, v, inputs.positions)
+        # the torch reference stands in off-GPU, so the in-place path is testable on CPU
+        kernel = split_k.decode_attention if split_k.available(q.device) else split_k.decode_attention_reference
+        return kernel(q, cache.keys[layer], cache.values[layer], inputs.positions, scale, window)
+    return cached_attention(q, k, v, cache, layer, inputs.mask(window), scale)

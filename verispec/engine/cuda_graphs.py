@@ -1,0 +1,67 @@
+"""Decode and verify steps as captured CUDA graphs.
+
+A step is the target's forward over T tokens (T = 1 for plain decoding, k + 1 for a verify
+pass) plus its logits, at whatever position: inputs go through static buffers, the KV cache is
+written at device-side positions and read by the split-K kernel, so one graph per T serves every
+position. Capture happens once, before serving (prewarm), into rows at the very end of the
+cache, which no sequence reaches before they are overwritten.
+"""
+from __future__ import annotations
+
+import torch
+
+from verispec.cache.kv import KVCache
+from verispec.models.base import CausalLM
+
+
+class GraphedStep:
+    def __init__(self, model: CausalLM, cache: KVCache, num_tokens: int, capture: tuple[int, ...],
+                 logits_fn, pool=None):
+        device = cache.device
+        self.num_tokens = num_tokens
+        self.cache = cache
+        self.input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+        # capture (and warm up) writing the last rows of the cache: never live data at capture time
+        self.positions = torch.arange(cache.capacity - num_tokens, cache.capacity, device=device)[None]
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm-up runs compile/autotune kernels outside the capture
+                self._run(model, capture, logits_fn)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+            self.hidden, self.aux, self.logits = self._run(model, capture, logits_fn)
+        cache.pending = 0
+
+    def _run(self, model, capture, logits_fn):
+        out = model(self.input_ids, self.positions, self.cache, capture)
+        hidden = out.hidden[0]
+        return hidden, [a[0] for a in out.aux], logits_fn(hidden)
+
+    def pool(self):
+        return self.graph.pool()
+
+    def __call__(self, token_ids: list[int], position: int):
+        """Replay at `position`; returns static hidden [T, H], aux [T, H_t] each, logits [T, V]."""
+        t = self.num_tokens
+        self.input_ids.copy_(torch.tensor([token_ids], dtype=torch.long), non_blocking=True)
+        self.positions.copy_(torch.arange(position, position + t).unsqueeze(0), non_blocking=True)
+        self.graph.replay()
+        self.cache.pending = t  # the replayed forward wrote t pending rows
+        return self.hidden, self.aux, self.logits
+
+
+class StepGraphs:
+    """One captured graph per step size T in 1..max_tokens, sharing one memory pool."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, max_tokens: int, capture: tuple[int, ...], logits_fn):
+        self.steps: dict[int, GraphedStep] = {}
+        pool = None
+        for t in range(max_tokens, 0, -1):  # largest first, so the shared pool fits the rest
+            step = GraphedStep(model, cache, t, capture, logits_fn, pool)
+            pool = step.pool()
+            self.steps[t] = step
+
+    def get(self, num_tokens: int) -> GraphedStep | None:
+        return self.steps.get(num_tokens)

@@ -1,0 +1,182 @@
+"""Split-K ("flash-decoding") attention for decode and verify steps: T <= 8 query tokens.
+
+The KV cache is read in place ([B, Hkv, capacity, D] buffers) and every bound comes from the
+device-side `positions` [B, T] (query t sees keys 0..positions[t], minus a sliding window), so a
+step has static shapes and can be captured in a CUDA graph. Pass 1 splits each sequence's keys
+over NUM_SPLITS programs per kv head; each program handles all G*T query rows that share the kv
+head (GQA group x query tokens) as one matrix, so K and V are read once per kv head. Pass 2
+combines the partial results with their log-sum-exp.
+
+`decode_attention_reference` is the plain-torch definition the kernel is tested against.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference is used instead
+    triton = None
+    tl = None
+
+MAX_QUERY_TOKENS = 8
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D]; caches [B, Hkv, capacity, D]; positions [B, T] -> out [B, Hq, T, D].
+
+    Query t attends key j when j <= positions[t] and (no window or j > positions[t] - window).
+    """
+    b, hq, t, d = q.shape
+    hkv = k_cache.shape[1]
+    num_keys = int(positions.max()) + 1
+    compute = torch.promote_types(q.dtype, torch.float32)  # float32 at least, float64 stays
+    k = k_cache[:, :, :num_keys].to(compute).repeat_interleave(hq // hkv, dim=1)
+    v = v_cache[:, :, :num_keys].to(compute).repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("bhtd,bhnd->bhtn", q.to(compute), k) * scale
+    key_pos = torch.arange(num_keys, device=q.device)
+    allowed = key_pos[None, None, :] <= positions[:, :, None]
+    if window is not None:
+        allowed &= key_pos[None, None, :] > positions[:, :, None] - window
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhtn,bhnd->bhtd", scores.softmax(-1), v).to(q.dtype)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice over; a power of two, at most 64."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, (2 * sms) // max(batch * num_kv_heads, 1))
+    return min(64, 1 << (want - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, POS, OPART, LSE,
+                      stride_qb, stride_qh, stride_qt,
+                      stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn,
+                      stride_pb,
+                      scale, window,
+                      T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        hq_total = tl.num_programs(1) * G
+        offs_m = tl.arange(0, BLOCK_M)
+        row_valid = offs_m < G * T
+        g = offs_m // T
+        t = offs_m % T
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+        pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
+        last = tl.load(POS + b * stride_pb + (T - 1))
+        kv_len = last + 1
+        lo = kv_len * 0
+        if HAS_WINDOW:
+            first = tl.load(POS + b * stride_pb)
+            lo = tl.maximum(first - window + 1, 0)
+        chunk = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + s * chunk
+        end = tl.minimum(start + chunk, kv_len)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < end
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * scale
+            allowed = n_valid[None, :] & (offs_n[None, :] <= pos_t[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        has = l_i > 0
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        row = (b * hq_total + h * G + g) * T + t  # index into [B, Hq, T]
+        tl.store(LSE + row * NUM_SPLITS + s, lse, mask=row_valid)
+        tl.store(OPART + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :], out,
+                 mask=row_valid[:, None] & d_valid[None, :])
+
+    @triton.jit
+    def _combine_kernel(OPART, LSE, OUT, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        lse = tl.load(LSE + row * NUM_SPLITS + offs_s)
+        m = tl.max(lse, 0)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
+        o = tl.load(OPART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+        tl.store(OUT + row * D + offs_d, out.to(OUT.dtype.element_ty), mask=d_valid)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Triton split-K attention; same contract as `decode_attention_reference`.
+
+    q [B, Hq, T, D] with T <= 8; k_cache/v_cache [B, Hkv, capacity, D] (last dim contiguous);
+    positions [B, T] increasing, on q's device.
+    """
+    b, hq, t, d = q.shape
+    hkv = k_cache.shape[1]
+    if t > MAX_QUERY_TOKENS:
+        raise ValueError(f"decode_attention handles at most {MAX_QUERY_TOKENS} query tokens, got {t}")
+    group = hq // hkv
+    q = q.contiguous()
+    splits = num_splits or num_splits_for(b, hkv, q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = max(16, triton.next_power_of_2(group * t))
+    block_n = 64 if block_d <= 128 else (32 if block_d <= 256 else 16)
+    opart = torch.empty((b, hq, t, splits, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, t, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _split_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, positions, opart, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        positions.stride(0),
+        scale, window or 0,
+        T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        num_warps=4 if block_d <= 128 else 8, num_stages=2,
+    )
+    _combine_kernel[(b * hq * t,)](opart, lse, out, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+__all__ = ["decode_attention", "decode_attention_reference", "available", "MAX_QUERY_TOKENS"]
