@@ -62,5 +62,6 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int | None = None
     cuda_graphs: bool = True  # capture decode/verify steps as CUDA graphs (CUDA + Triton only)
+    fuse_small_ops: bool = True  # compile norms/RoPE/activations into single kernels (CUDA only)
     eagle3: str | None = None  # speculators EAGLE3 drafter directory
     draft_block: int | None = None  # drafts per round (None: VERISPEC_EAGLE3_BLOCK, else 2)

@@ -206,3 +206,65 @@ def write_random_eagle3(out_dir: str | Path, target_config: dict, draft_vocab_si
         config["eagle_aux_hidden_state_layer_ids"] = aux_layer_ids
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+QWEN3_5_TINY_TEXT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+QWEN3_5_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, num_position_embeddings=16)
+
+
+def build_tiny_qwen3_5(out_dir: str | Path, wrapper: bool = False, seed: int = 0,
+                       tokenizer_dir: str | Path | None = None, tie_word_embeddings: bool = False,
+                       **text_overrides):
+    """A random-weight Qwen3.5 checkpoint: `qwen3_5_text` (Qwen3_5ForCausalLM), or with `wrapper`
+    the multimodal `qwen3_5` layout (Qwen3_5ForConditionalGeneration with a one-block vision tower).
+
+    Weights are drawn so that no term hides: (1 + w) norms get w in [-0.5, 0.5), the GDN output
+    norm w in [0.5, 1.5), A_log spans slow to fast decays and dt_bias is non-zero.
+    Returns the transformers model (float32) for use as a test oracle.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3_5Config, Qwen3_5ForCausalLM, \
+        Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        hf_tok = build_tokenizer(out)
+    else:
+        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        hf_tok.save_pretrained(str(out))
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(QWEN3_5_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad,
+                tie_word_embeddings=tie_word_embeddings)
+    text.update(text_overrides)
+    torch.manual_seed(seed)
+    if wrapper:
+        config = Qwen3_5Config(text_config=text, vision_config=dict(QWEN3_5_TINY_VISION),
+                               tie_word_embeddings=tie_word_embeddings)
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    model = model.float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif "norm" in name and name.endswith(".weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 2.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.normal_(0.0, 0.08, generator=gen)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(str(out))
+    return model

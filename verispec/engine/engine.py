@@ -63,6 +63,11 @@ class Engine:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
         self._graphs: StepGraphs | None = None
         self.use_graphs = self._graphs_possible()
+        if self.device.type == "cuda" and config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
+            if split_k.triton is None:
+                log.debug("small-op fusion off: Triton is not installed")
+            else:
+                model.fuse_small_ops()  # compiled on first use: prewarm pays for it
         self._lock = threading.Lock()
 
     @classmethod

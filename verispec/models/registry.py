@@ -10,6 +10,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "mistral": "verispec.models.llama:LlamaForCausalLM",
     "qwen2": "verispec.models.llama:LlamaForCausalLM",
     "qwen3": "verispec.models.llama:LlamaForCausalLM",
+    "qwen3_5": "verispec.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "verispec.models.qwen3_5:Qwen3_5ForCausalLM",
 }
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import UnsupportedModelError
+from verispec.models.layers.fused import compiled, silu_mul
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -29,6 +30,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.act_name = act
+        self.gated = lambda gate, up: self.act(gate) * up
+
+    def fuse(self) -> None:
+        if self.act is F.silu:
+            self.gated = compiled(silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, H]
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verispec.models.layers.fused import compiled, rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
@@ -12,11 +14,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         # Some families (Gemma, Qwen3.5) store w and scale by (1 + w).
         self.unit_offset = unit_offset
+        self.impl = rms_norm
+
+    def fuse(self) -> None:
+        """Use the compiled (single-kernel) version: CUDA decode paths."""
+        self.impl = compiled(rms_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
-        dtype = x.dtype
-        h = x.to(torch.float32) if dtype != torch.float64 else x
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (h * (1.0 + self.weight.to(h.dtype))).to(dtype)
-        return self.weight * h.to(dtype)
+        return self.impl(x, self.weight, self.eps, self.unit_offset)

@@ -74,6 +74,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rotary_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on queries and keys together (one fused kernel when compiled)."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D]; cos/sin [B, T, D] (D may be a prefix of the head dim: partial RoPE)."""
     rot = cos.shape[-1]

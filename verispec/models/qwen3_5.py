@@ -1,0 +1,210 @@
+"""Qwen3.5 / Qwen3.6: hybrid Gated DeltaNet + gated full attention (see shared/reference/qwen3_5-mtp.md).
+
+Two model_types share one decoder:
+- `qwen3_5_text` (Qwen3_5ForCausalLM): text weights at `model.*`, `lm_head.*`;
+- `qwen3_5` (the multimodal Qwen3_5ForConditionalGeneration): config under `text_config`, text
+  weights at `model.language_model.*`, `lm_head.*`; the vision tower (`model.visual.*`) and the
+  MTP head (`mtp.*`) are not used here and are skipped by the loader (one debug line).
+
+Layer i is Gated DeltaNet ("linear_attention") or gated full attention per `layer_types`
+(older configs: `full_attention_interval`, full attention when (i + 1) % interval == 0). Every
+RMSNorm except the GDN output norm scales by (1 + w). RoPE covers the first
+partial_rotary_factor * head_dim dims; `mrope_section` only matters for vision positions, and for
+text (equal t/h/w positions) it is plain 1-D RoPE.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from verispec.cache.kv import KVCache, LayerCacheSpec, RecurrentLayerSpec
+from verispec.errors import UnsupportedModelError
+from verispec.models.base import CausalLM, ForwardOutput
+from verispec.models.layers.attention import attention_mask
+from verispec.models.layers.gated_attention import GatedAttention
+from verispec.models.layers.gated_delta_net import GatedDeltaNet
+from verispec.models.layers.mlp import GatedMLP
+from verispec.models.layers.norm import RMSNorm
+from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
+
+# The multimodal checkpoints (Qwen/Qwen3.5-*, and what transformers saves) keep the text weights
+# under `model.language_model.*`; text-only ones under `model.*`, which needs no mapping.
+TEXT_PREFIX_MAP = {"model.language_model.": "model."}
+# Not part of the text model: the vision tower and the MTP head (loaded by the MTP proposer).
+IGNORED_PREFIXES = ("model.visual.", "mtp.")
+
+
+class LayerType(str, Enum):
+    FULL_ATTENTION = "full_attention"
+    LINEAR_ATTENTION = "linear_attention"
+
+
+# transformers' legacy layer-type spellings
+_LEGACY_LAYER_TYPES = {"attention": LayerType.FULL_ATTENTION, "mamba": LayerType.LINEAR_ATTENTION}
+
+
+class Qwen3_5Settings:
+    """The text-config fields Qwen3.5 reads. Defaults are those of transformers' Qwen3_5TextConfig."""
+
+    def __init__(self, text_config: dict, tie_word_embeddings: bool | None = None):
+        c = text_config
+        self.hidden_size = int(c["hidden_size"])
+        self.num_layers = int(c["num_hidden_layers"])
+        self.num_heads = int(c.get("num_attention_heads", 16))
+        self.num_kv_heads = int(c.get("num_key_value_heads") or self.num_heads)
+        self.head_dim = int(c.get("head_dim") or 256)
+        self.intermediate_size = int(c["intermediate_size"])
+        self.vocab_size = int(c["vocab_size"])
+        self.rms_norm_eps = float(c.get("rms_norm_eps", 1e-6))
+        self.hidden_act = c.get("hidden_act", "silu")
+        self.attention_bias = bool(c.get("attention_bias", False))
+        self.max_position_embeddings = int(c.get("max_position_embeddings", 32768))
+        if tie_word_embeddings is None:
+            tie_word_embeddings = bool(c.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = tie_word_embeddings
+        if not c.get("attn_output_gate", True):
+            raise UnsupportedModelError("attn_output_gate: false is not supported for Qwen3.5 "
+                                        "(its full-attention layers always gate their output)")
+        # Gated DeltaNet
+        self.linear_num_key_heads = int(c.get("linear_num_key_heads", 16))
+        self.linear_num_value_heads = int(c.get("linear_num_value_heads", 32))
+        self.linear_key_head_dim = int(c.get("linear_key_head_dim", 128))
+        self.linear_value_head_dim = int(c.get("linear_value_head_dim", 128))
+        self.linear_conv_kernel_dim = int(c.get("linear_conv_kernel_dim", 4))
+        # RoPE: partial_rotary_factor lives in rope_parameters (v5) or at the top level (older)
+        rope = rope_parameters(c)
+        if rope["rope_type"] == "mrope":  # Qwen2-VL's spelling; text positions make it 1-D RoPE
+            rope["rope_type"] = "default"
+        self.rope = rope
+        partial = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
+        self.rotary_dim = int(self.head_dim * partial)
+        self.layer_types = self._layer_types(c)
+
+    def _layer_types(self, c: dict) -> list[LayerType]:
+        names = c.get("layer_types")
+        if not names:
+            interval = int(c.get("full_attention_interval", 4))
+            return [LayerType.FULL_ATTENTION if (i + 1) % interval == 0 else LayerType.LINEAR_ATTENTION
+                    for i in range(self.num_layers)]
+        if len(names) != self.num_layers:
+            raise UnsupportedModelError(f"layer_types has {len(names)} entries for {self.num_layers} layers")
+        out = []
+        for name in names:
+            try:
+                out.append(_LEGACY_LAYER_TYPES.get(name) or LayerType(name))
+            except ValueError:
+                raise UnsupportedModelError(
+                    f"layer type '{name}' is not supported for Qwen3.5 "
+                    f"(supported: {', '.join(t.value for t in LayerType)})") from None
+        return out
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(.)).
+
+    `layer_idx` is the layer's index in the cache passed to forward; `layer_type` overrides the
+    config's type for that index, so a standalone full-attention layer (the MTP head's) can be
+    built as Qwen3_5DecoderLayer(settings, 0, LayerType.FULL_ATTENTION) and run on its own cache.
+    """
+
+    def __init__(self, s: Qwen3_5Settings, layer_idx: int, layer_type: LayerType | str | None = None):
+        super().__init__()
+        self.layer_type = LayerType(layer_type) if layer_type is not None else s.layer_types[layer_idx]
+        if self.layer_type is LayerType.LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(s.hidden_size, s.linear_num_key_heads, s.linear_num_value_heads,
+                                             s.linear_key_head_dim, s.linear_value_head_dim,
+                                             s.linear_conv_kernel_dim, s.rms_norm_eps, layer_idx, s.hidden_act)
+        else:
+            self.self_attn = GatedAttention(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
+                                            s.rms_norm_eps, layer_idx, bias=s.attention_bias)
+        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
+
+    def cache_spec(self) -> LayerCacheSpec | RecurrentLayerSpec:
+        mixer = self.linear_attn if self.layer_type is LayerType.LINEAR_ATTENTION else self.self_attn
+        return mixer.cache_spec()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None) -> torch.Tensor:  # x: [B, T, H]
+        h = self.input_layernorm(x)
+        if self.layer_type is LayerType.LINEAR_ATTENTION:
+            h = self.linear_attn(h, cache)
+        else:
+            h = self.self_attn(h, cos, sin, cache, mask)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, s: Qwen3_5Settings):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(s, i) for i in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    """model_type `qwen3_5_text`."""
+
+    checkpoint_prefix_map = TEXT_PREFIX_MAP
+    ignored_prefixes = IGNORED_PREFIXES
+
+    def __init__(self, config: dict):
+        super().__init__()
+        s = self._settings(config)
+        self.config, self.settings = config, s
+        self.vocab_size = s.vocab_size
+        self.num_layers = s.num_layers
+        self.max_position_embeddings = s.max_position_embeddings
+        self.model = Qwen3_5TextModel(s)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(s.rope, s.rotary_dim)
+
+    @staticmethod
+    def _settings(config: dict) -> Qwen3_5Settings:
+        return Qwen3_5Settings(config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.settings.hidden_size
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def tie_weights(self) -> None:
+        if self.settings.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def cache_specs(self) -> list[LayerCacheSpec | RecurrentLayerSpec]:
+        return [layer.cache_spec() for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                capture: tuple[int, ...] = ()) -> ForwardOutput:
+        """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        mask = attention_mask(positions, cache.length + input_ids.shape[1], None)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                captured[i] = x
+            x = layer(x, cos, sin, cache, mask)
+        return ForwardOutput(self.model.norm(x), [captured[i] for i in capture], pre_norm=x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """model_type `qwen3_5`: the text model of the multimodal checkpoint (config in `text_config`;
+    whether lm_head is tied follows the top-level `tie_word_embeddings`, as in transformers)."""
+
+    @staticmethod
+    def _settings(config: dict) -> Qwen3_5Settings:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise UnsupportedModelError("a qwen3_5 config needs a `text_config` object (the language model's config)")
+        return Qwen3_5Settings(text, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
