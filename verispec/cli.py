@@ -93,6 +93,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--dtype", default=None, help="bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
+    bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -192,9 +193,10 @@ def cmd_bench(args) -> int:
         model=args.model, shape=args.shape, url=args.url, serve=tuple(args.serve or ()),
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
         dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
-        out=Path(args.out) if args.out else None, bandwidth_tbs=args.bandwidth, eagle3=args.eagle3,
-        step_iters=args.step_iters, endpoint=Endpoint(args.endpoint), api_key=args.api_key,
-        serve_timeout_s=args.serve_timeout, seed=args.seed, **kwargs)
+        cuda_graphs=not args.no_cuda_graphs, out=Path(args.out) if args.out else None,
+        bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters,
+        endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
+        seed=args.seed, **kwargs)
     run_bench(opts)
     return 0
 

@@ -1,0 +1,230 @@
+"""`verispec bench`: offline on the tiny shape (CPU), over HTTP against a live server, and its errors.
+
+Speed is never asserted (DESIGN.md): only that the numbers exist, are positive and are computed
+from the right quantities.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec.bench.build import random_target
+from verispec.bench.prompts import text_prompt, token_prompt
+from verispec.bench.report import BenchReport, markdown
+from verispec.bench.roofline import mean_decode_context, token_bytes
+from verispec.bench.shapes import SHAPES
+from verispec.cli import main
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+from server_helpers import live_server  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _tiny_bytes(context: int, item: int) -> int:
+    """Bytes per decode token of the tiny shape, by hand: hidden 64, 2 layers, 4 q / 2 kv heads x 16,
+    MLP 128, vocab 512, untied, Qwen3 q/k norms."""
+    h, layers, q_heads, kv_heads, d, inter, vocab = 64, 2, 4, 2, 16, 128, 512
+    attention = h * q_heads * d + 2 * h * kv_heads * d + q_heads * d * h + 2 * d  # q, k, v, o, q/k norms
+    per_layer = attention + 3 * h * inter + 2 * h  # + gated MLP + two RMSNorms
+    weights = layers * per_layer + h + vocab * h + h  # + final norm + lm_head + one embedding row
+    kv = layers * 2 * kv_heads * d * context  # K and V rows of every layer
+    return (weights + kv) * item
+
+
+def test_bytes_per_token_matches_hand_computation():
+    for dtype, item in ((torch.float32, 4), (torch.bfloat16, 2)):
+        model = random_target("tiny", SHAPES["tiny"].config, torch.device("cpu"), dtype).model
+        for context in (0, 100, 4000):
+            assert token_bytes(model, context).total == _tiny_bytes(context, item)
+
+
+def test_offline_tiny_shape_writes_json_markdown_png(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar,eagle3", "--contexts", "16,40",
+               "--gen-tokens", "8", "--repeats", "1", "--step-iters", "3", "--compare", "transformers",
+               "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads((out / "bench.json").read_text())
+    assert report["mode"] == "offline"
+    assert report["meta"]["target"] == "tiny" and report["meta"]["bandwidth_tbs"] is None
+    rows = {(r["method"], r["context"]): r for r in report["rows"]}
+    assert set(rows) == {(m, c) for m in ("ar", "eagle3", "transformers") for c in (16, 40)}
+    for (method, context), r in rows.items():
+        for key in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+            assert r[key] > 0, (method, context, key)
+        assert r["bytes_per_token"] == _tiny_bytes(mean_decode_context(context, 8), 4)
+        assert r["roofline_tok_s"] is None and r["roofline_fraction"] is None  # CPU: no bandwidth
+        assert r["runs"][0]["generated_tokens"] == 8
+    for context in (16, 40):
+        spec = rows[("eagle3", context)]
+        for key in ("decode_step_ms", "verify_step_ms", "draft_round_ms", "verify_decode_ratio",
+                    "draft_cost_fraction", "speedup_ceiling", "speedup_vs_ar", "speedup_vs_transformers"):
+            assert spec[key] > 0, key
+        assert spec["draft_block"] == 2 and spec["drafted"] > 0 and 0 <= spec["acceptance"] <= 1
+        assert rows[("ar", context)]["speedup_vs_transformers"] > 0
+    md = (out / "bench.md").read_text()
+    assert md in captured.out  # the table goes to stdout too
+    assert "| method | context | TTFT ms | prefill tok/s | decode tok/s | bytes/token |" in md
+    assert "| eagle3 | 40 |" in md and "verify/decode" in md and "n/a" in md
+    assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_roofline_with_given_bandwidth(capsys):
+    rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--contexts", "8", "--gen-tokens", "4",
+               "--repeats", "1", "--bandwidth", "0.001"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    roofline = 1e9 / _tiny_bytes(mean_decode_context(8, 4), 4)
+    assert f"{roofline:,.0f}" in captured.out or f"{roofline:.1f}" in captured.out
+    assert "bandwidth 0.001 TB/s (--bandwidth)" in captured.out
+
+
+def test_prompts_are_distinct_per_context_and_repeat():
+    texts = {text_prompt("c0", c, r, 50) for c in (512, 4096) for r in range(3)}
+    assert len(texts) == 6
+    assert token_prompt(64, 0, 1000) != token_prompt(64, 1, 1000) == token_prompt(64, 1, 1000)
+
+
+def test_markdown_drops_empty_optional_columns():
+    row = {"method": "ar", "context": 512, "ttft_ms": 12.0, "prefill_tok_s": 4e4, "decode_tok_s": 50.0,
+           "bytes_per_token": 15.2e9, "roofline_tok_s": 282.0, "roofline_fraction": 50 / 282}
+    md = markdown(BenchReport("offline", {"gen_tokens": 128, "repeats": 3, "bandwidth_tbs": 4.29}, [row]))
+    assert "| ar | 512 | 12.0 | 40,000 | 50.0 | 15.20 GB | 282.0 | 17.7% |" in md
+    assert "verify/decode" not in md and "vs AR" not in md
+
+
+# ---- HTTP -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served_engine(qwen3_dir):
+    from verispec.engine.engine import load_engine
+    from verispec.server.app import create_app
+
+    engine = load_engine(str(qwen3_dir), dtype="float32", device="cpu")
+    prompts: list[list[int]] = []
+    real_generate = engine.generate
+
+    def recording_generate(prompt_ids, params, cancel=None):
+        prompts.append(list(prompt_ids))
+        return real_generate(prompt_ids, params, cancel)
+
+    engine.generate = recording_generate
+    with live_server(create_app(engine, "tiny-bench")) as server:
+        yield server, prompts
+
+
+def test_http_bench_against_live_server(served_engine, tmp_path, capsys):
+    server, prompts = served_engine
+    prompts.clear()
+    out = tmp_path / "http"
+    rc = main(["bench", "--url", server.url, "--contexts", "40,80", "--gen-tokens", "6", "--repeats", "2",
+               "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads((out / "bench.json").read_text())
+    assert report["mode"] == "http" and report["meta"]["models"] == ["tiny-bench"]
+    assert [r["context"] for r in report["rows"]] == [40, 80]
+    for r in report["rows"]:
+        assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+        assert r["tokens_from_usage"] and r["completion_tokens"] == 6  # usage, ignore_eos
+        assert all(q["completion_tokens"] == 6 for q in r["requests"])
+        assert r["prompt_tokens"] > 0.5 * r["context"]
+    # one warm-up + 2 contexts x 2 repeats, every prompt different from the first token of the message
+    assert len(prompts) == 5
+    assert len({tuple(p) for p in prompts}) == 5
+    heads = [q["prompt_head"] for r in report["rows"] for q in r["requests"]]
+    assert len(set(heads)) == len(heads) == 4
+    assert "| config | context | prompt tokens | TTFT ms |" in captured.out
+    assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_http_bench_completions_endpoint(served_engine, capsys):
+    server, _ = served_engine
+    rc = main(["bench", "--url", server.url, "--endpoint", "completions", "--contexts", "30", "--gen-tokens", "4",
+               "--repeats", "1"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "| completions" not in captured.out and "over HTTP (completions)" in captured.out
+
+
+def test_serve_boots_measures_and_stops_a_server(qwen3_dir, capsys):
+    rc = main(["bench", f"--serve=-m {qwen3_dir} --dtype float32 --no-prewarm", "--contexts", "24",
+               "--gen-tokens", "4", "--repeats", "1"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert f"| -m {qwen3_dir} --dtype float32 --no-prewarm | 24 |" in captured.out
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "nope"], "--shape 'nope' is not a known shape (available shapes: "),
+    (["--shape", "gemma4-31b"], "--shape gemma4-31b needs the Gemma 4 architecture"),
+    (["--shape", "tiny", "--methods", "ar,warp"], "--methods: 'warp' is not an available method (available: ar, eagle3)"),
+    (["--shape", "tiny", "--methods", "mtp"], "'mtp' is not an available method"),
+    (["--shape", "tiny", "--compare", "vllm"], "--compare: 'vllm' is not supported"),
+    (["--shape", "tiny", "--contexts", "4k,abc"], "--contexts: 'abc' is not a number"),
+    (["--shape", "tiny", "--contexts", "4090", "--gen-tokens", "64"], "does not fit this model's 4096-token context"),
+    (["--shape", "tiny", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--url", "http://127.0.0.1:{port}"], "cannot reach http://127.0.0.1:{port}"),
+    (["--url", "http://127.0.0.1:{port}", "--methods", "eagle3"], "--methods is for offline runs"),
+    (["--url", "localhost:9999"], "must start with http://"),
+])
+def test_errors_are_one_line_exit_2(argv, message, capsys):
+    port = _closed_port()
+    argv = [a.format(port=port) for a in argv]
+    rc = main(["bench", *argv, "--device", "cpu"] if "--url" not in argv else ["bench", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("verispec: error: "), err
+    assert message.format(port=port) in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda(capsys):
+    assert main(["bench", "--shape", "tiny", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CUDA is not available" in err
+
+
+def test_serve_that_fails_to_start_is_one_line(capsys, tmp_path):
+    rc = main(["bench", f"--serve=-m {tmp_path / 'missing'}", "--contexts", "16", "--repeats", "1",
+               "--serve-timeout", "60"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "the server exited with status" in err, err
+
+
+def test_argparse_needs_exactly_one_source(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--shape", "tiny", "--url", "http://127.0.0.1:1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_offline_bench_needs_no_server_packages(tmp_path):
+    """The GPU machine has no fastapi/uvicorn/pydantic (nor the openai client): offline mode must
+    not import them (nor httpx)."""
+    import subprocess
+
+    blocked = ["fastapi", "uvicorn", "starlette", "pydantic", "httpx", "openai"]
+    code = (f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); from verispec.cli import main; "
+            "raise SystemExit(main(['bench', '--shape', 'tiny', '--device', 'cpu', '--methods', 'ar,eagle3', "
+            f"'--contexts', '8', '--gen-tokens', '4', '--repeats', '1', '--step-iters', '2', '--out', {str(tmp_path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "bench.json").is_file()

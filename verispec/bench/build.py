@@ -1,0 +1,102 @@
+"""What a benchmark runs on: random-weight targets and drafters built on the device, or a checkpoint.
+
+Random weights are created directly on the device (meta -> to_empty -> normal_): an 8B model
+never passes through host memory, and speed does not depend on the values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verispec.models.base import CausalLM
+from verispec.models.registry import model_class
+
+
+@dataclass
+class Target:
+    model: CausalLM
+    tokenizer: object  # verispec Tokenizer, or StubTokenizer for random shapes
+    config: dict  # config.json fields
+    name: str  # the shape name or the -m argument
+    model_dir: Path | None = None  # a checkpoint's directory (None: random weights)
+
+    @property
+    def random(self) -> bool:
+        return self.model_dir is None
+
+
+class StubTokenizer:
+    """Random-weight shapes have no tokenizer: the engine only needs eos ids, a vocabulary size
+    and a cheap decode (placeholder text; the real detokenization cost is not measured)."""
+
+    eos_token_ids: list[int] = []
+    has_chat_template = False
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % self.vocab_size for c in text]
+
+
+def init_random_(module: nn.Module, seed: int = 0) -> None:
+    """Fill every floating-point parameter with N(0, 0.02), norm weights with 1 (stable activations)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for sub in module.modules():
+            is_norm = "Norm" in type(sub).__name__
+            for p in sub.parameters(recurse=False):
+                if not p.is_floating_point():
+                    continue
+                if is_norm:
+                    p.fill_(1.0)
+                    continue
+                if p.device not in generators:
+                    generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+                p.normal_(0.0, 0.02, generator=generators[p.device])
+
+
+def random_target(name: str, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Target:
+    cls = model_class(config.get("model_type"))
+    with torch.device("meta"):
+        model = cls(dict(config))
+    model.to(dtype)  # on meta: the device memory is then allocated once, in the target dtype
+    model.to_empty(device=device)
+    init_random_(model, seed)
+    model.tie_weights()
+    model.eval().requires_grad_(False)
+    return Target(model, StubTokenizer(model.vocab_size), dict(config), name)
+
+
+def load_target(model: str, device: torch.device, dtype: torch.dtype) -> Target:
+    from verispec.loading.model_loader import load_model, read_config
+    from verispec.loading.resolve import resolve_model
+    from verispec.loading.tokenizer import Tokenizer
+
+    model_dir = resolve_model(model)
+    loaded = load_model(model_dir, dtype, device)
+    return Target(loaded, Tokenizer.from_dir(model_dir), read_config(model_dir), model, model_dir)
+
+
+def random_eagle3(target: Target, drafter_config: dict, with_embedding: bool, seed: int = 1):
+    """A random EAGLE3 drafter of the given speculators config, built on the target's device."""
+    from verispec.spec.eagle3 import Eagle3Config, Eagle3Drafter
+
+    param = next(target.model.parameters())
+    cfg = Eagle3Config(drafter_config, target.model, Path("<random EAGLE3 drafter>"))
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg, has_embedding=with_embedding, fc_bias=False)
+    drafter.to(param.dtype)
+    drafter.to_empty(device=param.device)
+    init_random_(drafter, seed)
+    drafter.d2t.zero_()  # draft id i is target id i
+    if not with_embedding:
+        drafter.__dict__["shared_embedding"] = target.model.input_embeddings()
+    drafter.eval().requires_grad_(False)
+    return drafter

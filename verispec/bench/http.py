@@ -1,0 +1,340 @@
+"""HTTP mode: any OpenAI-compatible server, measured the way its users see it.
+
+Per server configuration (--url, or each --serve booting `verispec serve ARGS`): one warm-up
+request, then for each context `repeats` streaming requests at temperature 0, each with its own
+prompt (prompts.py), and medians. TTFT = time to the first generated text (content or reasoning;
+the role chunk does not count). Decode tok/s = (usage.completion_tokens - 1) / (t_last - t_first),
+usage from `stream_options.include_usage` (SSE chunk counts are not tokens: a speculative round
+sends several tokens in one chunk). The prompt's length in tokens is the server's
+usage.prompt_tokens; word counts are calibrated from the warm-up to land near each context.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from verispec.bench.options import BenchOptions, Endpoint
+from verispec.bench.progress import Progress
+from verispec.bench.prompts import text_prompt
+from verispec.bench.report import BenchReport, run_metadata
+from verispec.errors import VerispecError
+
+WARMUP_WORDS = 64
+WARMUP_MAX_TOKENS = 16
+
+
+@dataclass
+class RequestResult:
+    prompt: str
+    prompt_tokens: int | None
+    completion_tokens: int
+    tokens_from_usage: bool
+    ttft_ms: float | None
+    decode_tok_s: float | None
+
+    def as_dict(self) -> dict:
+        return {"prompt_head": self.prompt[:60], "prompt_words": len(self.prompt.split()),
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "tokens_from_usage": self.tokens_from_usage, "ttft_ms": self.ttft_ms,
+                "decode_tok_s": self.decode_tok_s}
+
+
+class ServerClient:
+    def __init__(self, url: str, opts: BenchOptions):
+        import httpx
+
+        self.httpx = httpx
+        self.url = url.rstrip("/")
+        self.opts = opts
+        headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers,
+                                   timeout=httpx.Timeout(opts.request_timeout_s, connect=10.0))
+        self.model_id = self._model_id()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _get(self, path: str):
+        try:
+            return self.client.get(path)
+        except self.httpx.TransportError as exc:
+            raise VerispecError(f"cannot reach {self.url}: {_reason(exc)}") from None
+
+    def _model_id(self) -> str:
+        resp = self._get("/v1/models")
+        if resp.status_code != 200:
+            raise VerispecError(f"{self.url}/v1/models answered HTTP {resp.status_code}: {_error_message(resp)}")
+        try:
+            return resp.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise VerispecError(f"{self.url}/v1/models did not list a model") from None
+
+    def stream(self, prompt: str, max_tokens: int) -> RequestResult:
+        endpoint = self.opts.endpoint
+        body = {"model": self.model_id, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if endpoint is Endpoint.CHAT:
+            path = "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            path = "/v1/completions"
+            body["prompt"] = prompt
+        t_first = t_last = None
+        text_chunks = 0
+        usage = None
+        try:
+            t_sent = time.perf_counter()
+            with self.client.stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise VerispecError(f"{self.url}{path} answered HTTP {resp.status_code}: {_error_message(resp)}")
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise VerispecError(f"{self.url}{path} failed mid-stream: {event['error'].get('message')}")
+                    for choice in event.get("choices") or []:
+                        if _generated_text(choice):
+                            t_first = t_first if t_first is not None else now
+                            t_last = now
+                            text_chunks += 1
+                    if event.get("usage"):
+                        usage = event["usage"]
+        except self.httpx.TransportError as exc:
+            raise VerispecError(f"cannot reach {self.url}: {_reason(exc)}") from None
+        completion = int(usage["completion_tokens"]) if usage else text_chunks
+        ttft = (t_first - t_sent) * 1000 if t_first is not None else None
+        decode = None
+        if t_first is not None and t_last > t_first and completion > 1:
+            decode = (completion - 1) / (t_last - t_first)
+        return RequestResult(prompt, int(usage["prompt_tokens"]) if usage else None, completion,
+                             usage is not None, ttft, decode)
+
+    def spec_counters(self) -> tuple[float, float] | None:
+        """(drafted, accepted) totals from /metrics, when the server exports them."""
+        try:
+            resp = self.client.get("/metrics")
+        except self.httpx.TransportError:
+            return None
+        if resp.status_code != 200:
+            return None
+        drafted = accepted = 0.0
+        found = False
+        for line in resp.text.splitlines():
+            m = re.match(r"^(\w*spec_(drafted|accepted)_tokens_total)(\{[^}]*\})?\s+([0-9.eE+-]+)", line)
+            if m:
+                found = True
+                if m.group(2) == "drafted":
+                    drafted += float(m.group(4))
+                else:
+                    accepted += float(m.group(4))
+        return (drafted, accepted) if found else None
+
+    def peak_memory_gib(self) -> float | None:
+        """Peak device memory if the server reports it (/health JSON or a Prometheus gauge)."""
+        with contextlib.suppress(Exception):
+            health = self.client.get("/health").json()
+            for key, value in _flatten(health):
+                k = key.lower()
+                if "peak" in k and "mem" in k and isinstance(value, (int, float)):
+                    if k.endswith("bytes"):
+                        return value / 2**30
+                    if k.endswith("gib") or k.endswith("gb"):
+                        return float(value)
+        with contextlib.suppress(Exception):
+            resp = self.client.get("/metrics")
+            for line in resp.text.splitlines():
+                m = re.match(r"^(\w*peak\w*mem\w*bytes|\w*mem\w*peak\w*bytes)(\{[^}]*\})?\s+([0-9.eE+-]+)", line)
+                if m:
+                    return float(m.group(3)) / 2**30
+        return None
+
+
+def _flatten(obj, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flatten(v, f"{prefix}_{k}" if prefix else str(k))
+    else:
+        yield prefix, obj
+
+
+def _generated_text(choice: dict) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):  # chat: the role chunk has no text
+        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+    return choice.get("text") or ""
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _error_message(resp) -> str:
+    with contextlib.suppress(Exception):
+        body = resp.json()
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return str(body["error"].get("message"))
+    return resp.text[:200].replace("\n", " ")
+
+
+# ---- serving a configuration ------------------------------------------------------------------
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    for i, a in enumerate(args):
+        for name in names:
+            if a == name and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(serve_args: str, opts: BenchOptions) -> Iterator[str]:
+    """Boot `verispec serve ARGS` as a subprocess, wait for /health, yield its URL, stop it."""
+    import httpx
+
+    args = shlex.split(serve_args)
+    host = _flag_value(args, "-H", "--host") or "127.0.0.1"
+    if _flag_value(args, "-p", "--port") is None:
+        args += ["--port", str(_free_port(host))]
+    if _flag_value(args, "-H", "--host") is None:
+        args += ["--host", host]
+    port = _flag_value(args, "-p", "--port")
+    connect = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind: connect locally
+    url = f"http://{'[' + connect + ']' if ':' in connect else connect}:{port}"
+    log = tempfile.NamedTemporaryFile("w+", prefix="verispec-serve-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "verispec", "serve", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + opts.serve_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise VerispecError(f"--serve \"{serve_args}\": the server exited with status {proc.returncode} "
+                                    f"before it was ready: {_tail(log.name)}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise VerispecError(f"--serve \"{serve_args}\": {url}/health not ready after "
+                                    f"{opts.serve_timeout_s:.0f}s (log: {log.name})")
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def _tail(path: str, num_lines: int = 3) -> str:
+    with contextlib.suppress(OSError):
+        lines = [ln.strip() for ln in open(path, errors="replace").read().splitlines() if ln.strip()]
+        return " | ".join(lines[-num_lines:]) or "(no output)"
+    return "(no output)"
+
+
+# ---- the measurement --------------------------------------------------------------------------
+
+def run_http(opts: BenchOptions) -> BenchReport:
+    configs = [(opts.url, None)] if opts.url else [(s, s) for s in opts.serve]
+    total = len(configs) * (1 + len(opts.contexts) * opts.repeats)
+    progress = Progress(total)
+    rows: list[dict] = []
+    models = []
+    try:
+        for index, (label, serve_args) in enumerate(configs):
+            with contextlib.ExitStack() as stack:
+                url = stack.enter_context(served(serve_args, opts)) if serve_args is not None else label
+                client = ServerClient(url, opts)
+                stack.callback(client.close)
+                models.append(client.model_id)
+                rows.extend(_measure(client, label, index, opts, progress))
+    finally:
+        progress.close()
+    first = {r["context"]: r["decode_tok_s"] for r in rows if r["config_index"] == 0}
+    if len(configs) > 1:
+        for r in rows:
+            base = first.get(r["context"])
+            r["speedup_vs_first"] = r["decode_tok_s"] / base if base and r["decode_tok_s"] else None
+    meta = run_metadata(opts)
+    meta.update({"endpoint": opts.endpoint.value, "configs": [c for c, _ in configs], "models": models})
+    return BenchReport("http", meta, rows)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, progress: Progress) -> list[dict]:
+    tag = f"c{index}"
+    warm = text_prompt(tag, 0, -1, WARMUP_WORDS)
+    result = client.stream(warm, min(WARMUP_MAX_TOKENS, opts.gen_tokens))
+    progress.step(f"{label} warm-up")
+    # prompt tokens per word (tag and template included): the first estimate of prompt sizes
+    tokens_per_word = (result.prompt_tokens or WARMUP_WORDS) / len(warm.split())
+    rows = []
+    for context in opts.contexts:
+        words = max(1, round(context / tokens_per_word) - 6)
+        before = client.spec_counters()
+        results: list[RequestResult] = []
+        for repeat in range(opts.repeats):
+            prompt = text_prompt(tag, context, repeat, words)
+            r = client.stream(prompt, opts.gen_tokens)
+            results.append(r)
+            if r.prompt_tokens:  # aim the next prompt closer to the context
+                words = max(1, round(words * context / r.prompt_tokens))
+            progress.step(f"{label} ctx {context} run {repeat + 1}/{opts.repeats}")
+        after = client.spec_counters()
+        acceptance = None
+        if before is not None and after is not None and after[0] > before[0]:
+            acceptance = (after[1] - before[1]) / (after[0] - before[0])
+        ttft = _median([r.ttft_ms for r in results])
+        prompt_tokens = _median([r.prompt_tokens for r in results])
+        row = {
+            "config": label, "config_index": index, "model": client.model_id, "context": context,
+            "prompt_tokens": prompt_tokens, "ttft_ms": ttft,
+            "prefill_tok_s": _median([r.prompt_tokens / (r.ttft_ms / 1000) for r in results
+                                      if r.prompt_tokens and r.ttft_ms]),
+            "decode_tok_s": _median([r.decode_tok_s for r in results]),
+            "completion_tokens": _median([r.completion_tokens for r in results]),
+            "tokens_from_usage": all(r.tokens_from_usage for r in results),
+            "acceptance": acceptance, "repeats": len(results),
+            "requests": [r.as_dict() for r in results],
+        }
+        rows.append(row)
+        decode = row["decode_tok_s"]
+        progress.note(f"{label} ctx {context}: ttft {ttft or 0:.1f} ms, decode "
+                      f"{'n/a' if decode is None else f'{decode:.1f}'} tok/s")
+    peak = client.peak_memory_gib()
+    for row in rows:
+        row["peak_memory_gib"] = peak
+    return rows

@@ -1,0 +1,298 @@
+"""Offline mode: our engine (and peers) on one model in this process, no server.
+
+For each method and context: one warm-up generation, then `repeats` timed generations of
+exactly gen-tokens tokens (eos ignored), each on its own prompt; every number is the median.
+Speculative methods also get their parts timed one step at a time (see steps.py).
+This module must not import the server (the GPU machine has no fastapi/uvicorn).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from verispec.bench import compare
+from verispec.bench.bandwidth import DEFAULT_COPY_BYTES, measure_copy_bandwidth
+from verispec.bench.build import Target, load_target, random_eagle3, random_target
+from verispec.bench.options import BenchOptions, Method, Peer
+from verispec.bench.progress import Progress
+from verispec.bench.prompts import token_prompt, tokenized_prompt
+from verispec.bench.report import BenchReport, run_metadata
+from verispec.bench.roofline import mean_decode_context, roofline_tok_s, token_bytes
+from verispec.bench.shapes import default_eagle3_shape, eagle3_config, get_shape
+from verispec.bench.steps import measure_step_costs
+from verispec.config import EngineConfig
+from verispec.engine.engine import Engine
+from verispec.engine.params import SamplingParams
+from verispec.errors import VerispecError
+from verispec.loading.model_loader import parse_device, parse_dtype
+
+WARMUP_TOKENS = 16  # a warm-up generation: enough rounds to touch every kernel shape
+
+
+@dataclass
+class Setup:
+    opts: BenchOptions
+    target: Target
+    device: torch.device
+    dtype: torch.dtype
+    bandwidth: float | None  # bytes/s
+    bandwidth_source: str
+
+
+def run_offline(opts: BenchOptions) -> BenchReport:
+    device = parse_device(opts.device)
+    dtype = parse_dtype(opts.dtype, device)
+    shape = get_shape(opts.shape) if opts.shape else None  # a bad shape fails before any work
+    if shape is not None:
+        _check_contexts(opts, shape.config.get("max_position_embeddings"))
+    bandwidth, source = _bandwidth(opts, device)
+    target = (random_target(shape.name, shape.config, device, dtype, opts.seed) if shape is not None
+              else load_target(opts.model, device, dtype))
+    _check_contexts(opts, target.model.max_position_embeddings)
+    setup = Setup(opts, target, device, dtype, bandwidth, source)
+    runs_per_context = 1 + opts.repeats
+    total = len(opts.methods) * len(opts.contexts) * runs_per_context
+    total += sum(len(opts.contexts) for m in opts.methods if m.speculative)
+    total += len(opts.compare) * len(opts.contexts) * runs_per_context
+    progress = Progress(total)
+    rows: list[dict] = []
+    drafter_note = None
+    graphs: dict[str, bool] = {}
+    try:
+        for method in opts.methods:
+            engine, note = _engine(setup, method)
+            drafter_note = note or drafter_note
+            graphs[method.value] = _capture_graphs(engine)
+            for context in opts.contexts:
+                rows.append(_measure_engine(setup, engine, method, context, progress))
+            del engine
+            _free(device)
+        for peer in opts.compare:
+            rows.extend(_measure_peer(setup, peer, progress))
+    finally:
+        progress.close()
+    _speedups(rows)
+    meta = run_metadata(opts, device, dtype)
+    meta.update({
+        "target": target.name,
+        "weights": "random weights" if target.random else f"checkpoint {target.model_dir}",
+        "summary": shape.summary if shape is not None else None,
+        "bandwidth_tbs": bandwidth / 1e12 if bandwidth else None,
+        "bandwidth_source": source,
+        "weight_bytes_per_token": token_bytes(target.model, 0).weights,
+        "kv_context": "KV bytes at the mean decode position: context + gen_tokens/2",
+        "drafter": drafter_note,
+        "tokenizer": "stub (no detokenization cost)" if target.random else "checkpoint's",
+        "cuda_graphs": graphs,
+    })
+    return BenchReport("offline", meta, rows)
+
+
+def _check_contexts(opts: BenchOptions, max_len: int | None) -> None:
+    if not max_len:
+        return
+    extra = opts.gen_tokens + opts.draft_block + 1
+    too_long = [c for c in opts.contexts if c + extra > max_len]
+    if too_long:
+        raise VerispecError(f"--contexts {too_long[0]} plus {opts.gen_tokens} generated tokens does not fit this "
+                            f"model's {max_len}-token context (at most {max_len - extra} with --gen-tokens "
+                            f"{opts.gen_tokens})")
+
+
+def _bandwidth(opts: BenchOptions, device: torch.device) -> tuple[float | None, str]:
+    if opts.bandwidth_tbs is not None:
+        return opts.bandwidth_tbs * 1e12, "--bandwidth"
+    measured = measure_copy_bandwidth(device)
+    if measured is None:
+        return None, f"not measured on {device.type}; give --bandwidth TB/s"
+    return measured, f"measured: {DEFAULT_COPY_BYTES >> 30} GiB device-to-device copy, read + written, median"
+
+
+def _engine(setup: Setup, method: Method) -> tuple[Engine, str | None]:
+    opts, target = setup.opts, setup.target
+    config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs)
+    if method is Method.AR:
+        return Engine(target.model, target.tokenizer, config), None
+    if method is Method.EAGLE3:
+        from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+
+        if opts.eagle3:
+            drafter = load_eagle3(opts.eagle3, target.model)
+            note = f"EAGLE3 {opts.eagle3}"
+        else:
+            text_config = target.config.get("text_config") or target.config  # multimodal wrappers
+            shape = get_shape(opts.shape).eagle3 if opts.shape else None
+            shape = shape or default_eagle3_shape(text_config)
+            raw = eagle3_config(text_config, shape)
+            drafter = random_eagle3(target, raw, shape.with_embedding, seed=opts.seed + 1)
+            note = (f"EAGLE3 random weights (never accepted: read the cost columns), draft vocab "
+                    f"{raw['draft_vocab_size']}, {shape.layer_type} layer of hidden {raw['transformer_layer_config']['hidden_size']}")
+        proposer = Eagle3Proposer(drafter, target.model.vocab_size)
+        return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=opts.draft_block), note
+    raise VerispecError(f"method {method.value} has no offline runner")
+
+
+def _capture_graphs(engine: Engine) -> bool:
+    """Capture the engine's CUDA graphs up front, as `serve` does at prewarm (when the engine has
+    them: CUDA with Triton). Returns whether decode/verify steps run as graphs."""
+    capture = getattr(engine, "capture_graphs", None)
+    if callable(capture):
+        capture()
+    return getattr(engine, "_graphs", None) is not None
+
+
+def _prompt(setup: Setup, context: int, repeat: int) -> list[int]:
+    target = setup.target
+    if target.random:
+        return token_prompt(context, repeat, target.model.vocab_size, setup.opts.seed)
+    return tokenized_prompt(target.tokenizer, "offline", context, repeat)
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return None
+
+
+def _out_of_memory(exc: Exception, what: str) -> VerispecError:
+    return VerispecError(f"out of device memory {what}: {str(exc).splitlines()[0]}")
+
+
+def _measure_engine(setup: Setup, engine: Engine, method: Method, context: int, progress: Progress) -> dict:
+    opts = setup.opts
+    label = f"{method.value} ctx {context}"
+    params = SamplingParams(max_tokens=opts.gen_tokens, temperature=0.0, ignore_eos=True)
+    _reset_peak(setup.device)
+    runs = []
+    try:
+        warm = SamplingParams(max_tokens=min(WARMUP_TOKENS, opts.gen_tokens), temperature=0.0, ignore_eos=True)
+        engine.generate_all(_prompt(setup, context, -1), warm)
+        progress.step(f"{label} warm-up")
+        for repeat in range(opts.repeats):
+            stats = engine.generate_all(_prompt(setup, context, repeat), params).stats
+            runs.append({
+                "ttft_ms": stats.ttft_ms, "prefill_tok_s": stats.prefill_tok_per_s,
+                "decode_tok_s": stats.decode_tok_per_s, "generated_tokens": stats.generated_tokens,
+                "rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
+            })
+            progress.step(f"{label} run {repeat + 1}/{opts.repeats}")
+        costs = None
+        if method.speculative:
+            costs = measure_step_costs(engine, _prompt(setup, context, -2), opts.step_iters)
+            progress.step(f"{label} step costs")
+    except torch.OutOfMemoryError as exc:
+        raise _out_of_memory(exc, f"running {method.value} at context {context}") from None
+    row = _row(setup, method.value, context, runs)
+    row["peak_memory_gib"] = _peak_gib(setup.device)
+    if method.speculative:
+        drafted = sum(r["drafted"] for r in runs)
+        accepted = sum(r["accepted"] for r in runs)
+        per_round = [(r["generated_tokens"] - 1) / r["rounds"] for r in runs if r["rounds"]]
+        row.update({
+            "draft_block": engine.num_drafts,
+            "rounds": _median(runs, "rounds"),
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            # tokens each target pass yields after prefill (accepted drafts + the bonus token)
+            "tokens_per_round": statistics.median(per_round) if per_round else None,
+        })
+        row.update(costs.as_dict())
+    progress.note(_summary(row))
+    return row
+
+
+def _measure_peer(setup: Setup, peer: Peer, progress: Progress) -> list[dict]:
+    opts, device = setup.opts, setup.device
+    if peer is not Peer.TRANSFORMERS:
+        raise VerispecError(f"--compare {peer.value} has no runner")
+    model = compare.transformers_model(setup.target, device, setup.dtype)
+    rows = []
+    try:
+        for context in opts.contexts:
+            label = f"transformers ctx {context}"
+            _reset_peak(device)
+            try:
+                compare.warm_up(model, _prompt(setup, context, -1), device)
+                progress.step(f"{label} warm-up")
+                runs = []
+                for repeat in range(opts.repeats):
+                    run = compare.run_once(model, _prompt(setup, context, repeat), opts.gen_tokens, device)
+                    runs.append({"ttft_ms": run.ttft_ms, "prefill_tok_s": context / (run.ttft_ms / 1000),
+                                 "decode_tok_s": run.decode_tok_s, "generated_tokens": run.gen_tokens})
+                    progress.step(f"{label} run {repeat + 1}/{opts.repeats}")
+            except torch.OutOfMemoryError as exc:
+                raise _out_of_memory(exc, f"running transformers at context {context}") from None
+            row = _row(setup, "transformers", context, runs)
+            row["peak_memory_gib"] = _peak_gib(device)
+            row["attention"] = compare.attention_implementation(model)
+            rows.append(row)
+            progress.note(_summary(row))
+    finally:
+        del model
+        _free(device)
+    return rows
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _row(setup: Setup, method: str, context: int, runs: list[dict]) -> dict:
+    opts = setup.opts
+    tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens))
+    decode = _median(runs, "decode_tok_s")
+    roofline = roofline_tok_s(setup.bandwidth, tb.total)
+    return {
+        "method": method,
+        "context": context,
+        "gen_tokens": opts.gen_tokens,
+        "repeats": len(runs),
+        "ttft_ms": _median(runs, "ttft_ms"),
+        "prefill_tok_s": _median(runs, "prefill_tok_s"),
+        "decode_tok_s": decode,
+        "bytes_per_token": tb.total,
+        "weight_bytes": tb.weights,
+        "kv_bytes": tb.kv,
+        "bandwidth_tbs": setup.bandwidth / 1e12 if setup.bandwidth else None,
+        "roofline_tok_s": roofline,
+        "roofline_fraction": decode / roofline if roofline else None,
+        "runs": runs,
+    }
+
+
+def _speedups(rows: list[dict]) -> None:
+    """speedup_vs_ar: decode tok/s over our plain decode at the same context; speedup_vs_transformers:
+    over transformers generate at the same context (both measured in this run)."""
+    by = {(r["method"], r["context"]): r["decode_tok_s"] for r in rows}
+    for r in rows:
+        if r["method"] == "transformers":
+            continue
+        ar = by.get(("ar", r["context"]))
+        hf = by.get(("transformers", r["context"]))
+        if r["method"] != "ar":
+            r["speedup_vs_ar"] = r["decode_tok_s"] / ar if ar else None
+        r["speedup_vs_transformers"] = r["decode_tok_s"] / hf if hf else None
+
+
+def _summary(row: dict) -> str:
+    text = (f"{row['method']} ctx {row['context']}: ttft {row['ttft_ms']:.1f} ms, "
+            f"decode {row['decode_tok_s']:.1f} tok/s")
+    if row.get("roofline_fraction") is not None:
+        text += f" ({100 * row['roofline_fraction']:.1f}% of roofline)"
+    if row.get("verify_decode_ratio") is not None:
+        text += (f", verify/decode {row['verify_decode_ratio']:.2f}, "
+                 f"draft/token {row['draft_cost_fraction']:.2f} of a step")
+    return text

@@ -1,0 +1,128 @@
+"""What `verispec bench` was asked to do, checked: one frozen object built from the CLI flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from verispec.errors import VerispecError
+
+
+class Method(str, Enum):
+    """Decoding methods the offline bench runs on our engine."""
+
+    AR = "ar"  # plain autoregressive decoding
+    EAGLE3 = "eagle3"  # EAGLE3 drafter (random of the real drafter shape, or --eagle3 DIR)
+
+    @property
+    def speculative(self) -> bool:
+        return self is not Method.AR
+
+
+class Peer(str, Enum):
+    """Other implementations `--compare` runs on the same model in the same run."""
+
+    TRANSFORMERS = "transformers"  # Hugging Face transformers `generate`
+
+
+class Endpoint(str, Enum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+def _names(enum) -> str:
+    return ", ".join(m.value for m in enum)
+
+
+def parse_methods(text: str) -> list[Method]:
+    out: list[Method] = []
+    for name in _split(text, "--methods"):
+        try:
+            method = Method(name)
+        except ValueError:
+            raise VerispecError(f"--methods: '{name}' is not an available method "
+                                f"(available: {_names(Method)})") from None
+        if method not in out:
+            out.append(method)
+    return out
+
+
+def parse_peers(text: str) -> list[Peer]:
+    out: list[Peer] = []
+    for name in _split(text, "--compare"):
+        try:
+            peer = Peer(name)
+        except ValueError:
+            raise VerispecError(f"--compare: '{name}' is not supported (available: {_names(Peer)})") from None
+        if peer not in out:
+            out.append(peer)
+    return out
+
+
+def parse_contexts(text: str) -> list[int]:
+    out = []
+    for item in _split(text, "--contexts"):
+        value = item.lower()
+        scale = 1
+        if value.endswith("k"):  # 4k, 32k
+            value, scale = value[:-1], 1024
+        try:
+            n = int(value) * scale
+        except ValueError:
+            raise VerispecError(f"--contexts: '{item}' is not a number of tokens (e.g. 512,4096,32k)") from None
+        if n < 1:
+            raise VerispecError(f"--contexts: every context must be >= 1 token, got {n}")
+        if n not in out:
+            out.append(n)
+    return sorted(out)
+
+
+def _split(text: str, flag: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise VerispecError(f"{flag} needs at least one comma-separated value")
+    return items
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    # where to measure: exactly one of these (model/shape: offline; url/serve: over HTTP)
+    model: str | None = None
+    shape: str | None = None
+    url: str | None = None
+    serve: tuple[str, ...] = ()
+    methods: tuple[Method, ...] = (Method.AR,)
+    contexts: tuple[int, ...] = (512,)
+    gen_tokens: int = 128
+    repeats: int = 3
+    draft_block: int = 2
+    dtype: str | None = None
+    device: str | None = None
+    prefill_step_size: int = 2048
+    cuda_graphs: bool = True  # the engine's captured decode/verify steps (CUDA with Triton)
+    compare: tuple[Peer, ...] = ()
+    out: Path | None = None
+    bandwidth_tbs: float | None = None
+    eagle3: str | None = None  # a real drafter directory (offline)
+    step_iters: int = 20  # timed target/drafter steps per context for the speculative cost rows
+    endpoint: Endpoint = Endpoint.CHAT
+    api_key: str | None = None
+    serve_timeout_s: float = 900.0
+    request_timeout_s: float = 900.0
+    seed: int = 0
+
+    @property
+    def http(self) -> bool:
+        return bool(self.url or self.serve)
+
+    def check(self) -> "BenchOptions":
+        for flag, value in (("--gen-tokens", self.gen_tokens), ("--repeats", self.repeats),
+                            ("--draft-block", self.draft_block), ("--prefill-step-size", self.prefill_step_size),
+                            ("--step-iters", self.step_iters)):
+            if value < 1:
+                raise VerispecError(f"{flag} must be >= 1, got {value}")
+        if self.bandwidth_tbs is not None and self.bandwidth_tbs <= 0:
+            raise VerispecError(f"--bandwidth must be a positive number of TB/s, got {self.bandwidth_tbs}")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
+        return self

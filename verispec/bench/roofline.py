@@ -1,0 +1,70 @@
+"""Bytes one batch-1 decode step must move, and the bandwidth roofline they imply.
+
+Each decoded token streams every weight once, except the input embedding, of which one row is
+read; plus the KV cache it attends to (a sliding-window layer reads at most its window) and the
+state of recurrent layers (read and written). roofline tok/s = bandwidth / bytes per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec
+from verispec.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    weights: int  # every weight tensor, minus the input embedding (plus one of its rows)
+    kv: int  # K and V rows attended to, recurrent state read and written
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Parameters and buffers, each counted once (a tied lm_head is the embedding's own Parameter,
+    which parameters() yields once), the untied input embedding replaced by one of its rows."""
+    embedding = model.input_embeddings().weight
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    if head is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+        total += embedding.shape[-1] * embedding.element_size()
+    return total
+
+
+def kv_bytes(model: CausalLM, context: int) -> int:
+    """Cache bytes one decode step reads with `context` tokens before it."""
+    dtype = next(model.parameters()).dtype
+    item = torch.empty((), dtype=dtype).element_size()
+    specs = model.cache_specs()
+    windows = getattr(getattr(model, "settings", None), "windows", None) or [None] * len(specs)
+    total = 0
+    for spec, window in zip(specs, windows):
+        if isinstance(spec, LayerCacheSpec):
+            rows = context if window is None else min(context, window)
+            total += 2 * spec.num_kv_heads * spec.head_dim * rows * item
+        elif isinstance(spec, RecurrentLayerSpec):
+            conv = spec.conv_dim * (spec.conv_kernel - 1) * item
+            ssm = spec.num_heads * spec.key_dim * spec.value_dim * 4  # float32 state
+            total += 2 * (conv + ssm)
+    return total
+
+
+def token_bytes(model: CausalLM, context: int) -> TokenBytes:
+    return TokenBytes(weight_bytes(model), kv_bytes(model, context))
+
+
+def mean_decode_context(context: int, gen_tokens: int) -> int:
+    """The average number of tokens a measured decode step attends to: the prompt plus, on
+    average, half of the generated tokens."""
+    return context + gen_tokens // 2
+
+
+def roofline_tok_s(bandwidth_bytes_s: float | None, bytes_per_token: int) -> float | None:
+    if not bandwidth_bytes_s or bytes_per_token <= 0:
+        return None
+    return bandwidth_bytes_s / bytes_per_token

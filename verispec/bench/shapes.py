@@ -1,0 +1,130 @@
+"""Model shapes for `verispec bench --shape`: real architectures' dimensions, random weights.
+
+Decode speed does not depend on the weights' values, so a shape is benchmarked with random
+weights created directly on the device. A shape is available when its architecture
+(`model_type`) is in the model registry; shapes whose architecture has not landed yet are listed
+in PLANNED_SHAPES, and asking for one is a clear error. To add one when its architecture lands:
+put its config.json fields (and its EAGLE3 drafter's shape, if it has drafters) in SHAPES.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verispec.errors import VerispecError
+from verispec.models.registry import MODEL_REGISTRY
+
+
+@dataclass(frozen=True)
+class Eagle3Shape:
+    """A drafter's shape for a target. None fields take the target's value."""
+
+    draft_vocab_size: int = 32000
+    layer_type: str = "llama"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    with_embedding: bool = True  # speculators drafters usually carry their own embed_tokens
+    norm_before_residual: bool = True
+    aux_layer_ids: tuple[int, ...] | None = None  # None: the speculators default [2, N//2, N-3]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    summary: str
+    config: dict  # the target's config.json fields (model_type included)
+    eagle3: Eagle3Shape | None = None  # its published EAGLE3 drafters' shape
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def available(self) -> bool:
+        return self.model_type in MODEL_REGISTRY
+
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("qwen3-8b", "Qwen3-8B: dense, 36 layers, hidden 4096, 32/8 heads x 128, MLP 12288, vocab 151936",
+          dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+               max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+               tie_word_embeddings=False),
+          # as RedHatAI / AngelSlim Qwen3-8B EAGLE3 speculators: one Llama layer of the target's width
+          Eagle3Shape(draft_vocab_size=32000)),
+    # Qwen3.6-27B (Qwen3.5-27B is the same shape): 3 of every 4 layers Gated DeltaNet; it
+    # drafts with its own MTP head, so no EAGLE3 entry (eagle3 falls back to the target's width)
+    Shape("qwen3.6-27b", "Qwen3.6-27B: hybrid, 64 layers (16 attention 24/4 heads x 256, 48 Gated DeltaNet), "
+          "hidden 5120, MLP 17408, vocab 248320",
+          dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+               num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+               linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+               attn_output_gate=True, max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+               tie_word_embeddings=False)),
+    Shape("tiny", "a tiny Qwen3-architecture model for CPU tests",
+          dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+               max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu",
+               tie_word_embeddings=False),
+          Eagle3Shape(draft_vocab_size=256, aux_layer_ids=(0, 1, 1))),
+)}
+
+# Shapes waiting for their architecture (name -> what is missing); see shared/reference/*.md.
+PLANNED_SHAPES: dict[str, str] = {
+    "qwen3.6-27b": "the Qwen3.5/3.6 hybrid architecture (Gated DeltaNet + attention)",
+    "gemma4-31b": "the Gemma 4 architecture",
+    "gemma4-26b-a4b": "the Gemma 4 mixture-of-experts architecture",
+}
+
+
+def available_shapes() -> list[str]:
+    return sorted(name for name, s in SHAPES.items() if s.available)
+
+
+def get_shape(name: str) -> Shape:
+    shape = SHAPES.get(name)
+    listing = ", ".join(available_shapes())
+    if shape is not None and shape.available:
+        return shape
+    if name in PLANNED_SHAPES or shape is not None:
+        what = PLANNED_SHAPES.get(name) or f"model_type '{shape.model_type}'"
+        raise VerispecError(f"--shape {name} needs {what}, which verispec does not implement yet "
+                            f"(available shapes: {listing})")
+    raise VerispecError(f"--shape '{name}' is not a known shape (available shapes: {listing})")
+
+
+def default_eagle3_shape(target_config: dict) -> Eagle3Shape:
+    """The drafter shape for a checkpoint (-m) with no table entry: one layer of the target's width."""
+    return Eagle3Shape(draft_vocab_size=min(32000, int(target_config["vocab_size"])))
+
+
+def eagle3_config(target_config: dict, shape: Eagle3Shape) -> dict:
+    """A speculators-format EAGLE3 config.json for a drafter of `shape` on this target."""
+    heads = int(target_config["num_attention_heads"])
+    hidden_t = int(target_config["hidden_size"])
+    layer = {
+        "model_type": shape.layer_type,
+        "hidden_size": shape.hidden_size or hidden_t,
+        "intermediate_size": shape.intermediate_size or int(target_config["intermediate_size"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(target_config.get("num_key_value_heads") or heads),
+        "head_dim": int(target_config.get("head_dim") or hidden_t // heads),
+        "rms_norm_eps": float(target_config.get("rms_norm_eps", 1e-6)),
+        "vocab_size": int(target_config["vocab_size"]),
+        "rope_theta": float(target_config.get("rope_theta", 10000.0)),
+        "max_position_embeddings": int(target_config.get("max_position_embeddings", 4096)),
+        "hidden_act": "silu",
+        "num_hidden_layers": 1,
+    }
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": min(shape.draft_vocab_size, layer["vocab_size"]),
+        "target_hidden_size": hidden_t,
+        "norm_before_residual": shape.norm_before_residual,
+    }
+    if shape.aux_layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(shape.aux_layer_ids)
+    return config
