@@ -14,7 +14,8 @@ from verispec.models.base import CausalLM, ForwardOutput
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
-from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from verispec.models.layers.fused import add_rms_norm, compiled
+from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary_pair, rope_parameters
 
 
 class DecoderSettings:
@@ -79,6 +80,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = s.head_dim ** -0.5
         self.window = s.windows[layer_idx] if layer_idx < len(s.windows) else None
+        self.rotary = apply_rotary_pair
+
+    def fuse(self) -> None:
+        self.rotary = compiled(apply_rotary_pair)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]
@@ -89,7 +94,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin)
         out = attend(q, k, v, inputs, self.layer_idx, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -101,10 +106,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(s, layer_idx)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act, s.mlp_bias)
+        self.add_norm = add_rms_norm
+
+    def fuse(self) -> None:
+        self.add_norm = compiled(add_rms_norm)
 
     def forward(self, x, cos, sin, inputs: AttentionInputs):  # x: [B, T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, inputs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.post_attention_layernorm
+        x, h = self.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, inputs), norm.weight, norm.eps,
+                             norm.unit_offset)
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -157,3 +168,9 @@ class LlamaForCausalLM(CausalLM):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def fuse_small_ops(self) -> None:
+        """Compile norms, RoPE, residual adds and the gated activation into single kernels."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
