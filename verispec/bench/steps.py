@@ -93,19 +93,19 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int) -> Ste
     capture = proposer.capture_layers
     cache = engine._cache_for(context + k + 1)
     proposer.reset(prompt_ids)
-    hidden, aux, last_start = engine._prefill(prompt_ids, cache, capture)
+    hidden, aux, last_start, pre_norm = engine._prefill(prompt_ids, cache, capture)
     token = int(torch.argmax(engine._logits(hidden[-1:])[0]))
-    proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token))
+    proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token, pre_norm))
     drafts = proposer.propose(k, greedy, None).token_ids
 
     def decode_step():
-        _, _, logits = engine._verify_pass([token], context, cache, ())
+        _, _, logits, _ = engine._verify_pass([token], context, cache, ())
         int(torch.argmax(logits[-1]))
 
     verified = {}
 
     def verify_step():
-        hid, aux_rows, logits = engine._verify_pass([token] + drafts, context, cache, capture)
+        hid, aux_rows, logits, _ = engine._verify_pass([token] + drafts, context, cache, capture)
         logits.argmax(dim=-1).tolist()
         verified["step"] = TargetStep([token], context, hid[:1], [a[:1] for a in aux_rows], drafts[0])
 

@@ -31,25 +31,27 @@ class GraphedStep:
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
-            self.hidden, self.aux, self.logits = self._run(model, capture, logits_fn)
+            self.hidden, self.aux, self.logits, self.pre_norm = self._run(model, capture, logits_fn)
         cache.pending = 0
 
     def _run(self, model, capture, logits_fn):
         out = model(self.input_ids, self.positions, self.cache, capture)
         hidden = out.hidden[0]
-        return hidden, [a[0] for a in out.aux], logits_fn(hidden)
+        pre_norm = out.pre_norm[0] if out.pre_norm is not None else None
+        return hidden, [a[0] for a in out.aux], logits_fn(hidden), pre_norm
 
     def pool(self):
         return self.graph.pool()
 
     def __call__(self, token_ids: list[int], position: int):
-        """Replay at `position`; returns static hidden [T, H], aux [T, H_t] each, logits [T, V]."""
+        """Replay at `position`; returns static hidden [T, H], aux [T, H_t] each, logits [T, V],
+        pre-norm hidden [T, H] (or None)."""
         t = self.num_tokens
         self.input_ids.copy_(torch.tensor([token_ids], dtype=torch.long), non_blocking=True)
         self.positions.copy_(torch.arange(position, position + t).unsqueeze(0), non_blocking=True)
         self.graph.replay()
         self.cache.pending = t  # the replayed forward wrote t pending rows
-        return self.hidden, self.aux, self.logits
+        return self.hidden, self.aux, self.logits, self.pre_norm
 
 
 class StepGraphs:

@@ -142,11 +142,11 @@ class Engine:
         t0 = time.perf_counter()
         if proposer is not None:
             proposer.reset(prompt_ids)
-        hidden, aux, last_start = self._prefill(prompt_ids, cache, capture)
+        hidden, aux, last_start, pre_norm = self._prefill(prompt_ids, cache, capture)
         logits = self._logits(hidden[-1:])
         token = self._choose(logits[0], params, history, generator)
         if proposer is not None:
-            proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token))
+            proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token, pre_norm))
         _sync(self.device)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1000
         chunk = out.push([token], logits)
@@ -166,7 +166,7 @@ class Engine:
                 t_drafted = time.perf_counter()
             position = len(prompt_ids) + len(out.token_ids) - 1
             inputs = [token] + draft.token_ids
-            hidden, aux, logits = self._verify_pass(inputs, position, cache, capture)
+            hidden, aux, logits, pre_norm = self._verify_pass(inputs, position, cache, capture)
             accepted, token = self._verify(draft, logits, params, history, generator)
             if profile:
                 _sync(self.device)
@@ -179,7 +179,7 @@ class Engine:
             stats.accepted += accepted
             if proposer is not None:
                 proposer.observe(TargetStep(inputs[:accepted + 1], position, hidden[:accepted + 1],
-                                            [a[:accepted + 1] for a in aux], token))
+                                            [a[:accepted + 1] for a in aux], token, _rows(pre_norm, accepted + 1)))
             chunk = out.push(draft.token_ids[:accepted] + [token], logits[:accepted + 1])
         _sync(self.device)
         stats.decode_ms = (time.perf_counter() - t_decode) * 1000
@@ -274,7 +274,7 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int], cache: KVCache, capture: tuple[int, ...]
-                 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], int, torch.Tensor | None]:
         """Chunked prefill. The proposer observes each chunk but the last as it goes (so the
         prompt's features never all sit in memory at once); the last chunk's hidden [n, H] and
         aux [n, H_t] each are returned with its start position, to be observed once the first
@@ -290,15 +290,15 @@ class Engine:
             cache.commit(chunk.shape[1])
             if end < len(prompt_ids) and proposer is not None:
                 proposer.observe(TargetStep(prompt_ids[start:end], start, out.hidden[0],
-                                            [a[0] for a in out.aux], prompt_ids[end]))
+                                            [a[0] for a in out.aux], prompt_ids[end], _rows(out.pre_norm, None, 0)))
         hidden = out.hidden[0] if proposer is not None else out.hidden[0, -1:]
-        return hidden, [a[0] for a in out.aux], start
+        return hidden, [a[0] for a in out.aux], start, _rows(out.pre_norm, None, 0)
 
     @torch.inference_mode()
     def _verify_pass(self, token_ids: list[int], position: int, cache: KVCache, capture: tuple[int, ...]
-                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """One target pass over T = k+1 tokens (T = 1 is a plain decode step), nothing committed.
-        Returns hidden [T, H], aux [T, H_t] each, logits [T, V]."""
+        Returns hidden [T, H], aux [T, H_t] each, logits [T, V], pre-norm hidden [T, H] or None."""
         step = self._graphs.get(len(token_ids)) if self._graphs is not None else None
         if step is not None:
             return step(token_ids, position)
@@ -306,7 +306,7 @@ class Engine:
         positions = torch.arange(position, position + len(token_ids), device=self.device)[None]
         out = self.model(ids, positions, cache, capture)
         hidden = out.hidden[0]
-        return hidden, [a[0] for a in out.aux], self._logits(hidden)
+        return hidden, [a[0] for a in out.aux], self._logits(hidden), _rows(out.pre_norm, None, 0)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> logits [B, V] in float32 (float64 stays float64), padding rows masked."""
@@ -332,6 +332,15 @@ class Engine:
                   "decode=%.1f tok/s, finish=%s%s", stats.prompt_tokens, stats.generated_tokens,
                   stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
                   out.finish_reason.value if out.finish_reason else None, spec)
+
+
+def _rows(t: torch.Tensor | None, count: int | None, batch_index: int | None = None) -> torch.Tensor | None:
+    """Optional tensor helper: select a batch row and/or the first `count` rows."""
+    if t is None:
+        return None
+    if batch_index is not None:
+        t = t[batch_index]
+    return t if count is None else t[:count]
 
 
 def load_engine(model: str, **kwargs) -> Engine:

@@ -28,6 +28,7 @@ class TargetStep:
     hidden: torch.Tensor  # [n, H]
     aux: list[torch.Tensor]  # each [n, H_target]
     next_token: int
+    pre_norm: torch.Tensor | None = None  # [n, H] residual stream before the final norm
 
 
 @dataclass
