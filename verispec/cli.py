@@ -35,6 +35,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
     p.add_argument("--draft-block", type=int, default=None, metavar="K",
                    help="drafts per round (default: VERISPEC_EAGLE3_BLOCK, else 2)")
+    p.add_argument("--mtp", action="store_true",
+                   help="speculate with the model's own MTP head (Qwen3.5 / Qwen3.6; in the shards or a sidecar)")
+    p.add_argument("--mtp-depth", type=int, default=None, metavar="N",
+                   help="MTP drafts per round (default 1: one draft + the bonus token)")
+    p.add_argument("--mtp-hidden", default=None, choices=["post-norm", "pre-norm"],
+                   help="target hidden state fed to the MTP head (default post-norm)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature_default: float) -> None:
@@ -112,10 +118,21 @@ def _engine_config(args):
                         ("--draft-block", args.draft_block)):
         if value is not None and value < 1:
             raise VerispecError(f"{flag} must be >= 1, got {value}")
+    if args.mtp_depth is not None and args.mtp_depth < 1:
+        raise VerispecError(f"--mtp-depth must be >= 1, got {args.mtp_depth}")
+    if not args.mtp:
+        for flag, value in (("--mtp-depth", args.mtp_depth), ("--mtp-hidden", args.mtp_hidden)):
+            if value is not None:
+                raise VerispecError(f"{flag} needs --mtp")
+    elif args.eagle3:
+        raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
+    elif args.draft_block is not None:
+        raise VerispecError("--draft-block sets EAGLE3's drafts per round; with --mtp use --mtp-depth N")
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
-                        eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs)
+                        eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs,
+                        mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm")
 
 
 def _check_port_free(host: str, port: int) -> None:

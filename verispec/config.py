@@ -65,3 +65,6 @@ class EngineConfig:
     fuse_small_ops: bool = True  # compile norms/RoPE/activations into single kernels (CUDA only)
     eagle3: str | None = None  # speculators EAGLE3 drafter directory
     draft_block: int | None = None  # drafts per round (None: VERISPEC_EAGLE3_BLOCK, else 2)
+    mtp: bool = False  # speculate with the model's own MTP head (Qwen3.5 / Qwen3.6)
+    mtp_depth: int = 1  # MTP drafts per round (1: mlx-lm's "depth-2 bonus" loop: draft + bonus)
+    mtp_hidden: str = "post-norm"  # target hidden fed to the head: post-norm | pre-norm

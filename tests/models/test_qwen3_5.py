@@ -510,13 +510,21 @@ def test_fla_matches_torch_reference(length):
 
 @pytest.mark.gpu
 def test_fla_model_logits_match_torch_path(qwen3_5_dirs, monkeypatch):
-    """The text model on CUDA in bfloat16: logits with fla close to the torch path's, through a
-    prefill longer than 16 tokens and single-token decode steps."""
+    """The text model on CUDA in bfloat16 through a prefill longer than 16 tokens and short
+    decode/verify passes: with fla, the logits are as close to a float32 reference (torch path)
+    as the bf16 torch path's are — bf16 error is expected, a larger one would be a bug."""
     _needs_fla()
-    model = load_model(qwen3_5_dirs["text"], torch.bfloat16, torch.device("cuda"))
-    ids = random_ids(80, model.vocab_size, seed=5)
+    ids = random_ids(80, 10_000, seed=5)
     sizes = [40, 16, 1, 1, 1, 7, 1]
-    with_fla = run_passes(model, model.make_cache(128), ids[:67], sizes)
+    reference_model = load_model(qwen3_5_dirs["text"], torch.float32, torch.device("cuda"))
+    ids = [i % reference_model.vocab_size for i in ids]
+    model = load_model(qwen3_5_dirs["text"], torch.bfloat16, torch.device("cuda"))
+    with_fla = run_passes(model, model.make_cache(128), ids[:67], sizes).float()
     monkeypatch.setattr(gated_delta_net, "fla_available", lambda: False)
-    torch_path = run_passes(model, model.make_cache(128), ids[:67], sizes)
-    torch.testing.assert_close(with_fla.float(), torch_path.float(), atol=0.1, rtol=0.05)
+    torch_bf16 = run_passes(model, model.make_cache(128), ids[:67], sizes).float()
+    reference = run_passes(reference_model, reference_model.make_cache(128), ids[:67], sizes).float()
+
+    def rel(x):
+        return float((x - reference).norm() / reference.norm())
+
+    assert rel(with_fla) <= max(2 * rel(torch_bf16), 2e-2), (rel(with_fla), rel(torch_bf16))

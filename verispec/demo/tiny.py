@@ -268,3 +268,119 @@ def build_tiny_qwen3_5(out_dir: str | Path, wrapper: bool = False, seed: int = 0
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(str(out))
     return model
+
+
+def random_mtp_head(text_config: dict, seed: int = 0, scale: float = 0.08) -> dict:
+    """Random weights of a Qwen3.5 MTP head for a text config, named as in Hugging Face checkpoints
+    (`mtp.fc.weight`, ...), norms zero-centred (HF convention, applied as 1 + w). Norm weights are
+    multiples of 2^-8 in [-0.5, 0.5), so 1 + w is exact in float32 and the HF and MLX forms of the
+    same head compute identical numbers."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    h = int(text_config["hidden_size"])
+    heads = int(text_config.get("num_attention_heads", 16))
+    kv_heads = int(text_config.get("num_key_value_heads") or heads)
+    head_dim = int(text_config.get("head_dim") or 256)
+    inter = int(text_config["intermediate_size"])
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * scale
+
+    def norm(dim):
+        return (torch.randint(-128, 128, (dim,), generator=gen) / 256.0).float()
+
+    layer = {
+        "input_layernorm.weight": norm(h), "post_attention_layernorm.weight": norm(h),
+        "self_attn.q_proj.weight": rand(heads * head_dim * 2, h), "self_attn.k_proj.weight": rand(kv_heads * head_dim, h),
+        "self_attn.v_proj.weight": rand(kv_heads * head_dim, h), "self_attn.o_proj.weight": rand(h, heads * head_dim),
+        "self_attn.q_norm.weight": norm(head_dim), "self_attn.k_norm.weight": norm(head_dim),
+        "mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h), "mlp.down_proj.weight": rand(h, inter),
+    }
+    tensors = {"mtp.fc.weight": rand(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": norm(h),
+               "mtp.pre_fc_norm_hidden.weight": norm(h), "mtp.norm.weight": norm(h)}
+    tensors.update({f"mtp.layers.0.{k}": v for k, v in layer.items()})
+    return tensors
+
+
+def write_mtp_sidecar(path: str | Path, tensors: dict, mlx: bool = False) -> Path:
+    """Save an MTP head (HF-convention tensors as random_mtp_head returns) as a sidecar file. With
+    `mlx`, as MLX conversions write it: norm weights stored as 1 + w, metadata {"format": "mlx"}."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if mlx:
+        tensors = {k: (1.0 + v if v.ndim == 1 else v) for k, v in tensors.items()}  # every 1-D head tensor is a norm
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "mlx" if mlx else "pt"})
+    return path
+
+
+GEMMA4_TINY_TEXT = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                 "sliding_attention", "sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=0, final_logit_softcapping=5.0, max_position_embeddings=1024, rms_norm_eps=1e-6,
+)
+GEMMA4_TINY_MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+GEMMA4_TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                          position_embedding_size=64)
+
+
+def build_tiny_gemma4(out_dir: str | Path, moe: bool = False, wrapper: bool = False, seed: int = 0,
+                      tokenizer_dir: str | Path | None = None, tie_word_embeddings: bool = True,
+                      **text_overrides):
+    """A random-weight Gemma 4 checkpoint: `gemma4_text` (Gemma4ForCausalLM), or with `wrapper` the
+    multimodal `gemma4` layout (Gemma4ForConditionalGeneration with a one-block vision tower).
+
+    The default text config has the 31B's structure at toy size: 8-token sliding window, sliding
+    layers 2 kv heads x 16, full layers 1 kv head x 32 with k_eq_v and proportional RoPE, final
+    logit softcapping (at 5, so that it matters for these logits); `moe` adds the 26B-A4B's routed
+    experts (8, top-2) beside the dense MLP. E-series features come through `text_overrides`
+    (hidden_size_per_layer_input, num_kv_shared_layers, use_double_wide_mlp).
+    Weights are drawn so that no term hides: weight-only norms, layer_scalar, the router's scale
+    and per_expert_scale uniform in [0.5, 1.5); the rest normal(0, 0.08).
+    Returns the transformers model (float32) for use as a test oracle.
+    """
+    import torch
+    from transformers import AutoTokenizer, Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, \
+        Gemma4TextConfig, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        hf_tok = build_tokenizer(out)
+    else:
+        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        hf_tok.save_pretrained(str(out))
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(GEMMA4_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+                tie_word_embeddings=tie_word_embeddings)
+    if moe:
+        text.update(GEMMA4_TINY_MOE)
+    text.update(text_overrides)
+    text.setdefault("vocab_size_per_layer_input", text["vocab_size"])
+    torch.manual_seed(seed)
+    if wrapper:
+        config = Gemma4Config(text_config=text, vision_config=dict(GEMMA4_TINY_VISION),
+                              tie_word_embeddings=tie_word_embeddings)
+        model = Gemma4ForConditionalGeneration(config)
+    else:
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**text))
+    model = model.float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layer_scalar", "router.scale", "router.per_expert_scale")):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.normal_(0.0, 0.08, generator=gen)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # a buffer in transformers, saved with the weights
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(str(out))
+    return model

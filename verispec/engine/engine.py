@@ -72,6 +72,14 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
+        if config.mtp:
+            from verispec.spec.mtp import MtpHidden
+
+            if config.eagle3:
+                raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
+            if config.mtp_depth < 1:
+                raise VerispecError(f"--mtp-depth must be >= 1, got {config.mtp_depth}")
+            MtpHidden.parse(config.mtp_hidden)
         device = parse_device(config.device)
         dtype = parse_dtype(config.dtype, device)
         model_dir = resolve_model(config.model)
@@ -89,6 +97,15 @@ class Engine:
             num_drafts = config.draft_block or env().eagle3_block or DEFAULT_EAGLE3_BLOCK
             log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
                       config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
+        elif config.mtp:
+            from verispec.spec.mtp import MtpHidden, MtpProposer, load_mtp_head
+
+            head = load_mtp_head(model_dir, model)  # None (logged) when the model has no head
+            if head is not None:
+                proposer = MtpProposer(head, MtpHidden.parse(config.mtp_hidden),
+                                       num_real_tokens=min(tokenizer.vocab_size, model.vocab_size))
+                num_drafts = config.mtp_depth
+                log.debug("MTP head: %d drafts per round, %s hidden", num_drafts, config.mtp_hidden)
         return cls(model, tokenizer, config, model_dir, proposer=proposer, num_drafts=num_drafts)
 
     # ---- request checks -------------------------------------------------------------------

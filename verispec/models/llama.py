@@ -14,8 +14,8 @@ from verispec.models.base import CausalLM, ForwardOutput
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
-from verispec.models.layers.fused import add_rms_norm, compiled
-from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary_pair, rope_parameters
+from verispec.models.layers.fused import add_rms_norm, compiled, merged_linear, prepare_qk
+from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class DecoderSettings:
@@ -80,21 +80,33 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = s.head_dim ** -0.5
         self.window = s.windows[layer_idx] if layer_idx < len(s.windows) else None
-        self.rotary = apply_rotary_pair
+        self.prepare_qk = prepare_qk
+        self.qkv_proj: nn.Linear | None = None  # set by merge_projections()
+        self.eps = s.rms_norm_eps
+
+    def merge_projections(self) -> None:
+        """q, k and v projections as one GEMM (the separate weights are released)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = merged_linear(self.q_proj, self.k_proj, self.v_proj)
+            del self.q_proj, self.k_proj, self.v_proj
 
     def fuse(self) -> None:
-        self.rotary = compiled(apply_rotary_pair)
+        self.prepare_qk = compiled(prepare_qk)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rotary(q, k, cos, sin)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        has_norm = self.q_norm is not None
+        q, k = self.prepare_qk(q, k, cos, sin, self.q_norm.weight if has_norm else None,
+                               self.k_norm.weight if has_norm else None, self.eps, False)
         out = attend(q, k, v, inputs, self.layer_idx, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
@@ -111,11 +123,19 @@ class DecoderLayer(nn.Module):
     def fuse(self) -> None:
         self.add_norm = compiled(add_rms_norm)
 
-    def forward(self, x, cos, sin, inputs: AttentionInputs):  # x: [B, T, H]
-        norm = self.post_attention_layernorm
-        x, h = self.add_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, inputs), norm.weight, norm.eps,
-                             norm.unit_offset)
-        return x + self.mlp(h)
+    def forward(self, x: torch.Tensor, update: torch.Tensor | None, cos, sin, inputs: AttentionInputs
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream [B, T, H]; update: the previous layer's MLP output, not yet added
+        (None for the first layer) — adding it here, fused with this layer's input norm, saves a
+        kernel per layer. Returns (residual stream, this layer's MLP output, not yet added)."""
+        n = self.input_layernorm
+        if update is None:
+            h = n(x)
+        else:
+            x, h = self.add_norm(x, update, n.weight, n.eps, n.unit_offset)
+        p = self.post_attention_layernorm
+        x, h = self.add_norm(x, self.self_attn(h, cos, sin, inputs), p.weight, p.eps, p.unit_offset)
+        return x, self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -137,6 +157,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(s.rope, s.head_dim)
         self.num_layers = s.num_layers
+        self.final_add_norm = add_rms_norm
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -160,17 +181,25 @@ class LlamaForCausalLM(CausalLM):
         cos, sin = self.rotary(positions, x.dtype)
         inputs = AttentionInputs(positions, cache)
         captured: dict[int, torch.Tensor] = {}
+        update = None
         for i, layer in enumerate(self.model.layers):
             if i in capture:
-                captured[i] = x
-            x = layer(x, cos, sin, inputs)
-        return ForwardOutput(self.model.norm(x), [captured[i] for i in capture], pre_norm=x)
+                captured[i] = x if update is None else x + update
+            x, update = layer(x, update, cos, sin, inputs)
+        norm = self.model.norm
+        x, hidden = self.final_add_norm(x, update, norm.weight, norm.eps, norm.unit_offset)
+        return ForwardOutput(hidden, [captured[i] for i in capture], pre_norm=x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def fuse_small_ops(self) -> None:
-        """Compile norms, RoPE, residual adds and the gated activation into single kernels."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse"):
+    def fuse_small_ops(self, compile: bool = True) -> None:
+        """Merge q/k/v and gate/up projections into single GEMMs, and (compile=True) compile
+        norms, RoPE, residual adds and the gated activation into single kernels. Idempotent."""
+        for module in list(self.modules()):
+            if hasattr(module, "merge_projections"):
+                module.merge_projections()
+            if compile and module is not self and hasattr(module, "fuse"):
                 module.fuse()
+        if compile:
+            self.final_add_norm = compiled(add_rms_norm)

@@ -62,3 +62,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
         kernel = split_k.decode_attention if split_k.available(q.device) else split_k.decode_attention_reference
         return kernel(q, cache.keys[layer], cache.values[layer], inputs.positions, scale, window)
     return cached_attention(q, k, v, cache, layer, inputs.mask(window), scale)
+
+
+def attend_cached(q: torch.Tensor, inputs: AttentionInputs, layer: int, window: int | None,
+                  scale: float) -> torch.Tensor:
+    """Query-only attention over the rows already in `layer`'s cache, this pass's included (the
+    layer that owns them ran earlier in the pass): q [B, Hq, T, D] -> out [B, Hq, T, D]; writes
+    nothing. For layers that share another layer's K/V (Gemma 4's num_kv_shared_layers)."""
+    cache = inputs.cache
+    keys, values = cache.keys[layer], cache.values[layer]
+    if inputs.use_kernel:
+        kernel = split_k.decode_attention if split_k.available(q.device) else split_k.decode_attention_reference
+        return kernel(q, keys, values, inputs.positions, scale, window)
+    k, v = keys[:, :, :inputs.num_keys], values[:, :, :inputs.num_keys]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask(window), scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])

@@ -30,8 +30,37 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, ep
     return summed, rms_norm(summed, weight, eps, unit_offset)
 
 
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+               unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, D], k [B, T, Hkv, D] -> optional per-head RMSNorm, heads first, RoPE:
+    [B, Hq, T, D], [B, Hkv, T, D]."""
+    from verispec.models.layers.rotary import apply_rotary
+
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps, unit_offset), rms_norm(k, k_weight, eps, unit_offset)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def merged_linear(*linears: torch.nn.Linear) -> torch.nn.Linear:
+    """One Linear computing several that read the same input (outputs concatenated): one GEMM
+    instead of several smaller ones, which read the weights closer to full bandwidth."""
+    first = linears[0]
+    has_bias = first.bias is not None
+    out_features = sum(lin.out_features for lin in linears)
+    merged = torch.nn.utils.skip_init(torch.nn.Linear, first.in_features, out_features, bias=has_bias,
+                                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        merged.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if has_bias:
+            merged.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    merged.requires_grad_(False)
+    return merged
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import UnsupportedModelError
-from verispec.models.layers.fused import compiled, silu_mul
+from verispec.models.layers.fused import compiled, merged_linear, silu_mul
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -30,12 +30,22 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
-        self.act_name = act
         self.gated = lambda gate, up: self.act(gate) * up
+        self.gate_up_proj: nn.Linear | None = None  # set by merge_projections()
+
+    def merge_projections(self) -> None:
+        """gate_proj and up_proj as one GEMM (the separate weights are released)."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = merged_linear(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def fuse(self) -> None:
         if self.act is F.silu:
             self.gated = compiled(silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, H]
-        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.gated(gate, up))

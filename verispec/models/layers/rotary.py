@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear and llama3 frequency scaling."""
+"""Rotary position embeddings: default, linear, llama3 and proportional (Gemma 4) frequencies."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from torch import nn
 
 from verispec.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 def rope_parameters(config: dict) -> dict:
@@ -31,6 +31,8 @@ def inverse_frequencies(params: dict, rotary_dim: int) -> torch.Tensor:
         raise UnsupportedModelError(
             f"RoPE type '{rope_type}' is not supported yet (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     base = float(params["rope_theta"])
+    if rope_type == "proportional":
+        return _proportional_inverse_frequencies(params, base, rotary_dim)
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim))
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
@@ -46,6 +48,16 @@ def inverse_frequencies(params: dict, rotary_dim: int) -> torch.Tensor:
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def _proportional_inverse_frequencies(params: dict, base: float, head_dim: int) -> torch.Tensor:
+    """Gemma 4's full-attention RoPE: the first partial_rotary_factor of the head_dim / 2 frequency
+    pairs get theta^(-2i / head_dim) (exponent over the whole head), the rest frequency 0 (cos 1,
+    sin 0), so rotate-half runs over the whole head. [head_dim // 2], as transformers computes it."""
+    angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = torch.cat((1.0 / (base ** exponents), torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device="cpu")))
+    return inv_freq / float(params.get("factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,0 +1,46 @@
+"""The CUDA fast path's model rewrites give the same model: merged q/k/v and gate/up GEMMs,
+and compiled (fused) norms, RoPE, residual adds and activation. Checked on CPU."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from verispec.engine.engine import Engine, load_engine
+from verispec.engine.params import SamplingParams
+from verispec.models.layers import fused
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def logits_of(model, ids):
+    cache = model.make_cache(len(ids))
+    out = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, capture=(0, 1))
+    return model.logits(out.hidden), out.aux, out.pre_norm
+
+
+def test_merged_projections_same_outputs(tiny_models):
+    path = tiny_models.get("fused-qwen2", "qwen2")  # q/k/v biases get merged too
+    engine = load_engine(str(path), dtype="float64", device="cpu", prefill_step_size=16)
+    merged = copy.deepcopy(engine.model)
+    merged.fuse_small_ops(compile=False)
+    merged.fuse_small_ops(compile=False)  # idempotent
+    assert not hasattr(merged.model.layers[0].self_attn, "q_proj")
+    ids = engine.tokenizer.encode("def fibonacci(n):\n    return fibonacci(n - 1)")
+    (a, aux_a, pre_a), (b, aux_b, pre_b) = logits_of(engine.model, ids), logits_of(merged, ids)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for x, y in zip(aux_a + [pre_a], aux_b + [pre_b]):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    other = Engine(merged, engine.tokenizer, engine.config, engine.model_dir)
+    assert other.generate_all(ids, GREEDY).token_ids == engine.generate_all(ids, GREEDY).token_ids
+
+
+def test_compiled_small_ops_match_eager(tiny_models):
+    path = tiny_models.get("fused-qwen3", "qwen3")
+    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=16)
+    fast = copy.deepcopy(engine.model)
+    fast.fuse_small_ops(compile=True)
+    assert fast.model.layers[0].self_attn.prepare_qk is fused.compiled(fused.prepare_qk)
+    for ids in ([5, 9, 200, 31, 7] * 7, [44]):
+        (a, _, _), (b, _, _) = logits_of(engine.model, ids), logits_of(fast, ids)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,107 @@
+"""Routed experts stored as fused 3-D tensors (transformers' layout for Gemma 4, Qwen3-MoE, ...):
+`gate_up_proj` [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and `down_proj` [E, H, I].
+
+Three ways to run the same computation, picked by device and size:
+- `loop`: one matmul pair per expert that has tokens, summed with index_add_ in expert order —
+  what transformers' default (eager) experts do, bit for bit; host-synchronising (nonzero), so
+  CPU and eager use only;
+- `grouped`: token/expert pairs sorted by expert and one grouped GEMM per projection reading the
+  expert weights in place (torch's grouped_mm, device-side offsets): static shapes, no host sync,
+  so decode/verify steps can be captured in CUDA graphs (CUDA bf16/fp16 with 16-byte aligned rows);
+- `gathered`: each pair's expert matrices gathered and multiplied with bmm: static shapes in
+  any dtype, but copies the weights, so only for the few pairs of a decode/verify step.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.layers.mlp import activation
+
+# Above this many token/expert pairs the gathered path would copy too many weights.
+MAX_GATHERED_PAIRS = 64
+
+
+class ExpertsMethod(str, Enum):
+    LOOP = "loop"
+    GROUPED = "grouped"
+    GATHERED = "gathered"
+
+
+def grouped_mm_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """torch's grouped GEMM wants float32/bf16/fp16 operands whose rows are 16-byte aligned;
+    on CUDA it runs bf16/fp16 only."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if x.device.type == "cuda" and x.dtype == torch.float32:
+        return False
+    per_16_bytes = 16 // x.element_size()
+    return all(n % per_16_bytes == 0 for n in (x.shape[-1], gate_up.shape[1], down.shape[-1]))
+
+
+def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, num_pairs: int) -> ExpertsMethod:
+    if x.device.type != "cuda":
+        return ExpertsMethod.LOOP  # the reference: equal to transformers' eager experts
+    if grouped_mm_usable(x, gate_up, down):
+        return ExpertsMethod.GROUPED
+    return ExpertsMethod.GATHERED if num_pairs <= MAX_GATHERED_PAIRS else ExpertsMethod.LOOP
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = activation(act)
+        self.method: ExpertsMethod | None = None  # None: chosen per call by `default_method`
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; top_k_index [N, K] expert ids; top_k_weights [N, K] -> [N, H] weighted sum."""
+        method = self.method or default_method(x, self.gate_up_proj, self.down_proj, top_k_index.numel())
+        if method is ExpertsMethod.GROUPED:
+            return self._grouped(x, top_k_index, top_k_weights)
+        if method is ExpertsMethod.GATHERED:
+            return self._gathered(x, top_k_index, top_k_weights)
+        return self._loop(x, top_k_index, top_k_weights)
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+    def _loop(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # [E, K, N]
+        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit[:, 0].tolist():
+            slot, token = torch.where(expert_mask[expert])
+            h = self._gated(F.linear(x[token], self.gate_up_proj[expert]))
+            h = F.linear(h, self.down_proj[expert]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+    def _grouped(self, x, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        expert_ids, order = torch.sort(top_k_index.reshape(-1))
+        rows = x[order // k]  # [N*K, H] grouped by expert
+        # histc, not bincount: bincount's output size depends on the data (not graph-capturable)
+        counts_input = expert_ids.float() if x.device.type != "cuda" else expert_ids.int()
+        counts = torch.histc(counts_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = self._gated(F.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets))
+        h = F.grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offsets)
+        h = h * top_k_weights.reshape(-1)[:, None]
+        unsorted = torch.empty_like(h).index_copy_(0, order, h)
+        return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def _gathered(self, x, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [N*K, H, 1]
+        h = self._gated(torch.bmm(self.gate_up_proj[experts], rows)[..., 0])
+        h = torch.bmm(self.down_proj[experts], h[:, :, None])[..., 0]
+        h = h * top_k_weights.reshape(-1, 1)
+        return h.view(n, k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,314 @@
+"""MTP self-speculation: the multi-token-prediction head of Qwen3.5 / Qwen3.6, and its proposer.
+
+The head (see shared/reference/qwen3_5-mtp.md) is one gated full-attention decoder layer with its
+own 1-layer KV cache, sharing the target's embed_tokens and lm_head. For the row at position i,
+with the target's hidden h_i and the token t_{i+1} that follows it:
+    x = fc(cat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)))   # embedding first
+    x = layers.0(x, position i);   out = norm(x);   logits = lm_head(out)        # predicts t_{i+2}
+Deeper drafts feed `out` (after mtp.norm) back as the next row's hidden, as vLLM
+(qwen3_5_mtp.py / qwen3_next_mtp.py: the head returns norm(x), and the proposer feeds back the
+tensor it computed logits from) and SGLang (Qwen3NextForCausalLMMTP) do.
+
+Weights: `mtp.*` inside the checkpoint's shards (the original Qwen releases; also accepted under a
+`model.` / `model.language_model.` / `language_model.` wrapper), or a sidecar: the file named by
+config.json `mlx_lm_extra_tensors.mtp_file`, `mtp.safetensors`, `mtp/weights.safetensors`,
+`model-mtp.safetensors`. Norm convention, decided by the format and never by the values: HF
+weights are zero-centred and applied as (1 + w); MLX conversions store 1 + w. A file whose
+safetensors metadata says {"format": "mlx"}, or a config declaring `mlx_lm_extra_tensors`, is
+MLX; anything else is HF. Every RMSNorm of the head (q/k norms included) follows it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from verispec import log
+from verispec.cache.kv import KVCache, LayerCacheSpec
+from verispec.engine.params import SamplingParams
+from verispec.engine.sampler import processed_probs
+from verispec.errors import VerispecError
+from verispec.loading.weights import checkpoint_files
+from verispec.models.base import CausalLM
+from verispec.models.layers.attention import attention_mask
+from verispec.models.layers.norm import RMSNorm
+from verispec.models.layers.rotary import RotaryEmbedding
+from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Settings
+from verispec.spec.proposer import Draft, Proposer, TargetStep
+
+SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
+# Where a checkpoint may keep the head: top level (Qwen/Qwen3.5-*), or under a wrapper prefix.
+WRAPPER_PREFIXES = ("", "model.", "model.language_model.", "language_model.", "language_model.model.")
+MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+class MtpHidden(str, Enum):
+    """Which target hidden state feeds the head: after the final norm (vLLM and most ports;
+    higher acceptance) or before it (mlx-lm PR #990)."""
+
+    POST_NORM = "post-norm"
+    PRE_NORM = "pre-norm"
+
+    @classmethod
+    def parse(cls, value: str) -> "MtpHidden":
+        try:
+            return cls(value)
+        except ValueError:
+            raise VerispecError(f"--mtp-hidden '{value}' is not supported "
+                                f"(accepted: {', '.join(h.value for h in cls)})") from None
+
+
+class NormConvention(str, Enum):
+    HF = "hf"  # zero-centred weights, applied as (1 + w)
+    MLX = "mlx"  # 1 + w stored, applied as is
+
+
+class MtpHead(nn.Module):
+    """The head's own weights (HF names without the `mtp.` prefix); embedding and lm_head are
+    the target's, reached through it (never copied)."""
+
+    def __init__(self, s: Qwen3_5Settings, target: CausalLM):
+        super().__init__()
+        h = s.hidden_size
+        self.settings = s
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, s.rms_norm_eps, unit_offset=True)
+        self.pre_fc_norm_hidden = RMSNorm(h, s.rms_norm_eps, unit_offset=True)
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(s, 0, LayerType.FULL_ATTENTION)])
+        self.norm = RMSNorm(h, s.rms_norm_eps, unit_offset=True)
+        self.rotary = RotaryEmbedding(s.rope, s.rotary_dim)
+        self.norm_convention = NormConvention.HF
+        self.__dict__["target"] = target  # not a submodule: its weights are the target's
+
+    def set_norm_convention(self, convention: NormConvention) -> None:
+        self.norm_convention = convention
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.unit_offset = convention is NormConvention.HF
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        return [self.layers[0].cache_spec()]
+
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """token_ids, positions [1, T]; hidden [1, T, H] -> head output after mtp.norm [1, T, H]
+        (what lm_head reads, and what a chained draft feeds back). Writes T pending cache rows."""
+        e = self.target.input_embeddings()(token_ids).to(hidden.dtype)  # Qwen3.5: not scaled
+        x = self.fc(torch.cat((self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)), dim=-1))
+        cos, sin = self.rotary(positions, x.dtype)
+        # head cache rows sit at their positions (row i = position i), as in the target
+        mask = attention_mask(positions, cache.length + token_ids.shape[1], None)
+        x = self.layers[0](x, cos, sin, cache, mask)
+        return self.norm(x)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
+        return self.target.logits(out)
+
+
+# ---- finding and loading the head ----------------------------------------------------------------
+def head_tensor_name(name: str, sidecar: bool) -> str | None:
+    """Checkpoint tensor name -> the head's name, or None when it is not part of the head.
+    A sidecar holds only the head, so there its names may also come without the `mtp.` prefix."""
+    for prefix in WRAPPER_PREFIXES:
+        if name.startswith(prefix + "mtp."):
+            return name[len(prefix) + len("mtp."):]
+    return name if sidecar else None
+
+
+@dataclass
+class MtpSource:
+    files: list[Path]
+    sidecar: bool
+    convention: NormConvention
+    why: str  # how the convention was decided, for the debug line
+
+
+def _extra_tensors(config: dict) -> dict | None:
+    for c in (config, config.get("text_config") or {}):
+        extra = c.get("mlx_lm_extra_tensors")
+        if isinstance(extra, dict):
+            return extra
+    return None
+
+
+def _file_format(path: Path) -> str | None:
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("format")
+
+
+def _has_head(path: Path, sidecar: bool) -> bool:
+    with safe_open(str(path), framework="pt") as f:
+        return any(head_tensor_name(n, sidecar) is not None for n in f.keys())
+
+
+def find_mtp_source(model_dir: Path, config: dict) -> tuple[MtpSource | None, list[str]]:
+    """Where the head's weights are: (source or None, the places looked, for the log line).
+    Order: the sidecar a config declares, then the checkpoint's shards, then the usual sidecar names."""
+    extra = _extra_tensors(config)
+    declared = extra.get("mtp_file") if extra else None
+    candidates: list[tuple[list[Path], bool]] = []
+    if declared:
+        candidates.append(([model_dir / str(declared)], True))
+    candidates.append((checkpoint_files(model_dir), False))
+    candidates += [([model_dir / name], True) for name in SIDECAR_NAMES if name != declared]
+    looked: list[str] = []
+    for files, sidecar in candidates:
+        present = [f for f in files if f.is_file()]
+        looked.append(", ".join(str(f.relative_to(model_dir)) for f in files) +
+                      ("" if sidecar else " (mtp.* tensors)"))
+        with_head = [f for f in present if _has_head(f, sidecar)]
+        if not with_head:
+            continue
+        formats = {f.name: _file_format(f) for f in with_head}
+        mlx_files = sorted(n for n, fmt in formats.items() if fmt == "mlx")
+        if extra is not None:
+            convention, why = NormConvention.MLX, "config.json declares mlx_lm_extra_tensors"
+        elif mlx_files and len(mlx_files) < len(with_head):
+            raise VerispecError(f"the MTP head in {model_dir} is split over files of two formats "
+                                f"(MLX: {', '.join(mlx_files)}; others: "
+                                f"{', '.join(sorted(set(formats) - set(mlx_files)))}), so its norm "
+                                "convention is ambiguous")
+        elif mlx_files:
+            convention, why = NormConvention.MLX, f"safetensors metadata format=mlx in {mlx_files[0]}"
+        else:
+            convention, why = NormConvention.HF, "Hugging Face format (no MLX markers)"
+        return MtpSource(with_head, sidecar, convention, why), looked
+    return None, looked
+
+
+def supports_mtp(model: CausalLM) -> bool:
+    return isinstance(model, Qwen3_5ForCausalLM)
+
+
+def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
+    """The target's MTP head, or None (with one log line saying why) when it has none."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if not supports_mtp(target):
+        log.warning("--mtp: model type '%s' has no MTP head (MTP self-speculation is for %s); "
+                    "decoding without speculation", config.get("model_type"), " / ".join(MTP_MODEL_TYPES))
+        return None
+    source, looked = find_mtp_source(model_dir, config)
+    if source is None:
+        log.warning("--mtp: no MTP head in %s (looked in %s); decoding without speculation",
+                    model_dir, "; ".join(looked))
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    for path in source.files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                head_name = head_tensor_name(name, source.sidecar)
+                if head_name is not None:
+                    tensors[head_name] = f.get_tensor(name)
+    param = next(target.parameters())
+    with torch.device("meta"):  # allocated once, on the target's device and dtype
+        head = MtpHead(target.settings, target)
+    head.to_empty(device=param.device)
+    head.to(param.dtype)
+    expected = dict(head.named_parameters())
+    where = ", ".join(str(p) for p in source.files)
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        shown = ", ".join(unexpected[:4]) + (f" (+{len(unexpected) - 4} more)" if len(unexpected) > 4 else "")
+        raise VerispecError(f"MTP head in {where} has tensors that are not part of a one-layer Qwen3.5 MTP "
+                            f"head: mtp.{shown} (quantized or multi-layer heads are not supported)")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        raise VerispecError(f"MTP head in {where} is missing tensors: mtp.{shown}")
+    for name, p in expected.items():
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise VerispecError(f"MTP tensor 'mtp.{name}' in {where} has shape {tuple(tensors[name].shape)}; "
+                                f"the target (hidden {target.hidden_size}) implies {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensors[name])
+    head.set_norm_convention(source.convention)
+    head.eval().requires_grad_(False)
+    log.debug("MTP head from %s (%s norm convention: %s)", where, source.convention.value, source.why)
+    return head
+
+
+# ---- the proposer ----------------------------------------------------------------------------------
+class MtpProposer(Proposer):
+    """Drafts with the target's own MTP head.
+
+    Its 1-layer cache keeps one committed row per target position (h_i paired with t_{i+1});
+    rows written while chaining drafts (depth > 1) are dropped at the next observe.
+    """
+
+    method = "mtp"
+
+    def __init__(self, head: MtpHead, hidden: MtpHidden = MtpHidden.POST_NORM, num_real_tokens: int | None = None):
+        self.head = head
+        self.hidden = MtpHidden(hidden)
+        p = next(head.parameters())
+        self.device = p.device
+        self.cache = KVCache(head.cache_specs(), 256, p.dtype, p.device)
+        self.committed = 0  # rows holding target features (in-round draft rows come after)
+        self.num_real_tokens = num_real_tokens  # vocabulary rows past this are padding, never drafted
+        self.last_out: torch.Tensor | None = None  # [1, 1, H] head output of the last committed row
+        self.last_logits: torch.Tensor | None = None  # [V]
+        self.next_position = 0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.cache.reset()
+        self.committed = 0
+
+    def _features(self, step: TargetStep) -> torch.Tensor:
+        if self.hidden is MtpHidden.POST_NORM:
+            return step.hidden
+        if step.pre_norm is None:
+            raise VerispecError("--mtp-hidden pre-norm needs the target's pre-norm hidden states, "
+                                "which this model does not provide")
+        return step.pre_norm
+
+    @torch.inference_mode()
+    def observe(self, step: TargetStep) -> None:
+        """Run the head over (h_p, t_{p+1}) for the step's positions p: its tokens shifted by one,
+        then next_token; keep the rows, and the last row's output and logits for the next draft."""
+        self.cache.rollback(self.cache.length - self.committed)
+        n = len(step.token_ids)
+        self.cache.ensure_capacity(self.committed + n + 64)
+        ids = torch.tensor([step.token_ids[1:] + [step.next_token]], dtype=torch.long, device=self.device)
+        positions = torch.arange(step.start_position, step.start_position + n, device=self.device)[None]
+        out = self.head(ids, self._features(step)[None], positions, self.cache)
+        self.cache.commit(n)
+        self.committed = self.cache.length
+        self.last_out = out[:, -1:]
+        self.last_logits = self.head.logits(out[0, -1])  # only the last row: prefill chunks are long
+        self.next_position = step.start_position + n
+
+    @torch.inference_mode()
+    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        logits, out = self.last_logits, self.last_out
+        self.cache.ensure_capacity(self.cache.length + num_drafts + 1)
+        for i in range(num_drafts):
+            token, q = self._choose(logits, params, generator)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 == num_drafts:
+                break
+            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            positions = torch.tensor([[self.next_position + i]], device=self.device)
+            out = self.head(ids, out, positions, self.cache)
+            self.cache.commit(1)
+            logits = self.head.logits(out[0, -1])
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+        """Head logits [V] -> (token id, the distribution it was sampled from [V], or None when greedy)."""
+        if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
+            logits = logits.clone()
+            logits[self.num_real_tokens:] = float("-inf")
+        if params.greedy:
+            return int(torch.argmax(logits)), None
+        q = processed_probs(logits, params)
+        return int(torch.multinomial(q, 1, generator=generator)), q
