@@ -141,7 +141,8 @@ if triton is not None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scale: float, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     scale: float, window: int | None = None, num_splits: int | None = None,
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """Triton split-K attention; same contract as `decode_attention_reference`.
 
     q [B, Hq, T, D] with T <= 8; k_cache/v_cache [B, Hkv, capacity, D] (last dim contiguous);
@@ -156,7 +157,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = num_splits or num_splits_for(b, hkv, q.device)
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(group * t))
-    block_n = 64 if block_d <= 128 else (32 if block_d <= 256 else 16)
+    block_n = block_n or (64 if block_d <= 128 else (32 if block_d <= 256 else 16))
     opart = torch.empty((b, hq, t, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, t, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -169,7 +170,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        num_warps=4 if block_d <= 128 else 8, num_stages=2,
+        num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages,
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=4)
     return out

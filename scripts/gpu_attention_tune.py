@@ -1,0 +1,64 @@
+"""Split-K decode attention: graph-timed (no Python launch cost) against SDPA, over kernel
+parameters. Run on the lent GPU:  python3 scripts/gpu_attention_tune.py
+Prints, per context and T, SDPA's time, the default configuration's, and the best found."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from verispec.kernels.decode_attention import decode_attention
+
+CALLS = 20  # attention calls per graph replay: timing per call excludes launch overhead
+
+
+def graph_time_us(fn) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    hq, hkv, d = 32, 8, 128
+    print("| context | T | SDPA us | split-K default us | best us | best (splits, block_n, warps, stages) | SDPA / best |")
+    print("|---|---|---|---|---|---|---|")
+    for ctx in (512, 4096, 16384, 32768, 131072):
+        k = torch.randn(1, hkv, ctx + 16, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        for t in (1, 3):
+            q = torch.randn(1, hq, t, d, device="cuda", dtype=torch.bfloat16)
+            pos = torch.arange(ctx - t, ctx, device="cuda")[None]
+            mask = None
+            if t > 1:
+                mask = (torch.arange(ctx, device="cuda")[None, :] <= pos[0, :, None])[None, None]
+            sdpa = graph_time_us(lambda: F.scaled_dot_product_attention(
+                q, k[:, :, :ctx], v[:, :, :ctx], attn_mask=mask, scale=d ** -0.5, enable_gqa=True))
+            default = graph_time_us(lambda: decode_attention(q, k, v, pos, d ** -0.5))
+            best, best_cfg = default, "default"
+            for splits, block_n, warps, stages in itertools.product((8, 16, 32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+                try:
+                    us = graph_time_us(lambda: decode_attention(q, k, v, pos, d ** -0.5, num_splits=splits,
+                                                                block_n=block_n, num_warps=warps, num_stages=stages))
+                except Exception:  # a configuration that does not fit (shared memory, registers)
+                    continue
+                if us < best:
+                    best, best_cfg = us, (splits, block_n, warps, stages)
+            print(f"| {ctx} | {t} | {sdpa:.1f} | {default:.1f} | {best:.1f} | {best_cfg} | {sdpa / best:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
