@@ -36,7 +36,7 @@ def main() -> None:
     hq, hkv, d = 32, 8, 128
     print("| context | T | SDPA us | split-K default us | best us | best (splits, block_n, warps, stages) | SDPA / best |")
     print("|---|---|---|---|---|---|---|")
-    for ctx in (512, 4096, 16384, 32768, 131072):
+    for ctx in (4096, 16384, 131072):
         k = torch.randn(1, hkv, ctx + 16, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         for t in (1, 3):
@@ -49,7 +49,7 @@ def main() -> None:
                 q, k[:, :, :ctx], v[:, :, :ctx], attn_mask=mask, scale=d ** -0.5, enable_gqa=True))
             default = graph_time_us(lambda: decode_attention(q, k, v, pos, d ** -0.5))
             best, best_cfg = default, "default"
-            for splits, block_n, warps, stages in itertools.product((8, 16, 32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            for splits, block_n, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (2, 3)):
                 try:
                     us = graph_time_us(lambda: decode_attention(q, k, v, pos, d ** -0.5, num_splits=splits,
                                                                 block_n=block_n, num_warps=warps, num_stages=stages))

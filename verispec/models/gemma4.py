@@ -40,7 +40,7 @@ from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.errors import UnsupportedModelError
 from verispec.models.base import CausalLM, ForwardOutput
 from verispec.models.layers.attention import AttentionInputs, attend, attend_cached
-from verispec.models.layers.fused import compiled
+from verispec.models.layers.fused import compiled, merged_linear
 from verispec.models.layers.mlp import GatedMLP, activation
 from verispec.models.layers.moe import FusedExperts
 from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_pair
@@ -88,6 +88,7 @@ class Gemma4Settings:
             raise UnsupportedModelError("use_bidirectional_attention: 'all' (non-causal text attention) is not "
                                         "supported for Gemma 4 (supported: null, 'vision')")
         self.layer_types = self._layer_types(c)
+        self.windows = [self.sliding_window if t is LayerType.SLIDING else None for t in self.layer_types]
         self.num_kv_heads, self.head_dims = self._attention_shapes(c)
         self.rope = {t: self._rope(c, t) for t in dict.fromkeys(self.layer_types)}
         # Mixture of experts, in every layer beside the dense MLP
@@ -230,7 +231,7 @@ class Gemma4Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = s.layer_types[layer_idx]
-        self.window = s.sliding_window if self.layer_type is LayerType.SLIDING else None
+        self.window = s.windows[layer_idx]
         self.num_heads, self.num_kv_heads = s.num_heads, s.num_kv_heads[layer_idx]
         self.head_dim = s.head_dims[layer_idx]
         self.kv_source = s.kv_sources[layer_idx]
@@ -238,14 +239,28 @@ class Gemma4Attention(nn.Module):
         h, d, bias = s.hidden_size, self.head_dim, s.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.q_norm = Gemma4RMSNorm(d, s.rms_norm_eps)
+        # full layers with attention_k_eq_v have no v_proj: v is the k projection (normed apart)
+        self.k_eq_v = s.attention_k_eq_v and self.layer_type is LayerType.FULL
         if self.kv_source is None:
             self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-            k_eq_v = s.attention_k_eq_v and self.layer_type is LayerType.FULL
-            self.v_proj = None if k_eq_v else nn.Linear(h, self.num_kv_heads * d, bias=bias)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
             self.k_norm = Gemma4RMSNorm(d, s.rms_norm_eps)
             self.v_norm = Gemma4RMSNorm(d, s.rms_norm_eps, with_scale=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.rotary_pair = apply_rotary_pair
+        self.qkv_proj: nn.Linear | None = None  # set by merge_projections()
+        self.qkv_sizes: list[int] = []
+
+    def merge_projections(self) -> None:
+        """q, k (and v) projections as one GEMM (the separate weights are released)."""
+        if self.qkv_proj is None and self.kv_source is None:
+            parts = [self.q_proj, self.k_proj] + ([] if self.k_eq_v else [self.v_proj])
+            self.qkv_sizes = [p.out_features for p in parts]
+            self.qkv_proj = merged_linear(*parts)
+            del self.q_proj, self.k_proj
+            if not self.k_eq_v:
+                del self.v_proj
 
     def fuse(self) -> None:
         self.rotary_pair = compiled(apply_rotary_pair)
@@ -253,14 +268,20 @@ class Gemma4Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]; cos/sin [B, T, D]
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         if self.kv_source is not None:
+            q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
             q = apply_rotary(q, cos, sin)
             out = attend_cached(q, inputs, self.kv_source, self.window, 1.0)
         else:
-            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k
-            k, v = self.k_norm(k).transpose(1, 2), self.v_norm(v).transpose(1, 2)
+            if self.qkv_proj is not None:
+                q, k, *v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+                v = v[0] if v else k
+            else:
+                q, k = self.q_proj(x), self.k_proj(x)
+                v = k if self.k_eq_v else self.v_proj(x)
+            q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+            k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+            v = self.v_norm(v.view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
             q, k = self.rotary_pair(q, k, cos, sin)
             out = attend(q, k, v, inputs, self.layer_idx, self.window, 1.0)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -419,10 +440,13 @@ class Gemma4ForCausalLM(CausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def fuse_small_ops(self) -> None:
-        """Compile the norms and RoPE into single kernels (CUDA)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse"):
+    def fuse_small_ops(self, compile: bool = True) -> None:
+        """Merge q/k/v and gate/up projections into single GEMMs, and (compile=True) compile the
+        norms and RoPE into single kernels (the CUDA fast path). Idempotent."""
+        for module in list(self.modules()):
+            if hasattr(module, "merge_projections"):
+                module.merge_projections()
+            if compile and module is not self and hasattr(module, "fuse"):
                 module.fuse()
 
 

@@ -3,8 +3,8 @@
 
 Three ways to run the same computation, picked by device and size:
 - `loop`: one matmul pair per expert that has tokens, summed with index_add_ in expert order —
-  what transformers' default (eager) experts do, bit for bit; host-synchronising (nonzero), so
-  CPU and eager use only;
+  transformers' reference ("eager") experts, bit for bit; host-synchronising (nonzero), so CPU
+  and eager passes only;
 - `grouped`: token/expert pairs sorted by expert and one grouped GEMM per projection reading the
   expert weights in place (torch's grouped_mm, device-side offsets): static shapes, no host sync,
   so decode/verify steps can be captured in CUDA graphs (CUDA bf16/fp16 with 16-byte aligned rows);
@@ -93,7 +93,7 @@ class FusedExperts(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = self._gated(F.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets))
         h = F.grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offsets)
-        h = h * top_k_weights.reshape(-1)[:, None]
+        h = h * top_k_weights.reshape(-1)[order, None]
         unsorted = torch.empty_like(h).index_copy_(0, order, h)
         return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
 
