@@ -45,10 +45,11 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about twice over; a power of two, at most 64."""
+    """About one program per multiprocessor (a power of two, 1..64): measured best on an H200
+    (docs/benchmarks.md: 16 splits for 8 kv heads beat 32 and 64 at 4K-128K keys)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, (2 * sms) // max(batch * num_kv_heads, 1))
-    return min(64, 1 << (want - 1).bit_length())
+    want = max(1, sms // max(batch * num_kv_heads, 1))
+    return min(64, 1 << (want.bit_length() - 1))
 
 
 if triton is not None:
@@ -142,7 +143,7 @@ if triton is not None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int | None = None, num_splits: int | None = None,
-                     block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Triton split-K attention; same contract as `decode_attention_reference`.
 
     q [B, Hq, T, D] with T <= 8; k_cache/v_cache [B, Hkv, capacity, D] (last dim contiguous);
@@ -157,7 +158,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = num_splits or num_splits_for(b, hkv, q.device)
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(group * t))
-    block_n = block_n or (64 if block_d <= 128 else (32 if block_d <= 256 else 16))
+    # head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); larger heads keep smaller
+    # blocks so the staged K/V tiles fit in shared memory
+    block_n = block_n or (128 if block_d <= 128 else (32 if block_d <= 256 else 16))
+    num_stages = num_stages or (3 if block_d <= 128 else 2)
     opart = torch.empty((b, hq, t, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, t, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)

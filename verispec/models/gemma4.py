@@ -67,7 +67,9 @@ PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
 class Gemma4Settings:
     """The text-config fields Gemma 4 reads; defaults are those of transformers' Gemma4TextConfig."""
 
-    def __init__(self, c: dict, tie_word_embeddings: bool | None = None):
+    def __init__(self, c: dict, tie_word_embeddings: bool | None = None, kv_sources: list[int | None] | None = None):
+        """`kv_sources` overrides which cache layer each layer attends over (None: its own K/V),
+        for drafters whose layers all read a backbone's cache (the Gemma 4 assistant)."""
         self.hidden_size = int(c.get("hidden_size", 2304))
         self.num_layers = int(c.get("num_hidden_layers", 30))
         self.num_heads = int(c.get("num_attention_heads", 8))
@@ -107,7 +109,9 @@ class Gemma4Settings:
         # earlier layer of their type instead of computing their own
         num_shared = int(c.get("num_kv_shared_layers", 0) or 0)
         first_shared = self.num_layers - num_shared
-        self.kv_sources = self._kv_sources(first_shared)
+        if kv_sources is not None and len(kv_sources) != self.num_layers:
+            raise ValueError(f"kv_sources has {len(kv_sources)} entries for {self.num_layers} layers")
+        self.kv_sources = list(kv_sources) if kv_sources is not None else self._kv_sources(first_shared)
         double_wide = bool(c.get("use_double_wide_mlp", False))
         self.mlp_sizes = [self.intermediate_size * (2 if double_wide and i >= first_shared > 0 else 1)
                           for i in range(self.num_layers)]
@@ -407,6 +411,16 @@ class Gemma4ForCausalLM(CausalLM):
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         return [layer.self_attn.cache_spec() for layer in self.model.layers]
+
+    def kv_owner_layer(self, layer_type: LayerType | str) -> int:
+        """The last layer of this type that computes its own K/V (31B: 58 sliding, 59 full): whose
+        cache rows the Gemma 4 assistant drafter reads."""
+        t = LayerType(layer_type)
+        s = self.settings
+        owners = [i for i, lt in enumerate(s.layer_types) if lt is t and s.kv_sources[i] is None]
+        if not owners:
+            raise UnsupportedModelError(f"this Gemma 4 model has no {t.value} layer with its own K/V")
+        return owners[-1]
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[B, T] ids and their scaled embeddings [B, T, H] -> [B, T, L, P]: a per-layer token
