@@ -115,25 +115,38 @@ class KVCache:
             t = p.conv_window.shape[-1] - (self.specs[layer].conv_kernel - 1)
             if num_rows == 0:
                 continue
+            # copied into the persistent buffers (never rebound): captured CUDA graphs read them
             if p.per_position:
-                self.ssm_states[layer] = p.ssm_states[num_rows - 1]
+                self.ssm_states[layer].copy_(p.ssm_states[num_rows - 1])
             elif num_rows == t:
-                self.ssm_states[layer] = p.ssm_states[-1]
+                self.ssm_states[layer].copy_(p.ssm_states[-1])
             else:
                 raise ValueError(f"commit({num_rows}) of a {t}-token pass that kept only its final "
                                  f"recurrent state (passes over {self.max_tracked_positions} tokens or fewer "
                                  "keep per-position states)")
-            self.conv_states[layer] = p.conv_window[..., num_rows:num_rows + self.specs[layer].conv_kernel - 1]
+            self.conv_states[layer].copy_(p.conv_window[..., num_rows:num_rows + self.specs[layer].conv_kernel - 1])
         self._pending_recurrent.clear()
 
     def _reset_recurrent(self) -> None:
         for i in self.recurrent_layers:
+            if i in self.conv_states:  # zeroed in place: graphs hold these buffers' addresses
+                self.conv_states[i].zero_()
+                self.ssm_states[i].zero_()
+                continue
             spec: RecurrentLayerSpec = self.specs[i]
             self.conv_states[i] = torch.zeros(self.batch_size, spec.conv_dim, spec.conv_kernel - 1,
                                               dtype=self.dtype, device=self.device)
             self.ssm_states[i] = torch.zeros(self.batch_size, spec.num_heads, spec.key_dim, spec.value_dim,
                                              dtype=torch.float32, device=self.device)
         self._pending_recurrent.clear()
+
+    def pending_recurrent_snapshot(self) -> dict:
+        """What the last forward recorded for commit (a graph replay restores it: no Python
+        runs during a replay, but the recorded tensors are the graph's own outputs)."""
+        return dict(self._pending_recurrent)
+
+    def restore_pending_recurrent(self, snapshot: dict) -> None:
+        self._pending_recurrent = dict(snapshot)
 
     # ---- commit / rollback ----------------------------------------------------------------
     def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:

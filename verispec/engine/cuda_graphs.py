@@ -32,7 +32,10 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
             self.hidden, self.aux, self.logits, self.pre_norm = self._run(model, capture, logits_fn)
+        # recurrent layers recorded their (static, graph-owned) per-position states for commit
+        self.pending_recurrent = cache.pending_recurrent_snapshot()
         cache.pending = 0
+        cache.restore_pending_recurrent({})
 
     def _run(self, model, capture, logits_fn):
         out = model(self.input_ids, self.positions, self.cache, capture)
@@ -51,6 +54,7 @@ class GraphedStep:
         self.positions.copy_(torch.arange(position, position + t).unsqueeze(0), non_blocking=True)
         self.graph.replay()
         self.cache.pending = t  # the replayed forward wrote t pending rows
+        self.cache.restore_pending_recurrent(self.pending_recurrent)
         return self.hidden, self.aux, self.logits, self.pre_norm
 
 
