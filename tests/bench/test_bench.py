@@ -172,7 +172,6 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "nope"], "--shape 'nope' is not a known shape (available shapes: "),
-    (["--shape", "gemma4-31b"], "--shape gemma4-31b needs the Gemma 4 architecture"),
     (["--shape", "tiny", "--methods", "ar,warp"], "--methods: 'warp' is not an available method (available: ar, eagle3)"),
     (["--shape", "tiny", "--methods", "mtp"], "'mtp' is not an available method"),
     (["--shape", "tiny", "--compare", "vllm"], "--compare: 'vllm' is not supported"),
@@ -228,3 +227,21 @@ def test_offline_bench_needs_no_server_packages(tmp_path):
                           cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "bench.json").is_file()
+
+
+def test_moe_bytes_count_only_routed_experts(tmp_path):
+    """A MoE decode step reads top_k of E experts per layer, everything else in full."""
+    from verispec.bench.roofline import inactive_expert_bytes, weight_bytes
+    from verispec.demo.tiny import build_tiny_gemma4
+    from verispec.loading.model_loader import load_model
+
+    build_tiny_gemma4(tmp_path / "moe", moe=True)
+    model = load_model(tmp_path / "moe", torch.float32, torch.device("cpu"))
+    s = model.settings
+    experts = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 3 and p.shape[0] == s.num_experts)
+    assert experts > 0
+    assert inactive_expert_bytes(model) == experts * (s.num_experts - s.top_k_experts) // s.num_experts
+    everything = sum(p.numel() * 4 for p in model.parameters())
+    embed = model.input_embeddings().weight
+    assert weight_bytes(model) == everything - inactive_expert_bytes(model)  # tied head: embedding read in full
+    assert embed is model.lm_head.weight

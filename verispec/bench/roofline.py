@@ -30,10 +30,26 @@ def weight_bytes(model: CausalLM) -> int:
     embedding = model.input_embeddings().weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    total -= inactive_expert_bytes(model)
     if head is not embedding:
         total -= embedding.numel() * embedding.element_size()
         total += embedding.shape[-1] * embedding.element_size()
     return total
+
+
+def inactive_expert_bytes(model: CausalLM) -> int:
+    """Mixture-of-experts weights a batch-1 decode step does not read: of each layer's E experts
+    only top_k are routed to per token (the router, dense MLP and attention are all read)."""
+    settings = getattr(model, "settings", None)
+    num_experts = getattr(settings, "num_experts", 0) if getattr(settings, "enable_moe", False) else 0
+    if not num_experts:
+        return 0
+    top_k = settings.top_k_experts
+    expert_bytes = 0
+    for name, p in model.named_parameters():
+        if p.dim() == 3 and p.shape[0] == num_experts:  # stacked expert weights [E, ...]
+            expert_bytes += p.numel() * p.element_size()
+    return expert_bytes * (num_experts - top_k) // num_experts
 
 
 def kv_bytes(model: CausalLM, context: int) -> int:

@@ -62,6 +62,26 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                attn_output_gate=True, max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
                tie_word_embeddings=False)),
+    # Gemma 4 (shared/reference/gemma4.md): 5 sliding layers then 1 full, repeated; k_eq_v on full layers
+    Shape("gemma4-31b", "Gemma 4 31B: dense, 60 layers, hidden 5376, 32 q heads; sliding 16 kv x 256, "
+          "full 4 kv x 512; MLP 21504, vocab 262144",
+          dict(model_type="gemma4_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+               num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+               num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024, vocab_size=262144,
+               layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10, hidden_size_per_layer_input=0,
+               final_logit_softcapping=30.0, max_position_embeddings=262144, rms_norm_eps=1e-6,
+               tie_word_embeddings=True),
+          # RedHatAI/gemma-4-31B-it-speculator.eagle3 (shared/reference/eagle3.md)
+          Eagle3Shape(draft_vocab_size=32000, aux_layer_ids=(2, 30, 57))),
+    Shape("gemma4-26b-a4b", "Gemma 4 26B-A4B: MoE, 30 layers, hidden 2816, 16 q heads; 128 experts top-8 "
+          "of size 704 beside a 2112 dense MLP; vocab 262144",
+          dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+               num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=1024, vocab_size=262144,
+               layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, hidden_size_per_layer_input=0,
+               enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+               final_logit_softcapping=30.0, max_position_embeddings=262144, rms_norm_eps=1e-6,
+               tie_word_embeddings=True)),
     Shape("tiny", "a tiny Qwen3-architecture model for CPU tests",
           dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
@@ -72,9 +92,6 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
 
 # Shapes waiting for their architecture (name -> what is missing); see shared/reference/*.md.
 PLANNED_SHAPES: dict[str, str] = {
-    "qwen3.6-27b": "the Qwen3.5/3.6 hybrid architecture (Gated DeltaNet + attention)",
-    "gemma4-31b": "the Gemma 4 architecture",
-    "gemma4-26b-a4b": "the Gemma 4 mixture-of-experts architecture",
 }
 
 
