@@ -181,11 +181,6 @@ def find_mtp_source(model_dir: Path, config: dict) -> tuple[MtpSource | None, li
     return None, looked
 
 
-def _names(names: list[str]) -> str:
-    shown = ", ".join("mtp." + n for n in names[:4])
-    return shown + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
-
-
 def supports_mtp(model: CausalLM) -> bool:
     return isinstance(model, Qwen3_5ForCausalLM)
 
@@ -219,11 +214,13 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
     where = ", ".join(str(p) for p in source.files)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
+        shown = ", ".join(unexpected[:4]) + (f" (+{len(unexpected) - 4} more)" if len(unexpected) > 4 else "")
         raise VerispecError(f"MTP head in {where} has tensors that are not part of a one-layer Qwen3.5 MTP "
-                            f"head: {_names(unexpected)} (quantized or multi-layer heads are not supported)")
+                            f"head: mtp.{shown} (quantized or multi-layer heads are not supported)")
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise VerispecError(f"MTP head in {where} is missing tensors: {_names(missing)}")
+        shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        raise VerispecError(f"MTP head in {where} is missing tensors: mtp.{shown}")
     for name, p in expected.items():
         if tuple(tensors[name].shape) != tuple(p.shape):
             raise VerispecError(f"MTP tensor 'mtp.{name}' in {where} has shape {tuple(tensors[name].shape)}; "
