@@ -158,10 +158,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = num_splits or num_splits_for(b, hkv, q.device)
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(group * t))
-    # head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); larger heads keep smaller
-    # blocks so the staged K/V tiles fit in shared memory
-    block_n = block_n or (128 if block_d <= 128 else (32 if block_d <= 256 else 16))
-    num_stages = num_stages or (3 if block_d <= 128 else 2)
+    # 16-bit, head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); float32 tiles and
+    # larger heads keep smaller blocks so the staged K/V tiles fit in shared memory
+    half = q.element_size() <= 2
+    block_n = block_n or ((128 if half else 64) if block_d <= 128 else (32 if block_d <= 256 else 16))
+    num_stages = num_stages or (3 if half and block_d <= 128 else 2)
     opart = torch.empty((b, hq, t, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, t, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
