@@ -1,14 +1,18 @@
 # Two entry points (README quickstart): `make serve` and `make test`.
+# `make serve` runs the embedded demo model (verispec/demo/model) when it is built, else the placeholder
+# random tiny model; `make demo-model` builds the demo model (scripts/train_demo_model.py, ~10 min on a GPU).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 DEFAULT_MODEL := build/tiny-model
+DEMO_MODEL := verispec/demo/model
+DEMO_ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 9999
 
-.PHONY: venv venv-test serve test model clean
+.PHONY: venv venv-test serve test model demo-model clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +37,19 @@ $(DEFAULT_MODEL)/config.json: $(VENV)/.installed scripts/make_tiny_model.py
 
 model: $(DEFAULT_MODEL)/config.json
 
-serve: $(VENV)/.installed $(DEFAULT_MODEL)/config.json
-	$(VENV)/bin/verispec serve -m $(DEFAULT_MODEL) --host $(HOST) --port $(PORT)
+serve: $(VENV)/.installed
+	@if [ -f $(DEMO_MODEL)/config.json ]; then \
+		$(VENV)/bin/verispec serve --host $(HOST) --port $(PORT); \
+	else \
+		echo "make serve: the embedded demo model ($(DEMO_MODEL)) is not built yet ('make demo-model' builds it," \
+		     "~10 minutes on a GPU); serving the placeholder random-weight tiny model $(DEFAULT_MODEL) instead"; \
+		$(MAKE) --no-print-directory model && \
+		$(VENV)/bin/verispec serve -m $(DEFAULT_MODEL) --host $(HOST) --port $(PORT); \
+	fi
+
+# DEMO_ARGS=--tiny builds a tiny CPU version (seconds) into the same place; see the script's --help.
+demo-model: $(VENV)/.installed
+	$(PY) scripts/train_demo_model.py --out $(DEMO_MODEL) $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest tests $(PYTEST_ARGS)

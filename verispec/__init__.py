@@ -17,9 +17,15 @@ __version__ = "0.1.0"
 class LLM:
     """Load a model once and generate from text prompts or chat messages."""
 
-    def __init__(self, model: str, **engine_options):
+    def __init__(self, model: str | None = None, **engine_options):
+        """`model`: a directory or hub id; None: the embedded demo model, with its default speculation."""
         from verispec.engine.engine import load_engine
 
+        if model is None:
+            from verispec.demo.default import require_demo_model, speculation_defaults
+
+            demo = require_demo_model()
+            model, engine_options = str(demo), {**speculation_defaults(demo), **engine_options}
         self.engine = load_engine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 

@@ -1,4 +1,4 @@
-"""Command line: `verispec serve`, `verispec generate` and `verispec bench`.
+"""Command line: `verispec serve`, `verispec generate`, `verispec bench` and `verispec train-drafter`.
 
 A bad flag or model path prints one readable line on stderr and exits non-zero.
 """
@@ -21,8 +21,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True,
-                   help="local model directory or hub id (org/name)")
+    p.add_argument("-m", "--model", default=None,
+                   help="local model directory or hub id (org/name) (default: the embedded demo model, "
+                        "with its default speculation)")
     p.add_argument("--dtype", default=None,
                    help="weights/activations dtype: bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
@@ -36,11 +37,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-block", type=int, default=None, metavar="K",
                    help="drafts per round (default: VERISPEC_EAGLE3_BLOCK, else 2)")
     p.add_argument("--mtp", action="store_true",
-                   help="speculate with the model's own MTP head (Qwen3.5 / Qwen3.6; in the shards or a sidecar)")
+                   help="speculate with the model's own MTP head (Qwen3.5 / Qwen3.6; in the shards or a sidecar), "
+                        "or on Gemma 4 with its assistant drafter (see --mtp-model)")
     p.add_argument("--mtp-depth", type=int, default=None, metavar="N",
                    help="MTP drafts per round (default 1: one draft + the bonus token)")
     p.add_argument("--mtp-hidden", default=None, choices=["post-norm", "pre-norm"],
                    help="target hidden state fed to the MTP head (default post-norm)")
+    p.add_argument("--mtp-model", metavar="DIR", default=None,
+                   help="Gemma 4: the assistant checkpoint (gemma4_assistant) for --mtp (default: a sibling "
+                        "<model>-assistant directory, or <org>/<name>-assistant in the model caches)")
+    p.add_argument("--num-mtp-tokens", type=int, default=None, metavar="N",
+                   help="MTP drafts per round (SwiftLM's flag; wins over --mtp-depth; default 2 for a Gemma 4 "
+                        "assistant, --mtp-depth for a Qwen head)")
+    p.add_argument("--assistant-window", type=int, default=None, metavar="W",
+                   help="Gemma 4 assistant: attend to the last W target positions only (default: the whole context)")
+    p.add_argument("--no-spec", action="store_true",
+                   help="decode without speculation (the embedded demo model speculates by default)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature_default: float) -> None:
@@ -77,7 +89,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     _add_sampling_args(gen, temperature_default=0.0)
     _add_bench_parser(sub)
+    _add_train_drafter_parser(sub)
     return parser
+
+
+def _add_train_drafter_parser(sub) -> None:
+    t = sub.add_parser("train-drafter", help="train an EAGLE3 drafter or an MTP head for a target model")
+    t.add_argument("--method", required=True, help="eagle3 (speculators directory) or mtp (mtp.safetensors sidecar)")
+    t.add_argument("-m", "--model", required=True, help="the target: local model directory or hub id")
+    t.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files or directories to train on")
+    t.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory (eagle3: the drafter; mtp: mtp.safetensors, put it next to the target's "
+                        "weights); its .train-state/ holds the checkpoint a rerun resumes from")
+    t.add_argument("--steps", type=int, default=2000, help="optimiser steps (default 2000)")
+    t.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock budget; training (and its schedule) ends at whichever of --steps / this comes first")
+    t.add_argument("--batch-size", type=int, default=16, help="windows per step (default 16)")
+    t.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3; warmup, cosine decay)")
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--ttt-steps", type=int, default=3,
+                   help="drafts unrolled per position in training (the drafter's own hidden fed back; default 3)")
+    t.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    t.add_argument("--dtype", default=None, help="the target's dtype (default: bf16 on CUDA, float32 on CPU)")
+    t.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved weights (default bfloat16)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-data-tokens", type=int, default=20_000_000, help="cap on tokenized training text")
+    t.add_argument("--gen-sequences", type=int, default=256,
+                   help="continuations the target writes itself (half greedy, half sampled), trained on beside the text")
+    t.add_argument("--eval-every", type=int, default=500, help="steps between acceptance evaluations (0: start and end)")
+    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
+    t.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per evaluation prompt")
+    t.add_argument("--eval-drafts", type=int, default=None, help="drafts per round in evaluation (default: --ttt-steps, at most 4)")
+    t.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
+    t.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and train from scratch")
+    t.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="eagle3: draft vocabulary size, the target's most frequent predictions (default min(32000, V))")
+    t.add_argument("--aux-layers", default=None, help="eagle3: comma-separated target layer ids (default 2,N/2,N-3)")
+    t.add_argument("--layer-type", default="llama", help="eagle3: drafter decoder layer, llama or qwen3 (default llama)")
+    t.add_argument("--copy-embedding", action="store_true",
+                   help="eagle3: store the target's embedding in the drafter (default: shared with the target at load)")
+    t.add_argument("--mtp-hidden", default="post-norm", help="mtp: target hidden fed to the head, post-norm or pre-norm")
 
 
 def _add_bench_parser(sub) -> None:
@@ -111,17 +163,45 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--seed", type=int, default=0, help="seed for random weights and prompts")
 
 
+def _apply_demo_defaults(args) -> None:
+    """No -m: the embedded demo model, speculating as its demo.json says unless a proposer flag
+    or --no-spec is given."""
+    from verispec.demo.default import require_demo_model, speculation_defaults
+
+    model_dir = require_demo_model()
+    args.model = str(model_dir)
+    if args.no_spec or args.mtp or args.eagle3:
+        return
+    spec = speculation_defaults(model_dir)
+    if spec.get("mtp"):
+        args.mtp = True
+        if args.mtp_depth is None and args.draft_block is None:
+            args.mtp_depth = spec["mtp_depth"]
+    elif spec.get("eagle3"):
+        args.eagle3 = spec["eagle3"]
+        if args.draft_block is None and args.mtp_depth is None:
+            args.draft_block = spec["draft_block"]
+
+
 def _engine_config(args):
     from verispec.config import EngineConfig
 
+    if args.no_spec and (args.mtp or args.eagle3):
+        raise VerispecError("--no-spec turns speculation off; it cannot be combined with --mtp or --eagle3")
+    if args.model is None:
+        _apply_demo_defaults(args)
+
     for flag, value in (("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len),
-                        ("--draft-block", args.draft_block)):
+                        ("--draft-block", args.draft_block), ("--num-mtp-tokens", args.num_mtp_tokens),
+                        ("--assistant-window", args.assistant_window)):
         if value is not None and value < 1:
             raise VerispecError(f"{flag} must be >= 1, got {value}")
     if args.mtp_depth is not None and args.mtp_depth < 1:
         raise VerispecError(f"--mtp-depth must be >= 1, got {args.mtp_depth}")
     if not args.mtp:
-        for flag, value in (("--mtp-depth", args.mtp_depth), ("--mtp-hidden", args.mtp_hidden)):
+        for flag, value in (("--mtp-depth", args.mtp_depth), ("--mtp-hidden", args.mtp_hidden),
+                            ("--mtp-model", args.mtp_model), ("--num-mtp-tokens", args.num_mtp_tokens),
+                            ("--assistant-window", args.assistant_window)):
             if value is not None:
                 raise VerispecError(f"{flag} needs --mtp")
     elif args.eagle3:
@@ -132,7 +212,9 @@ def _engine_config(args):
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
                         eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs,
-                        mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm")
+                        mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm",
+                        mtp_model=args.mtp_model, num_mtp_tokens=args.num_mtp_tokens or args.mtp_depth,
+                        assistant_window=args.assistant_window)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -147,13 +229,15 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
+    from verispec.demo.default import DEMO_MODEL_NAME
     from verispec.engine.engine import Engine
     from verispec.server.app import run_server
 
     _check_port_free(args.host, args.port)
+    served = args.served_model_name or args.model or DEMO_MODEL_NAME
     engine = Engine.load(_engine_config(args))
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=args.served_model_name or args.model, prewarm=not args.no_prewarm)
+               served_model_name=served, prewarm=not args.no_prewarm)
     return 0
 
 
@@ -218,7 +302,36 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench}
+def cmd_train_drafter(args) -> int:
+    from verispec.train import DrafterTrainOptions, Method, train_drafter
+
+    aux = None
+    if args.aux_layers is not None:
+        try:
+            aux = [int(x) for x in args.aux_layers.split(",") if x.strip()]
+        except ValueError:
+            raise VerispecError(f"--aux-layers '{args.aux_layers}' must be comma-separated layer ids, e.g. 2,16,29") from None
+    options = DrafterTrainOptions(
+        method=Method.parse(args.method), model=args.model, out=args.out, data=list(args.data), steps=args.steps,
+        max_seconds=args.max_seconds, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, device=args.device, dtype=args.dtype,
+        save_dtype=args.save_dtype, seed=args.seed, max_data_tokens=args.max_data_tokens,
+        gen_sequences=args.gen_sequences, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+        eval_tokens=args.eval_tokens, eval_drafts=args.eval_drafts, save_every=args.save_every, restart=args.restart,
+        draft_vocab_size=args.draft_vocab_size, aux_layers=aux, layer_type=args.layer_type,
+        copy_embedding=args.copy_embedding, mtp_hidden=args.mtp_hidden)
+    summary = train_drafter(options)
+    after, before = summary.get("after"), summary.get("before")
+    line = f"{summary['method']}: {summary['steps']} steps in {summary['seconds']:.0f}s -> {args.out}"
+    if after:
+        line += (f"; held-out acceptance {100 * (before or {}).get('acceptance', 0):.1f}% -> "
+                 f"{100 * after['acceptance']:.1f}% at {after['num_drafts']} drafts per round "
+                 f"({after['tokens_per_round']:.2f} tokens per target pass)")
+    print(line)
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "train-drafter": cmd_train_drafter}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,3 +68,7 @@ class EngineConfig:
     mtp: bool = False  # speculate with the model's own MTP head (Qwen3.5 / Qwen3.6)
     mtp_depth: int = 1  # MTP drafts per round (1: mlx-lm's "depth-2 bonus" loop: draft + bonus)
     mtp_hidden: str = "post-norm"  # target hidden fed to the head: post-norm | pre-norm
+    # --mtp on a Gemma 4 target: the assistant drafter (model_type gemma4_assistant)
+    mtp_model: str | None = None  # its directory or hub id (None: `<model>-assistant` beside the model)
+    num_mtp_tokens: int | None = None  # MTP drafts per round (None: 2 for the assistant, mtp_depth for Qwen)
+    assistant_window: int | None = None  # the assistant attends to the last W target positions (None: all)

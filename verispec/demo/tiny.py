@@ -384,3 +384,53 @@ def build_tiny_gemma4(out_dir: str | Path, moe: bool = False, wrapper: bool = Fa
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(str(out))
     return model
+
+
+def build_tiny_gemma4_assistant(out_dir: str | Path, target_config: dict, seed: int = 0, hidden_size: int = 32,
+                                num_hidden_layers: int = 4, ordered_embeddings: bool = False,
+                                num_centroids: int = 2, centroid_top_k: int = 1, **text_overrides):
+    """A random-weight Gemma 4 assistant drafter (`gemma4_assistant`, transformers'
+    Gemma4AssistantForCausalLM) for a Gemma 4 target config (gemma4 or gemma4_text): its layers
+    take the target's head dims and kv-head counts per layer type (they read the target's K/V),
+    the last layer is full attention, the rest sliding. `ordered_embeddings` adds the centroid-
+    masked lm_head (num_centroids must divide the vocabulary) with a random token ordering.
+    Weights drawn as in build_tiny_gemma4. Returns the transformers model (float32)."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    from verispec.models.gemma4 import Gemma4Settings, LayerType
+
+    target_text = target_config.get("text_config") or target_config
+    s = Gemma4Settings(target_text)
+    sliding, full = s.layer_types.index(LayerType.SLIDING), s.layer_types.index(LayerType.FULL)
+    text = dict(
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads[sliding], head_dim=s.head_dims[sliding],
+        global_head_dim=s.head_dims[full], num_global_key_value_heads=s.num_kv_heads[full], attention_k_eq_v=True,
+        sliding_window=s.sliding_window, layer_types=["sliding_attention"] * (num_hidden_layers - 1) + ["full_attention"],
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, vocab_size=s.vocab_size,
+        max_position_embeddings=s.max_position_embeddings, rms_norm_eps=s.rms_norm_eps,
+    )
+    if target_text.get("rope_parameters"):
+        text["rope_parameters"] = target_text["rope_parameters"]
+    text.update(text_overrides)
+    extra = dict(use_ordered_embeddings=True, num_centroids=num_centroids,
+                 centroid_intermediate_top_k=centroid_top_k) if ordered_embeddings else {}
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=s.hidden_size, **extra)
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layer_scalar")):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.normal_(0.0, 0.08, generator=gen)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+            elif name.endswith("token_ordering"):
+                b.copy_(torch.randperm(s.vocab_size, generator=gen))
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return model

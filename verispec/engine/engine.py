@@ -27,6 +27,7 @@ from verispec.loading.model_loader import load_model, parse_device, parse_dtype
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
+from verispec.models.gemma4 import Gemma4ForCausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
@@ -80,6 +81,9 @@ class Engine:
             if config.mtp_depth < 1:
                 raise VerispecError(f"--mtp-depth must be >= 1, got {config.mtp_depth}")
             MtpHidden.parse(config.mtp_hidden)
+            from verispec.spec.gemma4_assistant import check_assistant_options
+
+            check_assistant_options(config.num_mtp_tokens, config.assistant_window)
         device = parse_device(config.device)
         dtype = parse_dtype(config.dtype, device)
         model_dir = resolve_model(config.model)
@@ -97,14 +101,22 @@ class Engine:
             num_drafts = config.draft_block or env().eagle3_block or DEFAULT_EAGLE3_BLOCK
             log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
                       config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
+        elif config.mtp and isinstance(model, Gemma4ForCausalLM):
+            from verispec.spec.gemma4_assistant import assistant_proposer
+
+            # None (logged) when no assistant checkpoint is found
+            proposer, num_drafts = assistant_proposer(config, model, model_dir,
+                                                      min(tokenizer.vocab_size, model.vocab_size))
         elif config.mtp:
+            from verispec.spec.gemma4_assistant import refuse_assistant_options
             from verispec.spec.mtp import MtpHidden, MtpProposer, load_mtp_head
 
+            refuse_assistant_options(config, model)
             head = load_mtp_head(model_dir, model)  # None (logged) when the model has no head
             if head is not None:
                 proposer = MtpProposer(head, MtpHidden.parse(config.mtp_hidden),
                                        num_real_tokens=min(tokenizer.vocab_size, model.vocab_size))
-                num_drafts = config.mtp_depth
+                num_drafts = config.num_mtp_tokens or config.mtp_depth
                 log.debug("MTP head: %d drafts per round, %s hidden", num_drafts, config.mtp_hidden)
         return cls(model, tokenizer, config, model_dir, proposer=proposer, num_drafts=num_drafts)
 
@@ -266,14 +278,35 @@ class Engine:
         if self._cache is None:
             if self.use_graphs:
                 # graphs hold pointers into the cache: allocate it once, for the whole context
-                self._cache = self.model.make_cache(self.max_model_len + self.num_drafts + 1)
+                self._cache = self.model.make_cache(self._graph_cache_rows())
                 self._cache.use_decode_kernel = True
             else:
                 self._cache = self.model.make_cache(num_rows)
                 self._cache.use_decode_kernel = split_k.available(self.device)
         self._cache.reset()
         self._cache.ensure_capacity(num_rows)
+        if isinstance(self.proposer, Proposer):
+            self.proposer.attach_target_cache(self._cache)
         return self._cache
+
+    def _graph_cache_rows(self) -> int:
+        """Rows for the one cache graphs use: the whole context, unless its K/V would take more
+        than half the free GPU memory — then the context is capped to what fits, and said so."""
+        margin = self.num_drafts + 1
+        rows = self.max_model_len + margin
+        item = torch.empty((), dtype=self.dtype).element_size()
+        row_bytes = sum(2 * s.num_kv_heads * s.head_dim * item for s in self.model.cache_specs()
+                        if not isinstance(s, RecurrentLayerSpec))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = free // 2
+        if row_bytes and rows * row_bytes > budget:
+            fit = budget // row_bytes
+            log.info("the KV cache for the full %d-token context needs %.1f GiB, more than half the free GPU "
+                     "memory; serving a context of %d tokens (set --max-model-len to choose)",
+                     self.max_model_len, rows * row_bytes / 2**30, fit - margin)
+            self.max_model_len = fit - margin
+            rows = fit
+        return rows
 
     def capture_graphs(self) -> float:
         """Capture decode/verify steps (T = 1..k+1) as CUDA graphs. Returns seconds taken."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.cache.kv import KVCache
 from verispec.engine.params import SamplingParams
 
 
@@ -42,6 +43,11 @@ class Draft:
 class Proposer(ABC):
     method: str = "spec"
     capture_layers: tuple[int, ...] = ()  # target layers whose incoming residual stream it reads
+
+    def attach_target_cache(self, cache: KVCache) -> None:
+        """The target's cache for the coming generation (the engine calls this before `reset`).
+        Drafters that read the target's K/V (the Gemma 4 assistant) keep it: when `propose` runs,
+        its rows below cache.length are exactly the committed ones. Others ignore it."""
 
     @abstractmethod
     def reset(self, prompt_ids: list[int]) -> None:

@@ -1,0 +1,87 @@
+"""scripts/train_demo_model.py --tiny: the whole demo build on CPU, and `verispec generate`
+without -m running what it produced."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import verispec.demo.default as demo_default
+from verispec.cli import main as cli_main
+
+SHIPPED = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+           "mtp.safetensors", "eagle3/config.json", "eagle3/model.safetensors", "demo.json", "README.md"]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    from scripts.train_demo_model import main
+
+    root = tmp_path_factory.mktemp("demo")
+    assert main(["--tiny", "--out", str(root / "model"), "--work", str(root / "work")]) == 0
+    return root
+
+
+def test_demo_build_writes_a_transformers_checkpoint(demo_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verispec.engine.engine import load_engine
+
+    out = demo_dir / "model"
+    for name in SHIPPED:
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "def fibonacci(n):"}], tokenize=False,
+                                     add_generation_prompt=True, enable_thinking=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    ids = torch.tensor([tok.encode("def fibonacci(n):\n")])
+    ours = load_engine(str(out), dtype="float32", device="cpu").model
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        got = ours.logits(ours(ids, torch.arange(ids.shape[1])[None], ours.make_cache(ids.shape[1])).hidden)[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+    record = json.loads((demo_dir / "work" / "build.json").read_text())
+    ppl = record["pretrain"]["heldout_perplexity_code"]
+    assert math.isfinite(ppl) and ppl < 150  # a uniform guess over 512 tokens scores 512
+    assert record["mtp"]["after"]["acceptance"] > record["mtp"]["before"]["acceptance"]
+    assert record["eagle3"]["after"]["acceptance"] > record["eagle3"]["before"]["acceptance"]
+    card = (out / "README.md").read_text()
+    assert "held-out perplexity" in card and "def fibonacci(n):" in card
+
+
+def test_generate_without_model_uses_the_demo_with_speculation(demo_dir, monkeypatch, capsys):
+    monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", demo_dir / "model")
+    chosen = json.loads((demo_dir / "model" / "demo.json").read_text())["speculation"]["method"]
+    assert cli_main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "12", "--json",
+                     "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stats"]["method"] == chosen
+    assert len(result["token_ids"]) >= 1 and result["stats"]["drafted"] > 0
+    assert cli_main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "12", "--json",
+                     "--device", "cpu", "--no-spec"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["stats"]["method"] == "ar"
+    assert plain["token_ids"] == result["token_ids"]  # speculation changes nothing (greedy)
+
+
+def test_without_the_demo_model_the_error_says_how_to_build_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", tmp_path / "absent")
+    assert cli_main(["generate", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "make demo-model" in err and err.count("\n") == 1
+
+
+def test_python_api_without_model_uses_the_demo(demo_dir, monkeypatch):
+    from verispec import LLM, SamplingParams
+
+    monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", demo_dir / "model")
+    llm = LLM(device="cpu")
+    assert llm.engine.proposer is not None
+    result = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(result.token_ids) == 8

@@ -1,0 +1,369 @@
+"""The Gemma 4 "assistant" MTP drafter (model_type `gemma4_assistant`) and the proposer that runs it.
+
+A small separate checkpoint trained with one backbone (see shared/reference/gemma4.md; the oracle is
+transformers' `Gemma4AssistantForCausalLM` driven by `SinglePositionMultiTokenCandidateGenerator`).
+It has no K/V of its own: every layer is query-only attention over the *target's* cached K/V of
+the last target layer of the same type (already normed and roped). One draft step:
+
+    x    = pre_projection(cat(target.embed(tok) * sqrt(H_target), h))     # embedding first
+    x    = layers(x)      # Gemma 4 decoder layers; q RoPE at one constant position per round
+    hn   = norm(x);   logits = lm_head(hn)   (tied to its own embed_tokens; or centroid-masked)
+    h    = post_projection(hn)                                              # fed to the next step
+    tok  = argmax(logits)  (or a sample from the processed distribution)
+
+Seed of a round: h = the target's post-final-norm hidden at the last committed position P-1 and
+tok = the target's token for position P (the bonus token). Within a round the target's cache is
+fixed, so the drafts never see each other's K/V; they chain only through h and tok.
+
+Positions, as transformers defines them: the query RoPE position is P (`input_ids.shape[1] - 1`
+in the candidate generator: the position of the token being embedded) for every step of the
+round. The keys are the committed rows 0..P-1 only: attention is bounded by the *last committed
+row* P-1, never by P, because row P onward of the target's cache holds rejected K/V from the last
+verify pass (the engine's commit(n) keeps them out of cache.length but not out of the buffer).
+Full layers see every committed row; sliding layers see the last sliding_window + 1 rows
+(transformers' bidirectional sliding mask is inclusive: |q - k| <= window, flipped to the past).
+`--assistant-window W` caps every layer to the last W rows (SwiftLM PR #109's cap of 16 for long
+contexts): the drafts change, the output does not (verification is unchanged).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verispec import log
+from verispec.cache.kv import KVCache
+from verispec.config import EngineConfig
+from verispec.engine.params import SamplingParams
+from verispec.engine.sampler import processed_probs
+from verispec.errors import ModelNotFoundError, VerispecError
+from verispec.loading.resolve import HUB_ID, resolve_model
+from verispec.loading.weights import checkpoint_files, iter_tensors
+from verispec.models.base import CausalLM
+from verispec.models.gemma4 import Gemma4ForCausalLM, Gemma4Settings, Gemma4TextModel, LayerType
+from verispec.models.layers.attention import AttentionInputs
+from verispec.models.layers.rotary import RotaryEmbedding
+from verispec.spec.proposer import Draft, Proposer, TargetStep
+
+ASSISTANT_MODEL_TYPE = "gemma4_assistant"
+DEFAULT_NUM_MTP_TOKENS = 2  # drafts per round: SwiftLM's default (depth 4 measured worse there)
+SIBLING_SUFFIX = "-assistant"  # google/gemma-4-31B-it -> google/gemma-4-31B-it-assistant
+
+
+class AssistantConfig:
+    """The fields of a `gemma4_assistant` config.json, checked against the target it will read."""
+
+    def __init__(self, raw: dict, target: Gemma4ForCausalLM, where: Path):
+        if raw.get("model_type") != ASSISTANT_MODEL_TYPE:
+            raise VerispecError(f"{where} is not a Gemma 4 assistant checkpoint: its config.json has model_type "
+                                f"{raw.get('model_type')!r}, expected '{ASSISTANT_MODEL_TYPE}'")
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise VerispecError(f"{where}/config.json has no text_config object (the assistant's decoder layers)")
+        for key, off in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False),
+                         ("use_double_wide_mlp", False)):
+            if text.get(key, off) not in (off, None):
+                raise VerispecError(f"Gemma 4 assistant at {where}: text_config.{key} must be {off!r} "
+                                    f"(as transformers requires), got {text[key]!r}")
+        num_layers = int(text.get("num_hidden_layers", 30))  # Gemma4TextConfig's default
+        num_shared = int(text.get("num_kv_shared_layers") or num_layers)  # transformers: 0/None -> all
+        if num_shared != num_layers:
+            raise VerispecError(f"Gemma 4 assistant at {where}: all {num_layers} layers must read the target's "
+                                f"K/V (num_kv_shared_layers {num_shared})")
+        text = dict(text, hidden_size_per_layer_input=0)
+        tie = bool(raw.get("tie_word_embeddings", True))
+        types = Gemma4Settings(text, tie, kv_sources=[None] * num_layers).layer_types
+        sources = [target.kv_owner_layer(t) for t in types]
+        self.settings = s = Gemma4Settings(text, tie, kv_sources=sources)
+        self.backbone_hidden_size = int(raw.get("backbone_hidden_size", 1536))
+        self.use_ordered_embeddings = bool(raw.get("use_ordered_embeddings", False))
+        self.num_centroids = int(raw.get("num_centroids", 2048))
+        self.centroid_top_k = int(raw.get("centroid_intermediate_top_k", 32))
+        ts = target.settings
+        if self.backbone_hidden_size != target.hidden_size:
+            raise VerispecError(f"Gemma 4 assistant at {where} was trained for a backbone of hidden size "
+                                f"{self.backbone_hidden_size}; the target has hidden size {target.hidden_size}")
+        if s.vocab_size != target.vocab_size:
+            raise VerispecError(f"Gemma 4 assistant at {where} has a vocabulary of {s.vocab_size} tokens; the "
+                                f"target has {target.vocab_size}")
+        for i, (t, src) in enumerate(zip(s.layer_types, sources)):
+            if s.head_dims[i] != ts.head_dims[src] or s.num_heads % ts.num_kv_heads[src]:
+                raise VerispecError(f"Gemma 4 assistant at {where}: layer {i} ({t.value}) has {s.num_heads} heads "
+                                    f"of dim {s.head_dims[i]}, but it reads target layer {src} with "
+                                    f"{ts.num_kv_heads[src]} kv heads of dim {ts.head_dims[src]}")
+        if self.use_ordered_embeddings and (self.num_centroids < 1 or s.vocab_size % self.num_centroids
+                                            or not 0 < self.centroid_top_k <= self.num_centroids):
+            raise VerispecError(f"Gemma 4 assistant at {where}: {self.num_centroids} centroids with top-k "
+                                f"{self.centroid_top_k} do not split a vocabulary of {s.vocab_size}")
+
+
+class MaskedEmbedder(nn.Module):
+    """Centroid-masked logits (`use_ordered_embeddings`, the small E-series assistants): score the
+    centroids, keep the top-k clusters' tokens, and give every other token the smallest kept
+    logit minus 1, as transformers' Gemma4AssistantMaskedEmbedder does."""
+
+    def __init__(self, c: AssistantConfig):
+        super().__init__()
+        s = c.settings
+        self.top_k = c.centroid_top_k
+        self.num_centroids = c.num_centroids
+        self.vocab_size = s.vocab_size
+        self.centroids = nn.Linear(s.hidden_size, c.num_centroids, bias=False)
+        self.register_buffer("token_ordering", torch.zeros(s.vocab_size, dtype=torch.long))
+
+    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H], lm_head_weight [V, H] -> logits [B, T, V]."""
+        b, t, h = hidden.shape
+        top = torch.topk(self.centroids(hidden), k=self.top_k, dim=-1).indices  # [B, T, k]
+        clusters = self.token_ordering.view(self.num_centroids, -1)  # [C, V / C] token ids
+        selected = clusters[top].reshape(b, t, -1)  # [B, T, k * V / C]
+        embeddings = lm_head_weight[selected.reshape(-1)].view(b, t, -1, h)
+        selected_logits = (hidden.unsqueeze(-2) @ embeddings.transpose(-1, -2)).squeeze(-2)
+        out = hidden.new_empty((b, t, self.vocab_size))
+        out.fill_(selected_logits.min() - 1.0)  # a device value, not .item(): no sync per step
+        return out.scatter_(-1, selected, selected_logits)
+
+
+class Gemma4AssistantDrafter(nn.Module):
+    """The assistant's weights under the checkpoint's names (model.*, pre/post_projection,
+    lm_head, masked_embedding.*). Its decoder layers are verispec's Gemma 4 layers built with
+    kv_sources = the target layers they read (so they have no k/v projections)."""
+
+    def __init__(self, c: AssistantConfig):
+        super().__init__()
+        s = c.settings
+        self.cfg = c
+        self.model = Gemma4TextModel(s)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.pre_projection = nn.Linear(2 * c.backbone_hidden_size, s.hidden_size, bias=False)
+        self.post_projection = nn.Linear(s.hidden_size, c.backbone_hidden_size, bias=False)
+        self.masked_embedding = MaskedEmbedder(c) if c.use_ordered_embeddings else None
+        self.rotary = nn.ModuleDict({t.value: RotaryEmbedding(s.rope[t], s.head_dim_of(t)) for t in s.rope})
+        # transformers' inclusive bidirectional sliding mask: window + 1 rows in our convention
+        self.base_windows = [s.sliding_window + 1 if t is LayerType.SLIDING else None for t in s.layer_types]
+
+    def tie_weights(self) -> None:
+        if self.cfg.settings.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def logits(self, hn: torch.Tensor) -> torch.Tensor:
+        """hn [B, T, H] (after the final norm) -> [B, T, V]. No softcapping, as in transformers."""
+        if self.masked_embedding is not None:
+            return self.masked_embedding(hn, self.lm_head.weight)
+        return self.lm_head(hn)
+
+    def forward(self, inputs: torch.Tensor, rope_positions: torch.Tensor, last_rows: torch.Tensor,
+                num_rows: int, target_cache: KVCache, max_window: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """inputs [B, T, 2 * H_target] = cat(scaled target embedding, target-sized hidden);
+        rope_positions [B, T]: the queries' RoPE position; last_rows [B, T]: the last cache row each
+        may see (num_rows: the largest last row + 1, as a host int). Reads `target_cache`, writes nothing.
+        Returns (post_projection(hn) [B, T, H_target], logits [B, T, V])."""
+        x = self.pre_projection(inputs)
+        rope = {t: self.rotary[t](rope_positions, x.dtype) for t in self.rotary}
+        attn_inputs = AttentionInputs(last_rows, target_cache)
+        # AttentionInputs counts this pass's T rows as keys; the assistant adds none, and the rows
+        # past the committed ones hold the last verify pass's rejected K/V
+        attn_inputs.num_keys = num_rows
+        for layer, window in zip(self.model.layers, self.base_windows):
+            if max_window is not None:
+                window = max_window if window is None else min(window, max_window)
+            layer.self_attn.window = window
+            cos, sin = rope[layer.self_attn.layer_type.value]
+            x = layer(x, None, cos, sin, attn_inputs)
+        hn = self.model.norm(x)
+        return self.post_projection(hn), self.logits(hn)
+
+
+def read_assistant_config(where: Path) -> dict:
+    path = where / "config.json"
+    if not path.is_file():
+        raise VerispecError(f"{where} is not a Gemma 4 assistant checkpoint: it has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise VerispecError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def load_assistant(assistant_dir: str | Path, target: Gemma4ForCausalLM) -> Gemma4AssistantDrafter:
+    """A `gemma4_assistant` checkpoint directory (config.json + safetensors) on the target's
+    device and dtype; refused with one line when it does not fit the target."""
+    where = Path(assistant_dir).expanduser()
+    c = AssistantConfig(read_assistant_config(where), target, where)
+    param = next(target.parameters())
+    with torch.device("meta"):
+        drafter = Gemma4AssistantDrafter(c)
+    drafter.to_empty(device=param.device)
+    drafter.to(param.dtype)
+    expected = dict(drafter.named_parameters())
+    expected.update(drafter.named_buffers())
+    loaded, ignored = set(), []
+    for name, tensor in iter_tensors(checkpoint_files(where)):
+        if name not in expected:
+            ignored.append(name)  # e.g. k/v projections of shared layers, which transformers drops too
+            continue
+        target_tensor = expected[name]
+        if tuple(tensor.shape) != tuple(target_tensor.shape):
+            raise VerispecError(f"Gemma 4 assistant tensor '{name}' in {where} has shape {tuple(tensor.shape)}; "
+                                f"its config and the target imply {tuple(target_tensor.shape)}")
+        with torch.no_grad():
+            target_tensor.copy_(tensor.to(target_tensor.dtype))
+        loaded.add(name)
+    tied = {"lm_head.weight"} if c.settings.tie_word_embeddings else set()
+    missing = sorted(set(expected) - loaded - tied)
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
+        raise VerispecError(f"Gemma 4 assistant at {where} is missing tensors: {shown}")
+    if drafter.masked_embedding is not None:
+        ordering = drafter.masked_embedding.token_ordering
+        if int(ordering.min()) < 0 or int(ordering.max()) >= c.settings.vocab_size:
+            raise VerispecError(f"Gemma 4 assistant at {where}: token_ordering has ids outside the vocabulary "
+                                f"of {c.settings.vocab_size}")
+    drafter.tie_weights()
+    drafter.eval().requires_grad_(False)
+    if ignored:
+        log.debug("Gemma 4 assistant: ignored %d tensors (e.g. %s)", len(ignored), ", ".join(ignored[:3]))
+    return drafter
+
+
+# ---- where the assistant is ------------------------------------------------------------------------
+def _snapshot_hub_id(model_dir: Path) -> str | None:
+    """org/name for a hub-cache snapshot directory (.../models--org--name/snapshots/<hash>)."""
+    repo = model_dir.parent.parent
+    if model_dir.parent.name == "snapshots" and repo.name.startswith("models--"):
+        parts = repo.name[len("models--"):].split("--")
+        if len(parts) == 2:
+            return "/".join(parts)
+    return None
+
+
+def find_assistant(model_arg: str, model_dir: Path, explicit: str | None) -> Path | None:
+    """The assistant checkpoint for a target: `explicit` (--mtp-model; resolved like -m, errors
+    raised), else a sibling directory `<name>-assistant` next to the target's directory, else the
+    hub id `<org>/<name>-assistant` in the model caches (no download). None (with one log line
+    naming where it looked) when there is none."""
+    if explicit:
+        try:
+            return resolve_model(explicit)
+        except ModelNotFoundError as exc:
+            raise VerispecError(f"--mtp-model: {exc.message}") from None
+    looked: list[str] = []
+    hub_id = model_arg if HUB_ID.match(model_arg) and not Path(model_arg).expanduser().exists() else None
+    for d in dict.fromkeys(p for p in (Path(model_arg).expanduser(), model_dir) if p.is_dir()):
+        snapshot_of = _snapshot_hub_id(d)
+        if snapshot_of is not None:  # a snapshot's siblings are other revisions: look up the hub id
+            hub_id = hub_id or snapshot_of
+            continue
+        sibling = d.parent / (d.name + SIBLING_SUFFIX)
+        if (sibling / "config.json").is_file():
+            return sibling
+        looked.append(str(sibling))
+    if hub_id is not None:
+        try:
+            return resolve_model(hub_id + SIBLING_SUFFIX, allow_download=False)
+        except ModelNotFoundError:
+            looked.append(f"{hub_id}{SIBLING_SUFFIX} in the model caches")
+    log.warning("--mtp: no Gemma 4 assistant checkpoint for %s (looked for %s; name one with --mtp-model DIR); "
+                "decoding without speculation", model_arg, ", ".join(looked) or "nothing to derive a name from")
+    return None
+
+
+# ---- the proposer ----------------------------------------------------------------------------------
+class AssistantProposer(Proposer):
+    """Drafts with a Gemma 4 assistant reading the target's KV cache (attach_target_cache)."""
+
+    method = "assistant"
+
+    def __init__(self, drafter: Gemma4AssistantDrafter, target: Gemma4ForCausalLM,
+                 num_real_tokens: int | None = None, window: int | None = None):
+        self.drafter = drafter
+        self.target = target
+        self.window = window  # attend to at most the last `window` target positions (None: all)
+        self.num_real_tokens = num_real_tokens  # vocabulary rows past this are padding, never drafted
+        self.device = next(drafter.parameters()).device
+        self.target_cache: KVCache | None = None
+        self.hidden: torch.Tensor | None = None  # [1, 1, H_target] post-norm hidden at the last committed row
+        self.next_token = 0
+        self.next_position = 0  # the position of next_token: the round's constant RoPE position
+
+    def attach_target_cache(self, cache: KVCache) -> None:
+        self.target_cache = cache
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.hidden = None
+
+    def observe(self, step: TargetStep) -> None:
+        self.hidden = step.hidden[-1:][None].clone()  # a CUDA-graph output view is overwritten later
+        self.next_token = step.next_token
+        self.next_position = step.start_position + len(step.token_ids)
+
+    @torch.inference_mode()
+    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+        cache = self.target_cache
+        if cache is None or self.hidden is None:
+            raise RuntimeError("AssistantProposer.propose before attach_target_cache / observe")
+        last_row = self._last_row(cache)
+        rope_positions = torch.tensor([[self.next_position]], device=self.device)
+        last_rows = torch.tensor([[last_row]], device=self.device)
+        token = torch.tensor([[self.next_token]], dtype=torch.long, device=self.device)
+        hidden = self.hidden
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(num_drafts):
+            inputs = torch.cat((self.target.embed(token), hidden), dim=-1)
+            hidden, logits = self.drafter(inputs, rope_positions, last_rows, last_row + 1, cache, self.window)
+            token, q = self._choose(logits[0, -1], params, generator)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            token = token.view(1, 1)
+        ids = torch.cat(tokens).tolist() if tokens else []  # one device sync per round
+        return Draft(ids, torch.stack(probs) if probs else None)
+
+    def _last_row(self, cache: KVCache) -> int:
+        """The last committed row: the last verify pass's rejected K/V sit at cache.length onward."""
+        return min(cache.length, self.next_position) - 1
+
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, generator
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [V] -> (token id [1] on the device, the distribution it was sampled from [V] or
+        None when greedy)."""
+        if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
+            logits = logits.clone()
+            logits[self.num_real_tokens:] = float("-inf")
+        if params.greedy:
+            return torch.argmax(logits).view(1), None
+        q = processed_probs(logits, params)
+        return torch.multinomial(q, 1, generator=generator), q
+
+
+# ---- engine wiring --------------------------------------------------------------------------------
+def check_assistant_options(num_mtp_tokens: int | None, assistant_window: int | None) -> None:
+    for flag, value in (("--num-mtp-tokens", num_mtp_tokens), ("--assistant-window", assistant_window)):
+        if value is not None and value < 1:
+            raise VerispecError(f"{flag} must be >= 1, got {value}")
+
+
+def refuse_assistant_options(config: EngineConfig, target: CausalLM) -> None:
+    """--mtp on a target that is not Gemma 4 (its MTP head, if any, is in its own checkpoint)."""
+    for flag, value in (("--mtp-model", config.mtp_model), ("--assistant-window", config.assistant_window)):
+        if value is not None:
+            raise VerispecError(f"{flag} is for a Gemma 4 assistant drafter, but the target is a "
+                                f"{target.config.get('model_type')!r} model (not gemma4 / gemma4_text)")
+
+
+def assistant_proposer(config: EngineConfig, target: Gemma4ForCausalLM, model_dir: Path,
+                       num_real_tokens: int) -> tuple[AssistantProposer | None, int]:
+    """--mtp on a Gemma 4 target: (the assistant proposer, drafts per round), or (None, 0) with
+    one log line when no assistant checkpoint is found."""
+    where = find_assistant(config.model, model_dir, config.mtp_model)
+    if where is None:
+        return None, 0
+    drafter = load_assistant(where, target)
+    num_drafts = config.num_mtp_tokens or DEFAULT_NUM_MTP_TOKENS
+    log.debug("Gemma 4 assistant %s: %d layers reading target layers %s, %d drafts per round, window %s",
+              where, len(drafter.model.layers), drafter.cfg.settings.kv_sources, num_drafts,
+              config.assistant_window or "all")
+    return AssistantProposer(drafter, target, num_real_tokens, config.assistant_window), num_drafts
