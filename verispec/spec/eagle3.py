@@ -18,7 +18,6 @@ from torch import nn
 
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import processed_probs
 from verispec.errors import VerispecError
 from verispec.loading.weights import iter_tensors
 from verispec.models.base import CausalLM
@@ -27,6 +26,7 @@ from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary
 from verispec.models.llama import Attention, DecoderSettings
+from verispec.spec.drafting import choose_draft
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
 SUPPORTED_LAYER_TYPES = ("llama", "qwen3")
@@ -260,5 +260,5 @@ class Eagle3Proposer(Proposer):
             return int(self.draft_to_target[int(torch.argmax(draft_logits))]), None
         full = torch.full((self.target_vocab_size,), float("-inf"), dtype=torch.float32, device=draft_logits.device)
         full[self.draft_to_target] = draft_logits.float()
-        q = processed_probs(full, params)
-        return int(torch.multinomial(q, 1, generator=generator)), q
+        token, q = choose_draft(full, params, generator)
+        return int(token), q

@@ -37,7 +37,6 @@ from verispec import log
 from verispec.cache.kv import KVCache
 from verispec.config import EngineConfig
 from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import processed_probs
 from verispec.errors import ModelNotFoundError, VerispecError
 from verispec.loading.resolve import HUB_ID, resolve_model
 from verispec.loading.weights import checkpoint_files, iter_tensors
@@ -45,6 +44,7 @@ from verispec.models.base import CausalLM
 from verispec.models.gemma4 import Gemma4ForCausalLM, Gemma4Settings, Gemma4TextModel, LayerType
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.rotary import RotaryEmbedding
+from verispec.spec.drafting import choose_draft
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
@@ -330,13 +330,7 @@ class AssistantProposer(Proposer):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [V] -> (token id [1] on the device, the distribution it was sampled from [V] or
         None when greedy)."""
-        if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
-            logits = logits.clone()
-            logits[self.num_real_tokens:] = float("-inf")
-        if params.greedy:
-            return torch.argmax(logits).view(1), None
-        q = processed_probs(logits, params)
-        return torch.multinomial(q, 1, generator=generator), q
+        return choose_draft(logits, params, generator, self.num_real_tokens)
 
 
 # ---- engine wiring --------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from torch import nn
 from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import processed_probs
 from verispec.errors import VerispecError
 from verispec.loading.weights import checkpoint_files
 from verispec.models.base import CausalLM
@@ -39,6 +38,7 @@ from verispec.models.layers.attention import attention_mask
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Settings
+from verispec.spec.drafting import choose_draft
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
 SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
@@ -305,10 +305,5 @@ class MtpProposer(Proposer):
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         """Head logits [V] -> (token id, the distribution it was sampled from [V], or None when greedy)."""
-        if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
-            logits = logits.clone()
-            logits[self.num_real_tokens:] = float("-inf")
-        if params.greedy:
-            return int(torch.argmax(logits)), None
-        q = processed_probs(logits, params)
-        return int(torch.multinomial(q, 1, generator=generator)), q
+        token, q = choose_draft(logits, params, generator, self.num_real_tokens)
+        return int(token), q
