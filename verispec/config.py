@@ -30,6 +30,7 @@ class EnvSettings:
     hf_offline: bool = False
     eagle3_block: int | None = None  # VERISPEC_EAGLE3_BLOCK: drafts per round for EAGLE3
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
+    use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -43,6 +44,7 @@ class EnvSettings:
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
             eagle3_block=_env_int("VERISPEC_EAGLE3_BLOCK"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
+            use_fla=os.environ.get("VERISPEC_FLA", "1").strip().lower() not in ("0", "false", "no", "off"),
         )
 
 

@@ -103,6 +103,7 @@ class DemoOptions:
     drafter_seconds: float | None = 75.0
     drafter_batch: int = 32
     drafter_seq_len: int = 512
+    drafter_gen_sequences: int = 1024  # continuations the target writes for its drafters' training
     max_files: int | None = None  # corpus: at most this many files (evenly spread), None: all
     max_chars: int | None = None  # corpus: stop adding files past this many characters
     eval_prompts: int = 8
@@ -119,7 +120,7 @@ class DemoOptions:
 def tiny_options(**overrides) -> DemoOptions:
     """The CPU test mode: a tiny model on ~40 files, seconds per stage."""
     base = dict(preset="tiny", pretrain_steps=100, pretrain_seconds=None, drafter_steps=60, drafter_seconds=None,
-                drafter_batch=8, drafter_seq_len=64, max_files=40, max_chars=300_000, eval_prompts=2, eval_tokens=24,
+                drafter_batch=8, drafter_seq_len=64, drafter_gen_sequences=32, max_files=40, max_chars=300_000, eval_prompts=2, eval_tokens=24,
                 device="cpu")
     base.update(overrides)
     return DemoOptions(**base)
@@ -634,7 +635,7 @@ class DemoBuild:
             max_seconds=o.drafter_seconds, batch_size=o.drafter_batch, seq_len=o.drafter_seq_len,
             lr=1e-3 if o.preset == "demo" else 3e-3, warmup_steps=50 if o.preset == "demo" else 5,
             ttt_steps=3 if method == "eagle3" else 2, device=o.device, seed=o.seed,
-            gen_sequences=1024 if o.preset == "demo" else 32, gen_prompt_len=min(64, o.drafter_seq_len // 4),
+            gen_sequences=o.drafter_gen_sequences, gen_prompt_len=min(64, o.drafter_seq_len // 4),
             eval_every=0, eval_prompts=o.eval_prompts, eval_tokens=min(o.eval_tokens, 64), save_every=1000,
             draft_vocab_size=size.draft_vocab_size if method == "eagle3" else None, progress=o.progress,
             max_data_tokens=20_000_000, restart="mtp" in o.force or "eagle3" in o.force,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import log
+from verispec.config import env
 from verispec.cache.kv import KVCache, RecurrentLayerSpec
 from verispec.models.layers.mlp import activation
 
@@ -168,9 +169,23 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      state: torch.Tensor, per_position: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: fla kernels on CUDA when installed, else the torch reference. Shapes and results
     as in `torch_gated_delta_rule`."""
-    if q.is_cuda and fla_available():
+    if q.is_cuda and fla_enabled() and fla_available():
         return fla_gated_delta_rule(q, k, v, g, beta, state, per_position)
     return torch_gated_delta_rule(q, k, v, g, beta, state, per_position)
+
+
+def fla_enabled() -> bool:
+    """VERISPEC_FLA=0 turns fla off — for training on Hopper, where fla 0.6's backward refuses
+    Triton < 3.7.1 (incorrect gradients, fla issue #640); the forward kernels are unaffected."""
+    if env().use_fla:
+        return True
+    _log_fla_off()
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fla_off() -> None:
+    log.debug("Gated DeltaNet on CUDA uses the torch reference: VERISPEC_FLA=0")
 
 
 class GatedRMSNorm(nn.Module):
