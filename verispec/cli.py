@@ -125,6 +125,8 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and train from scratch")
     t.add_argument("--draft-vocab-size", type=int, default=None,
                    help="eagle3: draft vocabulary size, the target's most frequent predictions (default min(32000, V))")
+    t.add_argument("--vocab-sample-tokens", type=int, default=2_000_000,
+                   help="eagle3: target predictions counted to choose the draft vocabulary (default 2M)")
     t.add_argument("--aux-layers", default=None, help="eagle3: comma-separated target layer ids (default 2,N/2,N-3)")
     t.add_argument("--layer-type", default="llama", help="eagle3: drafter decoder layer, llama or qwen3 (default llama)")
     t.add_argument("--copy-embedding", action="store_true",
@@ -318,7 +320,7 @@ def cmd_train_drafter(args) -> int:
         save_dtype=args.save_dtype, seed=args.seed, max_data_tokens=args.max_data_tokens,
         gen_sequences=args.gen_sequences, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
         eval_tokens=args.eval_tokens, eval_drafts=args.eval_drafts, save_every=args.save_every, restart=args.restart,
-        draft_vocab_size=args.draft_vocab_size, aux_layers=aux, layer_type=args.layer_type,
+        draft_vocab_size=args.draft_vocab_size, vocab_sample_tokens=args.vocab_sample_tokens, aux_layers=aux, layer_type=args.layer_type,
         copy_embedding=args.copy_embedding, mtp_hidden=args.mtp_hidden)
     summary = train_drafter(options)
     after, before = summary.get("after"), summary.get("before")

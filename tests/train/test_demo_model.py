@@ -85,3 +85,20 @@ def test_python_api_without_model_uses_the_demo(demo_dir, monkeypatch):
     assert llm.engine.proposer is not None
     result = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(result.token_ids) == 8
+
+
+def test_select_stage_cut_short_continues_on_rerun(demo_dir):
+    from scripts.train_demo_model import main
+
+    work, model = demo_dir / "work", demo_dir / "work" / "model"
+    (work / "select-partial.json").unlink()
+    args = ["--tiny", "--out", str(demo_dir / "model"), "--work", str(work), "--stages", "select",
+            "--select-seconds", "0"]
+    assert main(args + ["--force", "select"]) == 0
+    demo = json.loads((model / "demo.json").read_text())
+    assert [r["config"] for r in demo["measurements"]] == ["ar", "mtp-2"]
+    assert demo["speculation"] == {"method": "mtp", "mtp_depth": 2} and len(demo["unmeasured"]) == 5
+    assert main(args) == 0  # not done yet: the rerun measures the next configuration only
+    demo = json.loads((model / "demo.json").read_text())
+    assert [r["config"] for r in demo["measurements"]] == ["ar", "mtp-2", "eagle3-3"]
+    assert len(demo["unmeasured"]) == 4

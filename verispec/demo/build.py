@@ -52,6 +52,9 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "mtp.safetensors",
                "demo.json", "README.md")
 SHIP_LIMIT_BYTES = 60_000_000
+DEMO_NAME = "verispec-demo"
+# select: plain decoding first (the reference), then the likeliest winners, so a cut-short run has them
+SELECT_ORDER = ("ar", "mtp-2", "eagle3-3", "mtp-1", "eagle3-2", "mtp-3", "eagle3-4")
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,13 @@ class DemoOptions:
     drafter_batch: int = 32
     drafter_seq_len: int = 512
     drafter_gen_sequences: int = 1024  # continuations the target writes for its drafters' training
+    vocab_sample_tokens: int = 2_000_000  # target predictions counted for the EAGLE3 draft vocabulary
     max_files: int | None = None  # corpus: at most this many files (evenly spread), None: all
+    extra_sources: tuple[str, ...] = ()  # corpus: more directories of .py files beside the stdlib
     max_chars: int | None = None  # corpus: stop adding files past this many characters
     eval_prompts: int = 8
     eval_tokens: int = 128
+    select_seconds: float | None = 150.0  # select: measure no more configurations after this long
     compile: bool = False  # torch.compile the model for pretraining
     size_overrides: dict = field(default_factory=dict)
     progress: bool | None = None
@@ -120,8 +126,8 @@ class DemoOptions:
 def tiny_options(**overrides) -> DemoOptions:
     """The CPU test mode: a tiny model on ~40 files, seconds per stage."""
     base = dict(preset="tiny", pretrain_steps=100, pretrain_seconds=None, drafter_steps=60, drafter_seconds=None,
-                drafter_batch=8, drafter_seq_len=64, drafter_gen_sequences=32, max_files=40, max_chars=300_000, eval_prompts=2, eval_tokens=24,
-                device="cpu")
+                drafter_batch=8, drafter_seq_len=64, drafter_gen_sequences=32, vocab_sample_tokens=50_000,
+                max_files=40, max_chars=300_000, eval_prompts=2, eval_tokens=24, device="cpu")
     base.update(overrides)
     return DemoOptions(**base)
 
@@ -136,9 +142,8 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_files(max_files: int | None = None) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of the standard library's .py files, sorted, filtered."""
-    root = stdlib_root()
+def python_files(root: Path, prefix: str = "") -> list[tuple[str, Path]]:
+    """(prefix + relative posix path, path) of the .py files under root, sorted, filtered."""
     out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
@@ -149,7 +154,19 @@ def stdlib_files(max_files: int | None = None) -> list[tuple[str, Path]]:
                 continue
         except OSError:
             continue
-        out.append((rel, path))
+        out.append((prefix + rel, path))
+    return out
+
+
+def stdlib_files(max_files: int | None = None, extra_sources: tuple[str, ...] = ()) -> list[tuple[str, Path]]:
+    """The standard library's .py files (and those under `extra_sources`), sorted, filtered;
+    `max_files` keeps that many, evenly spread."""
+    out = python_files(stdlib_root())
+    for i, source in enumerate(extra_sources):
+        root = Path(source).expanduser()
+        if not root.is_dir():
+            raise ValueError(f"--extra-source {source}: not a directory")
+        out += python_files(root, prefix=f"extra{i}/")
     if max_files is not None and len(out) > max_files:
         stride = len(out) / max_files
         out = [out[int(i * stride)] for i in range(max_files)]
@@ -218,7 +235,7 @@ def _read_file(item: tuple[str, str]) -> tuple[str, str | None, list[str]]:
 
 def build_corpus(options: DemoOptions, work: Path) -> dict:
     """work/corpus/{train,heldout}.json: {"code": [file texts], "chat": [conversations]}."""
-    files = stdlib_files(options.max_files)
+    files = stdlib_files(options.max_files, options.extra_sources)
     items = [(rel, str(path)) for rel, path in files]
     if len(items) > 64 and (os.cpu_count() or 1) > 2:
         from concurrent.futures import ProcessPoolExecutor
@@ -252,9 +269,11 @@ def build_corpus(options: DemoOptions, work: Path) -> dict:
                     "code_chars": sum(map(len, p["code"])), "chat_chars": sum(map(len, p["chat"]))}
              for name, p in split.items()}
     stats["stdlib"] = str(stdlib_root())
+    stats["extra_sources"] = list(options.extra_sources)
     stats["python"] = sys.version.split()[0]
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    say(f"corpus from {stats['stdlib']} (Python {stats['python']}): "
+    extra = f" + {', '.join(options.extra_sources)}" if options.extra_sources else ""
+    say(f"corpus from {stats['stdlib']}{extra} (Python {stats['python']}): "
         f"{stats['train']['files']} files + {stats['train']['chat_examples']} chat examples for training, "
         f"{stats['heldout']['files']} files + {stats['heldout']['chat_examples']} held out "
         f"({(stats['train']['code_chars'] + stats['train']['chat_chars']) / 1e6:.1f}M training characters)")
@@ -335,7 +354,7 @@ def gdn_kernel_note(device) -> str:
     if device.type != "cuda":
         return "torch reference (CPU)"
     try:
-        import fla.ops.gated_delta_rule  # noqa: F401
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
     except Exception as exc:  # ImportError, or a Triton mismatch at import
         return (f"torch reference: flash-linear-attention is not usable ({type(exc).__name__}: {exc}); "
                 "training will be much slower")
@@ -386,8 +405,8 @@ def pretrain(model, stream, seq_len: int, batch_size: int, lr: float, steps: int
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), **({"fused": True} if device.type == "cuda" else {}))
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **({"fused": True} if device.type == "cuda" else {}))
     step, elapsed, last_loss = 0, 0.0, float("nan")
     best = {"loss": float("inf"), "step": 0, "weights": None}
     if state_path.is_file():
@@ -555,12 +574,16 @@ class DemoBuild:
             self.stage_drafter("mtp")
         if self.wanted("eagle3", (self.model_dir / "eagle3" / "config.json").is_file()):
             self.stage_drafter("eagle3")
-        if self.wanted("select", (self.model_dir / "demo.json").is_file()):
+        if self.wanted("select", self.select_done()):
             self.stage_select()
         if "card" in o.stages:
             self.stage_card()
         say(f"done in {time.perf_counter() - t0:.0f}s")
         return self.record
+
+    def select_done(self) -> bool:
+        path = self.model_dir / "demo.json"
+        return path.is_file() and not json.loads(path.read_text()).get("unmeasured")
 
     def stage_tokenizer(self) -> None:
         import torch
@@ -621,8 +644,8 @@ class DemoBuild:
             "size": asdict(size),
         }
         self.save_record()
-        say(f"pretrained {result.steps} steps in {result.seconds:.0f}s ({result.tokens / max(result.seconds, 1e-9):,.0f} "
-            f"tok/s, {result.tokens / len(stream):.1f} epochs); held-out perplexity: code {ppl_code:.2f}, "
+        rate = result.tokens / max(result.seconds, 1e-9)
+        say(f"pretrained {result.steps} steps in {result.seconds:.0f}s ({rate:,.0f} tok/s, {result.tokens / len(stream):.1f} epochs); held-out perplexity: code {ppl_code:.2f}, "
             f"chat {ppl_chat:.2f}")
 
     def stage_drafter(self, method: str) -> None:
@@ -638,6 +661,7 @@ class DemoBuild:
             gen_sequences=o.drafter_gen_sequences, gen_prompt_len=min(64, o.drafter_seq_len // 4),
             eval_every=0, eval_prompts=o.eval_prompts, eval_tokens=min(o.eval_tokens, 64), save_every=1000,
             draft_vocab_size=size.draft_vocab_size if method == "eagle3" else None, progress=o.progress,
+            vocab_sample_tokens=o.vocab_sample_tokens,
             max_data_tokens=20_000_000, restart="mtp" in o.force or "eagle3" in o.force,
         )
         summary = train_drafter(opts, documents=training_documents(self.work, o.seed, o))
@@ -646,8 +670,10 @@ class DemoBuild:
         else:
             dest = self.model_dir / "eagle3"
             dest.mkdir(parents=True, exist_ok=True)
-            for name in ("config.json", "model.safetensors"):
-                shutil.copy2(run_dir / name, dest / name)
+            shutil.copy2(run_dir / "model.safetensors", dest / "model.safetensors")
+            config = json.loads((run_dir / "config.json").read_text())
+            config["speculators_config"]["verifier"]["name_or_path"] = DEMO_NAME  # not this machine's path
+            (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         self.record[method] = {k: v for k, v in summary.items() if k not in ("files", "out", "target")}
         self.save_record()
 
@@ -667,21 +693,45 @@ class DemoBuild:
             out.append(("chat", tok.encode(user + "<|im_start|>assistant\n")))
         return out
 
+    def _weights_stamp(self) -> list:
+        """What the select measurements depend on: the weights' sizes and times, the prompts' length."""
+        stamp = []
+        for name in ("model.safetensors", "mtp.safetensors", "eagle3/model.safetensors"):
+            path = self.model_dir / name
+            stamp.append([name, path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [name])
+        return stamp + [self.options.eval_tokens, self.options.eval_prompts, str(self.device)]
+
     def stage_select(self) -> None:
         """Measure plain, MTP (depth 1-3) and EAGLE3 (2-4 drafts) decoding on held-out prompts with
-        the engine as `verispec serve` runs it; the fastest speculative configuration becomes the default."""
+        the engine as `verispec serve` runs it; the fastest speculative configuration becomes the default.
+
+        Each configuration's row is saved as it is measured (work/select-partial.json), and past
+        `select_seconds` the remaining ones are left for a rerun, which measures only those."""
         from verispec.config import EngineConfig
         from verispec.engine.engine import Engine
         from verispec.engine.params import SamplingParams
 
         o = self.options
         prompts = self.prompts()
-        configs = [("ar", {})]
-        configs += [(f"mtp-{d}", {"mtp": True, "mtp_depth": d}) for d in (1, 2, 3)]
-        configs += [(f"eagle3-{k}", {"eagle3": str(self.model_dir / "eagle3"), "draft_block": k}) for k in (2, 3, 4)]
+        partial_path = self.work / "select-partial.json"
+        stamp = self._weights_stamp()
+        partial = json.loads(partial_path.read_text()) if partial_path.is_file() else {}
+        if partial.get("stamp") != stamp:
+            partial = {"stamp": stamp, "rows": {}, "reference": None}
+        rows = partial["rows"]
         params = SamplingParams(max_tokens=o.eval_tokens, temperature=0.0, ignore_eos=True)
-        rows, reference = [], None
-        for name, kw in configs:
+        t0 = time.perf_counter()
+        measured_now = 0
+        for name in SELECT_ORDER:
+            if name in rows:
+                continue
+            if (o.select_seconds is not None and time.perf_counter() - t0 > o.select_seconds
+                    and measured_now and len(rows) >= 2):
+                break
+            measured_now += 1
+            method, _, depth = name.partition("-")
+            kw = ({} if method == "ar" else {"mtp": True, "mtp_depth": int(depth)} if method == "mtp" else
+                  {"eagle3": str(self.model_dir / "eagle3"), "draft_block": int(depth)})
             engine = Engine.load(EngineConfig(model=str(self.model_dir), device=o.device, **kw))
             engine.prewarm()
             generated = drafted = accepted = rounds = 0
@@ -689,35 +739,45 @@ class DemoBuild:
             outputs = []
             for _, ids in prompts:
                 result = engine.generate_all(ids, params)
-                s = result.stats
-                generated += s.generated_tokens
-                drafted, accepted, rounds = drafted + s.drafted, accepted + s.accepted, rounds + s.rounds
-                decode_s += s.decode_ms / 1000
+                st = result.stats
+                generated += st.generated_tokens
+                drafted, accepted, rounds = drafted + st.drafted, accepted + st.accepted, rounds + st.rounds
+                decode_s += st.decode_ms / 1000
                 outputs.append(result.token_ids)
-            if reference is None:
-                reference = outputs
-            same = sum(a == b for a, b in zip(outputs, reference))
-            row = {"config": name, "decode_tok_per_s": round((generated - len(prompts)) / max(decode_s, 1e-9), 1),
-                   "acceptance": round(accepted / drafted, 4) if drafted else None,
-                   "tokens_per_round": round((generated - len(prompts)) / rounds, 3) if rounds else None,
-                   "identical_to_plain_greedy": f"{same}/{len(prompts)}"}
-            rows.append(row)
-            say(f"select: {name:9s} {row['decode_tok_per_s']:8.1f} tok/s  acceptance {row['acceptance']}  "
-                f"tokens/round {row['tokens_per_round']}  identical {row['identical_to_plain_greedy']}")
             del engine
-        best = max(rows[1:], key=lambda r: r["decode_tok_per_s"])
+            if name == "ar":
+                partial["reference"] = outputs
+            reference = partial["reference"]
+            same = f"{sum(a == b for a, b in zip(outputs, reference))}/{len(prompts)}" if reference else "n/a"
+            rows[name] = {"config": name,
+                          "decode_tok_per_s": round((generated - len(prompts)) / max(decode_s, 1e-9), 1),
+                          "acceptance": round(accepted / drafted, 4) if drafted else None,
+                          "tokens_per_round": round((generated - len(prompts)) / rounds, 3) if rounds else None,
+                          "identical_to_plain_greedy": same, "device": str(self.device)}
+            partial_path.write_text(json.dumps(partial))
+            r = rows[name]
+            say(f"select: {name:9s} {r['decode_tok_per_s']:8.1f} tok/s  acceptance {r['acceptance']}  "
+                f"tokens/round {r['tokens_per_round']}  identical {r['identical_to_plain_greedy']}")
+        spec_rows = [rows[n] for n in SELECT_ORDER if n in rows and n != "ar"]
+        if not spec_rows:
+            say("select: no speculative configuration measured yet; rerun to continue")
+            return
+        best = max(spec_rows, key=lambda r: r["decode_tok_per_s"])
         method, _, depth = best["config"].partition("-")
         speculation = ({"method": "mtp", "mtp_depth": int(depth)} if method == "mtp" else
                        {"method": "eagle3", "eagle3": "eagle3", "draft_block": int(depth)})
-        plain = rows[0]["decode_tok_per_s"]
+        plain = rows["ar"]["decode_tok_per_s"] if "ar" in rows else None
+        unmeasured = [n for n in SELECT_ORDER if n not in rows]
         demo = {"speculation": speculation,
                 "why": f"fastest measured: {best['config']} at {best['decode_tok_per_s']} tok/s vs plain {plain} tok/s "
-                       f"(greedy, {len(prompts)} held-out prompts x {o.eval_tokens} tokens, {self.device})",
-                "measurements": rows}
+                       f"(greedy, {len(prompts)} held-out prompts x {o.eval_tokens} tokens, {self.device})"
+                       + (f"; not measured yet: {', '.join(unmeasured)}" if unmeasured else ""),
+                "measurements": [rows[n] for n in SELECT_ORDER if n in rows], "unmeasured": unmeasured}
         (self.model_dir / "demo.json").write_text(json.dumps(demo, indent=2) + "\n")
         self.record["select"] = demo
         self.save_record()
-        say(f"default speculation: {speculation} ({demo['why']})")
+        say(f"default speculation: {speculation} ({demo['why']})"
+            + (" -- rerun the select stage to measure the rest" if unmeasured else ""))
 
     def samples(self) -> list[dict]:
         from verispec.demo.default import engine_config
@@ -797,17 +857,19 @@ def model_card(record: dict, options: DemoOptions) -> str:
         "| | |",
         "|---|---|",
         f"| parameters | {_fmt(p.get('parameters'), ',')} (tied embedding; bfloat16) |",
-        f"| shape | hidden {size['hidden_size']}, {size['num_layers']} layers, intermediate {size['intermediate_size']}, "
-        f"{size['num_heads']} heads ({size['num_kv_heads']} kv) x {size['head_dim']}, GDN {size['linear_key_heads']}/"
+        f"| shape | hidden {size['hidden_size']}, {size['num_layers']} layers, "
+        f"intermediate {size['intermediate_size']}, {size['num_heads']} heads ({size['num_kv_heads']} kv) x {size['head_dim']}, GDN {size['linear_key_heads']}/"
         f"{size['linear_value_heads']} heads x {size['linear_head_dim']} |",
         f"| vocabulary | {record.get('tokenizer', {}).get('vocab_size', 'n/a')} byte-level BPE tokens |",
-        f"| training data | Python {c.get('python', '?')} stdlib: {c.get('train', {}).get('files', '?')} files + "
+        f"| training data | Python {c.get('python', '?')} stdlib"
+        f"{' + ' + ', '.join(c['extra_sources']) if c.get('extra_sources') else ''}: "
+        f"{c.get('train', {}).get('files', '?')} files + "
         f"{c.get('train', {}).get('chat_examples', '?')} chat examples, "
         f"{_fmt(record.get('tokenizer', {}).get('train_tokens'), ',')} tokens |",
         f"| pretraining | {p.get('steps', '?')} steps x {p.get('batch_size', '?')} x {p.get('seq_len', '?')} tokens "
         f"({p.get('epochs', '?')} epochs) in {p.get('seconds', '?')} s on {p.get('device', '?')} |",
-        f"| held-out perplexity | {p.get('heldout_perplexity_code', 'n/a')} on {c.get('heldout', {}).get('files', '?')} "
-        f"held-out stdlib files; {p.get('heldout_perplexity_chat', 'n/a')} on held-out chat examples |",
+        f"| held-out perplexity | {p.get('heldout_perplexity_code', 'n/a')} on "
+        f"{c.get('heldout', {}).get('files', '?')} held-out stdlib files; {p.get('heldout_perplexity_chat', 'n/a')} on held-out chat examples |",
         "",
         "## Speculative decoding",
         "",
@@ -840,5 +902,6 @@ def model_card(record: dict, options: DemoOptions) -> str:
         lines.append((s["prompt"] if s["kind"] == "raw" else "") + s["text"])
         lines.append("```")
         lines.append("")
-    lines += ["## Reproduce", "", "```bash", "python scripts/train_demo_model.py   # ~10 minutes on one H200", "```", ""]
+    lines += ["## Reproduce", "", "```bash", "python scripts/train_demo_model.py   # ~10 minutes on one H200",
+              "```", ""]
     return "\n".join(lines)

@@ -38,7 +38,6 @@ from verispec.train.progress import TrainProgress
 
 STATE_DIR = ".train-state"
 STATE_VERSION = 1
-VOCAB_SAMPLE_TOKENS = 2_000_000  # target predictions counted to choose the draft vocabulary
 GEN_FRACTION = 0.25  # share of each batch taken from the target's own continuations
 MIN_LR_FRACTION = 0.1
 
@@ -125,16 +124,28 @@ def run(options: DrafterTrainOptions, documents: list[str] | None = None) -> dic
         MtpTrainee.check_target(target)
     aux = list(options.aux_layers or default_aux_layers(target.num_layers))
     if method is Method.EAGLE3 and any(not 0 <= i < target.num_layers for i in aux):
-        raise VerispecError(f"--aux-layers {','.join(map(str, aux))}: EAGLE3 aux layer ids [{', '.join(map(str, aux))}] "
-                            f"must be layers of the target's {target.num_layers} (0..{target.num_layers - 1})")
+        shown = ", ".join(map(str, aux))
+        raise VerispecError(f"--aux-layers: EAGLE3 aux layer ids [{shown}] must be layers of the target's "
+                            f"{target.num_layers} (0..{target.num_layers - 1})")
     out = Path(options.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_DIR / f"{method.value}.pt"
+    extra: dict = {"target_vocab": target.vocab_size, "target_hidden": target.hidden_size}
+    size = min(options.draft_vocab_size or DEFAULT_MAX_DRAFT_VOCAB, num_real)
+    if method is Method.EAGLE3:
+        extra.update(aux_layers=aux, draft_vocab_size=size)
+    fingerprint = _fingerprint(options, extra)
     state = None
     if state_path.is_file() and not options.restart:
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         if state.get("version") != STATE_VERSION:
             raise VerispecError(f"{state_path} is a checkpoint of another verispec version; use --restart")
+        if state["fingerprint"] != fingerprint:
+            diff = {k: (state["fingerprint"].get(k), v) for k, v in fingerprint.items()
+                    if state["fingerprint"].get(k) != v}
+            shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+            raise VerispecError(f"the checkpoint in {state_path.parent} was written with other settings ({shown}); "
+                                "rerun with the same settings to resume, or add --restart")
 
     docs = documents if documents is not None else read_documents(options.data)
     data = tokenize_windows(docs, tokenizer, options.seq_len, options.holdout_every, options.max_data_tokens,
@@ -163,18 +174,15 @@ def run(options: DrafterTrainOptions, documents: list[str] | None = None) -> dic
         text_idx, gen_idx = sampler.batch(step)
         return torch.cat([data.train[text_idx], gen[gen_idx]]).to(device)
 
-    extra: dict = {"target_vocab": target.vocab_size, "target_hidden": target.hidden_size}
     vocab_ids = None
     coverage = None
     if method is Method.EAGLE3:
-        size = options.draft_vocab_size or min(DEFAULT_MAX_DRAFT_VOCAB, num_real)
         if state is not None:
             draft_ids, coverage = state["draft_ids"], state.get("coverage")
         else:
             draft_ids, coverage = _select_vocab(target, batch_ids, size, num_real, options, sampler.sizes)
             _note(None, f"draft vocabulary: {len(draft_ids)} of {num_real} target ids, covering "
                         f"{100 * coverage:.1f}% of the target's predictions on the training data")
-        extra.update(aux_layers=aux, draft_vocab_size=len(draft_ids))
         config = drafter_config(target, aux, len(draft_ids), options.layer_type, options.num_eval_drafts,
                                 verifier=options.model)
         trainee = Eagle3Trainee(target, config, draft_ids, options.copy_embedding, out, options.seed)
@@ -186,15 +194,8 @@ def run(options: DrafterTrainOptions, documents: list[str] | None = None) -> dic
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(params, lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay,
                             **({"fused": True} if fused else {}))
-    fingerprint = _fingerprint(options, extra)
     step, elapsed, history = 0, 0.0, {"evaluations": []}
     if state is not None:
-        if state["fingerprint"] != fingerprint:
-            diff = {k: (state["fingerprint"].get(k), v) for k, v in fingerprint.items()
-                    if state["fingerprint"].get(k) != v}
-            shown = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
-            raise VerispecError(f"the checkpoint in {state_path.parent} was written with other settings ({shown}); "
-                                "rerun with the same settings to resume, or add --restart")
         trainee.load_state_dict(state["trainee"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
@@ -284,8 +285,8 @@ def _select_vocab(target, batch_ids, size: int, num_real: int, options: DrafterT
     seen = 0
     step = 0
     one_pass = -(-(sampler_sizes[0] + sampler_sizes[1]) // options.batch_size)
-    max_batches = max(1, min(one_pass, -(-VOCAB_SAMPLE_TOKENS // (options.batch_size * options.seq_len))))
-    while seen < VOCAB_SAMPLE_TOKENS and step < max_batches:
+    max_batches = max(1, min(one_pass, -(-options.vocab_sample_tokens // (options.batch_size * options.seq_len))))
+    while seen < options.vocab_sample_tokens and step < max_batches:
         ids = batch_ids(step)
         batch = target_batch(target, ids, (), num_real)
         target_counts += torch.bincount(batch.argmax.flatten().cpu(), minlength=vocab)

@@ -54,6 +54,7 @@ class DrafterTrainOptions:
     progress: bool | None = None  # None: a bar on a terminal, periodic lines otherwise
     # EAGLE3
     draft_vocab_size: int | None = None  # None: min(32000, target vocabulary)
+    vocab_sample_tokens: int = 2_000_000  # target predictions counted to choose the draft vocabulary
     aux_layers: list[int] | None = None  # None: [2, N // 2, N - 3] as the speculators default
     layer_type: str = "llama"  # drafter decoder layer: llama or qwen3
     copy_embedding: bool = False  # save the target's embedding in the drafter (else shared at load)
@@ -67,7 +68,8 @@ class DrafterTrainOptions:
                   ("--eval-tokens", self.eval_tokens, 2), ("--eval-prompt-len", self.eval_prompt_len, 1),
                   ("--holdout-every", self.holdout_every, 2), ("--gen-sequences", self.gen_sequences, 0),
                   ("--gen-prompt-len", self.gen_prompt_len, 1), ("--save-every", self.save_every, 1),
-                  ("--eval-every", self.eval_every, 0), ("--max-data-tokens", self.max_data_tokens, 1000)]
+                  ("--eval-every", self.eval_every, 0), ("--max-data-tokens", self.max_data_tokens, 1000),
+                  ("--vocab-sample-tokens", self.vocab_sample_tokens, 1)]
         for flag, value, low in checks:
             if value < low:
                 raise VerispecError(f"{flag} must be >= {low}, got {value}")
