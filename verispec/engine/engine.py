@@ -27,7 +27,6 @@ from verispec.loading.model_loader import load_model, parse_device, parse_dtype
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
-from verispec.models.gemma4 import Gemma4ForCausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
@@ -101,7 +100,7 @@ class Engine:
             num_drafts = config.draft_block or env().eagle3_block or DEFAULT_EAGLE3_BLOCK
             log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
                       config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
-        elif config.mtp and isinstance(model, Gemma4ForCausalLM):
+        elif config.mtp and _is_gemma4(model):
             from verispec.spec.gemma4_assistant import assistant_proposer
 
             # None (logged) when no assistant checkpoint is found
@@ -382,6 +381,13 @@ class Engine:
                   "decode=%.1f tok/s, finish=%s%s", stats.prompt_tokens, stats.generated_tokens,
                   stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
                   out.finish_reason.value if out.finish_reason else None, spec)
+
+
+def _is_gemma4(model: CausalLM) -> bool:
+    """--mtp on Gemma 4 means its assistant drafter (imported here only: model modules load on demand)."""
+    from verispec.models.gemma4 import Gemma4ForCausalLM
+
+    return isinstance(model, Gemma4ForCausalLM)
 
 
 def _rows(t: torch.Tensor | None, count: int | None, batch_index: int | None = None) -> torch.Tensor | None:
