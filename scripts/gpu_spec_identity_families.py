@@ -64,6 +64,15 @@ def run_family(root: Path, family: str, dtype: str, new_tokens: int, prompts_tex
     prompts = [tok.encode(t) for t in prompts_text]
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     plain = [base.generate_all(p, params).token_ids for p in prompts]
+    # the graphed plain decode against the eager one (same kernels, no graphs): recurrent state
+    # handling under replay must not change a token
+    eager = Engine.load(EngineConfig(model=str(mdir), dtype=dtype, device="cuda", max_model_len=2048,
+                                     cuda_graphs=False))
+    divs = [divergence(cont, eager.generate_all(p, params).token_ids) for p, cont in zip(prompts, plain)]
+    rows.append(dict(family=family, dtype=dtype, proposer="none: eager vs CUDA graphs", k=0,
+                     identical=sum(d is None for d in divs), prompts=len(prompts),
+                     first_divergence=[d for d in divs if d is not None], acceptance=0.0))
+    del eager
     for name, options in cases:
         spec = Engine.load(EngineConfig(model=str(mdir), dtype=dtype, device="cuda", max_model_len=2048, **options))
         spec.capture_graphs()
@@ -79,6 +88,7 @@ def run_family(root: Path, family: str, dtype: str, new_tokens: int, prompts_tex
         divs, acc, drafted = [], 0, 0
         for p, cont in zip(prompts, plain):
             replay = Engine(spec.model, tok, spec.config, proposer=Replay(cont, spec.model.vocab_size), num_drafts=4)
+            replay.capture_graphs()
             r = replay.generate_all(p, params)
             divs.append(divergence(cont, r.token_ids))
             acc, drafted = acc + r.stats.accepted, drafted + r.stats.drafted

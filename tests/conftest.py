@@ -1,11 +1,18 @@
 """Shared fixtures: one tiny tokenizer and a cache of tiny random checkpoints per test session."""
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU), so tests/kernels
+# checks their arithmetic in CI too. Set before any kernel module is imported: @triton.jit reads
+# it when it decorates. The engine never launches a Triton kernel on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from verispec.demo.tiny import build_tiny_model, build_tokenizer
 

@@ -76,6 +76,22 @@ def test_offline_tiny_shape_writes_json_markdown_png(tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_offline_mtp_on_a_hybrid_shape(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["bench", "--shape", "tiny-hybrid", "--device", "cpu", "--methods", "ar,mtp", "--contexts", "20",
+               "--gen-tokens", "8", "--repeats", "1", "--step-iters", "2", "--draft-block", "3", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads((out / "bench.json").read_text())
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"ar", "mtp"}
+    mtp = rows["mtp"]
+    assert mtp["draft_block"] == 3 and mtp["drafted"] > 0 and 0 <= mtp["acceptance"] <= 1
+    for key in ("verify_step_ms", "draft_round_ms", "verify_decode_ratio", "draft_cost_fraction", "speedup_vs_ar"):
+        assert mtp[key] > 0, key
+    assert "random weights" in captured.out  # the note says the head is random
+
+
 def test_roofline_with_given_bandwidth(capsys):
     rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--contexts", "8", "--gen-tokens", "4",
                "--repeats", "1", "--bandwidth", "0.001"])
@@ -145,6 +161,18 @@ def test_http_bench_against_live_server(served_engine, tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_http_bench_boots_the_server_and_reports_cold_start(qwen3_dir, tmp_path, capsys):
+    out = tmp_path / "serve"
+    rc = main(["bench", f"--serve=-m {qwen3_dir} --device cpu --dtype float32", "--contexts", "30",
+               "--gen-tokens", "4", "--repeats", "1", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    assert row["server_ready_s"] > 0 and row["first_request_ttft_ms"] > 0
+    assert row["completion_tokens"] == 4
+    assert "ready after launch s" in captured.out and "first request TTFT ms" in captured.out
+
+
 def test_http_bench_completions_endpoint(served_engine, capsys):
     server, _ = served_engine
     rc = main(["bench", "--url", server.url, "--endpoint", "completions", "--contexts", "30", "--gen-tokens", "4",
@@ -172,8 +200,8 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "nope"], "--shape 'nope' is not a known shape (available shapes: "),
-    (["--shape", "tiny", "--methods", "ar,warp"], "--methods: 'warp' is not an available method (available: ar, eagle3)"),
-    (["--shape", "tiny", "--methods", "mtp"], "'mtp' is not an available method"),
+    (["--shape", "tiny", "--methods", "ar,warp"], "--methods: 'warp' is not an available method (available: ar, eagle3, mtp)"),
+    (["--shape", "tiny", "--methods", "mtp", "--device", "cpu"], "--methods mtp: model type 'qwen3' has no MTP head"),
     (["--shape", "tiny", "--compare", "vllm"], "--compare: 'vllm' is not supported"),
     (["--shape", "tiny", "--contexts", "4k,abc"], "--contexts: 'abc' is not a number"),
     (["--shape", "tiny", "--contexts", "4090", "--gen-tokens", "64"], "does not fit this model's 4096-token context"),

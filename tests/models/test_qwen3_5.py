@@ -27,7 +27,7 @@ from verispec.demo.tiny import build_tiny_qwen3_5, write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
 from verispec.loading.model_loader import load_model
 from verispec.models.layers import gated_delta_net
-from verispec.models.layers.attention import attention_mask
+from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.gated_delta_net import torch_gated_delta_rule
 from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5Settings
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
@@ -371,9 +371,8 @@ def test_standalone_full_attention_layer(loaded):
         specs = model.cache_specs()
         backbone_cache = KVCache(specs, 16, x.dtype, x.device)
         own_cache = KVCache([layer.cache_spec()], 16, x.dtype, x.device)
-        mask = attention_mask(positions, 12, None)
-        ref = model.model.layers[idx](x, cos, sin, backbone_cache, mask)
-        got = layer(x, cos, sin, own_cache, mask)
+        ref = model.model.layers[idx](x, None, cos, sin, AttentionInputs(positions, backbone_cache))
+        got = layer(x, None, cos, sin, AttentionInputs(positions, own_cache))
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
     assert own_cache.pending == 12
 

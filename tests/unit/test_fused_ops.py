@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from verispec.demo.tiny import build_tiny_qwen3_5
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
 from verispec.models.layers import fused
@@ -44,3 +45,38 @@ def test_compiled_small_ops_match_eager(tiny_models):
     for ids in ([5, 9, 200, 31, 7] * 7, [44]):
         (a, _, _), (b, _, _) = logits_of(engine.model, ids), logits_of(fast, ids)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_rewrites_same_outputs(tmp_path_factory, tokenizer_dir):
+    """Qwen3.5: merged GDN input projections (qkv, z, b, a) and attention q/k/v in float64 give
+    the same logits; compiled gates, conv, gated norm and RoPE match in float32."""
+    path = tmp_path_factory.mktemp("fused-qwen3_5")
+    build_tiny_qwen3_5(path, seed=5, tokenizer_dir=tokenizer_dir)
+    engine = load_engine(str(path), dtype="float64", device="cpu", prefill_step_size=16)
+    merged = copy.deepcopy(engine.model)
+    merged.fuse_small_ops(compile=False)
+    gdn = next(layer.linear_attn for layer in merged.model.layers if hasattr(layer, "linear_attn"))
+    assert gdn.in_proj is not None and not hasattr(gdn, "in_proj_b")
+    ids = engine.tokenizer.encode("def fibonacci(n):\n    return fibonacci(n - 1)")
+    (a, _, pre_a), (b, _, pre_b) = logits_of(engine.model, ids), logits_of(merged, ids)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pre_a, pre_b, rtol=1e-12, atol=1e-12)
+    other = Engine(merged, engine.tokenizer, engine.config, engine.model_dir)
+    assert other.generate_all(ids, GREEDY).token_ids == engine.generate_all(ids, GREEDY).token_ids
+
+    eager32 = load_engine(str(path), dtype="float32", device="cpu").model
+    fast = copy.deepcopy(eager32)
+    fast.fuse_small_ops(compile=True)
+    assert fast.model.layers[0].linear_attn.conv is fused.compiled(fused.causal_conv_silu)
+    for ids in ([5, 9, 200, 31, 7] * 7, [44]):
+        (a, _, _), (b, _, _) = logits_of(eager32, ids), logits_of(fast, ids)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_conv_matches_conv1d():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 4, generator=gen, dtype=torch.float64)
+    for t in (1, 3, 70):
+        window = torch.randn(2, 24, 3 + t, generator=gen, dtype=torch.float64)
+        ref = torch.nn.functional.silu(torch.nn.functional.conv1d(window, weight[:, None, :], groups=24))
+        torch.testing.assert_close(fused.causal_conv_silu(window, weight), ref, rtol=1e-12, atol=1e-12)

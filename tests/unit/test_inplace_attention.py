@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.demo.tiny import build_tiny_qwen3_5
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
 from verispec.kernels.decode_attention import decode_attention_reference
@@ -48,3 +49,13 @@ def test_reference_kernel_matches_masked_sdpa():
         sdpa = torch.nn.functional.scaled_dot_product_attention(
             q, k[:, :, :40], v[:, :, :40], attn_mask=mask, scale=32 ** -0.5, enable_gqa=True)
         torch.testing.assert_close(ours, sdpa, rtol=1e-12, atol=1e-12)
+
+
+def test_hybrid_in_place_decode_matches_sdpa(tmp_path, tokenizer_dir):
+    """Qwen3.5's gated attention layers take the in-place path too (the hybrid's graph path)."""
+    build_tiny_qwen3_5(tmp_path / "m", seed=3, tokenizer_dir=tokenizer_dir)
+    plain = load_engine(str(tmp_path / "m"), dtype="float64", device="cpu", prefill_step_size=16)
+    inplace = InPlaceEngine(plain.model, plain.tokenizer, plain.config, plain.model_dir)
+    for prompt in ("def fibonacci(n):", "x" * 30):
+        ids = plain.tokenizer.encode(prompt)
+        assert inplace.generate_all(ids, GREEDY).token_ids == plain.generate_all(ids, GREEDY).token_ids

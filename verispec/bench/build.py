@@ -100,3 +100,16 @@ def random_eagle3(target: Target, drafter_config: dict, with_embedding: bool, se
         drafter.__dict__["shared_embedding"] = target.model.input_embeddings()
     drafter.eval().requires_grad_(False)
     return drafter
+
+
+def random_mtp_head(target: Target, seed: int = 1):
+    """A random MTP head of the target's shape (Qwen3.5 / 3.6), built on the target's device."""
+    from verispec.spec.mtp import MtpHead
+
+    param = next(target.model.parameters())
+    with torch.device("meta"):
+        head = MtpHead(target.model.settings, target.model)
+    head.to(param.dtype)
+    head.to_empty(device=param.device)
+    init_random_(head, seed)
+    return head.eval().requires_grad_(False)

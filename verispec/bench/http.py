@@ -213,8 +213,10 @@ def _free_port(host: str) -> int:
 
 
 @contextlib.contextmanager
-def served(serve_args: str, opts: BenchOptions) -> Iterator[str]:
-    """Boot `verispec serve ARGS` as a subprocess, wait for /health, yield its URL, stop it."""
+def served(serve_args: str, opts: BenchOptions) -> Iterator[tuple[str, float]]:
+    """Boot `verispec serve ARGS` as a subprocess, wait for /health, yield its URL and the cold
+    start (seconds from launching the process to /health answering 200: loading, compiling,
+    graph capture and prewarm included), stop it."""
     import httpx
 
     args = shlex.split(serve_args)
@@ -228,6 +230,7 @@ def served(serve_args: str, opts: BenchOptions) -> Iterator[str]:
     url = f"http://{'[' + connect + ']' if ':' in connect else connect}:{port}"
     log = tempfile.NamedTemporaryFile("w+", prefix="verispec-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "verispec", "serve", *args]
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
         deadline = time.monotonic() + opts.serve_timeout_s
@@ -241,8 +244,8 @@ def served(serve_args: str, opts: BenchOptions) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise VerispecError(f"--serve \"{serve_args}\": {url}/health not ready after "
                                     f"{opts.serve_timeout_s:.0f}s (log: {log.name})")
-            time.sleep(0.5)
-        yield url
+            time.sleep(0.25)
+        yield url, time.monotonic() - started
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -272,11 +275,11 @@ def run_http(opts: BenchOptions) -> BenchReport:
     try:
         for index, (label, serve_args) in enumerate(configs):
             with contextlib.ExitStack() as stack:
-                url = stack.enter_context(served(serve_args, opts)) if serve_args is not None else label
+                url, ready_s = stack.enter_context(served(serve_args, opts)) if serve_args is not None else (label, None)
                 client = ServerClient(url, opts)
                 stack.callback(client.close)
                 models.append(client.model_id)
-                rows.extend(_measure(client, label, index, opts, progress))
+                rows.extend(_measure(client, label, index, opts, progress, ready_s))
     finally:
         progress.close()
     first = {r["context"]: r["decode_tok_s"] for r in rows if r["config_index"] == 0}
@@ -294,11 +297,16 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, progress: Progress) -> list[dict]:
+def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, progress: Progress,
+             ready_s: float | None) -> list[dict]:
+    """ready_s: the server's cold start (--serve), None for --url. The warm-up request is the
+    first the server sees: its TTFT is the first-token latency a user meets after start-up."""
     tag = f"c{index}"
     warm = text_prompt(tag, 0, -1, WARMUP_WORDS)
     result = client.stream(warm, min(WARMUP_MAX_TOKENS, opts.gen_tokens))
     progress.step(f"{label} warm-up")
+    if ready_s is not None:
+        progress.note(f"{label}: ready {ready_s:.1f} s after launch, first request's TTFT {result.ttft_ms or 0:.1f} ms")
     # prompt tokens per word (tag and template included): the first estimate of prompt sizes
     tokens_per_word = (result.prompt_tokens or WARMUP_WORDS) / len(warm.split())
     rows = []
@@ -328,6 +336,7 @@ def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, p
             "completion_tokens": _median([r.completion_tokens for r in results]),
             "tokens_from_usage": all(r.tokens_from_usage for r in results),
             "acceptance": acceptance, "repeats": len(results),
+            "server_ready_s": ready_s, "first_request_ttft_ms": result.ttft_ms,
             "requests": [r.as_dict() for r in results],
         }
         rows.append(row)

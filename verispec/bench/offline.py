@@ -14,7 +14,7 @@ import torch
 
 from verispec.bench import compare
 from verispec.bench.bandwidth import DEFAULT_COPY_BYTES, measure_copy_bandwidth
-from verispec.bench.build import Target, load_target, random_eagle3, random_target
+from verispec.bench.build import Target, load_target, random_eagle3, random_mtp_head, random_target
 from verispec.bench.options import BenchOptions, Method, Peer
 from verispec.bench.progress import Progress
 from verispec.bench.prompts import token_prompt, tokenized_prompt
@@ -130,6 +130,21 @@ def _engine(setup: Setup, method: Method) -> tuple[Engine, str | None]:
             note = (f"EAGLE3 random weights (never accepted: read the cost columns), draft vocab "
                     f"{raw['draft_vocab_size']}, {shape.layer_type} layer of hidden {raw['transformer_layer_config']['hidden_size']}")
         proposer = Eagle3Proposer(drafter, target.model.vocab_size)
+        return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=opts.draft_block), note
+    if method is Method.MTP:
+        from verispec.spec.mtp import MtpProposer, load_mtp_head, supports_mtp
+
+        if not supports_mtp(target.model):
+            raise VerispecError(f"--methods mtp: model type '{target.config.get('model_type')}' has no MTP head "
+                                "(MTP self-speculation is for Qwen3.5 / Qwen3.6; Gemma 4's drafter is "
+                                "--mtp on `serve`)")
+        head = load_mtp_head(target.model_dir, target.model) if target.model_dir else None
+        if head is not None:
+            note = f"MTP head of {target.model_dir}"
+        else:
+            head = random_mtp_head(target, seed=opts.seed + 1)
+            note = "MTP head with random weights (never accepted: read the cost columns)"
+        proposer = MtpProposer(head, num_real_tokens=getattr(target.tokenizer, "num_real_tokens", None))
         return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=opts.draft_block), note
     raise VerispecError(f"method {method.value} has no offline runner")
 

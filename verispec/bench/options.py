@@ -13,6 +13,7 @@ class Method(str, Enum):
 
     AR = "ar"  # plain autoregressive decoding
     EAGLE3 = "eagle3"  # EAGLE3 drafter (random of the real drafter shape, or --eagle3 DIR)
+    MTP = "mtp"  # Qwen3.5/3.6's own MTP head (the checkpoint's, or random of its shape)
 
     @property
     def speculative(self) -> bool:

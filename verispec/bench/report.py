@@ -124,6 +124,8 @@ HTTP_COLUMNS = [
     ("completion_tokens", "completion tokens", lambda v: "n/a" if v is None else str(round(v)), True),
     ("acceptance", "acceptance", lambda v: "" if v is None else f"{100 * v:.1f}%", False),
     ("speedup_vs_first", "vs first config", lambda v: "" if v is None else f"{v:.2f}x", False),
+    ("server_ready_s", "ready after launch s", lambda v: "" if v is None else f"{v:.1f}", False),
+    ("first_request_ttft_ms", "first request TTFT ms", lambda v: "" if v is None else f"{v:.1f}", False),
     ("peak_memory_gib", "peak GiB", lambda v: "" if v is None else f"{v:.1f}", False),
 ]
 

@@ -88,6 +88,14 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6, hidden_act="silu",
                tie_word_embeddings=False),
           Eagle3Shape(draft_vocab_size=256, aux_layer_ids=(0, 1, 1))),
+    Shape("tiny-hybrid", "a tiny Qwen3.5-architecture (hybrid) model for CPU tests: 3 Gated DeltaNet + 1 attention",
+          dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+               attn_output_gate=True, max_position_embeddings=4096, rms_norm_eps=1e-6, hidden_act="silu",
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+               tie_word_embeddings=False)),
 )}
 
 # Shapes waiting for their architecture (name -> what is missing); see shared/reference/*.md.

@@ -266,8 +266,6 @@ class Engine:
             reason = "disabled (--no-cuda-graphs)"
         elif not split_k.available(self.device):
             reason = "Triton is not installed, so attention cannot read the cache in place"
-        elif any(isinstance(s, RecurrentLayerSpec) for s in self.model.cache_specs()):
-            reason = "recurrent layers are not graph-captured yet"
         if reason:
             log.debug("CUDA graphs off: %s; decode steps run eagerly", reason)
             return False

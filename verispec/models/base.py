@@ -52,3 +52,14 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Point tied parameters at each other after loading."""
+
+    def fuse_small_ops(self, compile: bool = True) -> None:
+        """The CUDA fast path: every submodule that can merges its projections into single GEMMs
+        (`merge_projections()`, weights released) and, with compile=True, switches its small ops
+        (norms, RoPE, residual adds, activations) to compiled single kernels (`fuse()`; the model
+        itself may define one too). Idempotent."""
+        for module in list(self.modules()):
+            if hasattr(module, "merge_projections"):
+                module.merge_projections()
+            if compile and hasattr(module, "fuse"):
+                module.fuse()

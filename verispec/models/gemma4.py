@@ -454,15 +454,6 @@ class Gemma4ForCausalLM(CausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def fuse_small_ops(self, compile: bool = True) -> None:
-        """Merge q/k/v and gate/up projections into single GEMMs, and (compile=True) compile the
-        norms and RoPE into single kernels (the CUDA fast path). Idempotent."""
-        for module in list(self.modules()):
-            if hasattr(module, "merge_projections"):
-                module.merge_projections()
-            if compile and module is not self and hasattr(module, "fuse"):
-                module.fuse()
-
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """model_type `gemma4`: the text model of the multimodal checkpoint."""

@@ -193,13 +193,5 @@ class LlamaForCausalLM(CausalLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def fuse_small_ops(self, compile: bool = True) -> None:
-        """Merge q/k/v and gate/up projections into single GEMMs, and (compile=True) compile
-        norms, RoPE, residual adds and the gated activation into single kernels. Idempotent."""
-        for module in list(self.modules()):
-            if hasattr(module, "merge_projections"):
-                module.merge_projections()
-            if compile and module is not self and hasattr(module, "fuse"):
-                module.fuse()
-        if compile:
-            self.final_add_norm = compiled(add_rms_norm)
+    def fuse(self) -> None:  # fuse_small_ops() calls it (see CausalLM)
+        self.final_add_norm = compiled(add_rms_norm)

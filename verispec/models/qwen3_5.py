@@ -22,7 +22,8 @@ from torch import nn
 from verispec.cache.kv import KVCache, LayerCacheSpec, RecurrentLayerSpec
 from verispec.errors import UnsupportedModelError
 from verispec.models.base import CausalLM, ForwardOutput
-from verispec.models.layers.attention import attention_mask
+from verispec.models.layers.attention import AttentionInputs
+from verispec.models.layers.fused import add_rms_norm, compiled
 from verispec.models.layers.gated_attention import GatedAttention
 from verispec.models.layers.gated_delta_net import GatedDeltaNet
 from verispec.models.layers.mlp import GatedMLP
@@ -122,20 +123,32 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
+        self.add_norm = add_rms_norm
 
     def cache_spec(self) -> LayerCacheSpec | RecurrentLayerSpec:
         mixer = self.linear_attn if self.layer_type is LayerType.LINEAR_ATTENTION else self.self_attn
         return mixer.cache_spec()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None) -> torch.Tensor:  # x: [B, T, H]
-        h = self.input_layernorm(x)
-        if self.layer_type is LayerType.LINEAR_ATTENTION:
-            h = self.linear_attn(h, cache)
+    def fuse(self) -> None:
+        self.add_norm = compiled(add_rms_norm)
+
+    def forward(self, x: torch.Tensor, update: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream [B, T, H]; update: the previous layer's MLP output, not yet added
+        (None for the first layer), added here fused with this layer's input norm. Returns
+        (residual stream, this layer's MLP output, not yet added)."""
+        n = self.input_layernorm
+        if update is None:
+            h = n(x)
         else:
-            h = self.self_attn(h, cos, sin, cache, mask)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = self.add_norm(x, update, n.weight, n.eps, n.unit_offset)
+        if self.layer_type is LayerType.LINEAR_ATTENTION:
+            h = self.linear_attn(h, inputs.cache)
+        else:
+            h = self.self_attn(h, cos, sin, inputs)
+        p = self.post_attention_layernorm
+        x, h = self.add_norm(x, h, p.weight, p.eps, p.unit_offset)
+        return x, self.mlp(h)
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -162,6 +175,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.model = Qwen3_5TextModel(s)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(s.rope, s.rotary_dim)
+        self.final_add_norm = add_rms_norm
 
     @staticmethod
     def _settings(config: dict) -> Qwen3_5Settings:
@@ -186,13 +200,19 @@ class Qwen3_5ForCausalLM(CausalLM):
         """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        mask = attention_mask(positions, cache.length + input_ids.shape[1], None)
+        inputs = AttentionInputs(positions, cache)
         captured: dict[int, torch.Tensor] = {}
+        update = None
         for i, layer in enumerate(self.model.layers):
             if i in capture:
-                captured[i] = x
-            x = layer(x, cos, sin, cache, mask)
-        return ForwardOutput(self.model.norm(x), [captured[i] for i in capture], pre_norm=x)
+                captured[i] = x if update is None else x + update
+            x, update = layer(x, update, cos, sin, inputs)
+        norm = self.model.norm
+        x, hidden = self.final_add_norm(x, update, norm.weight, norm.eps, norm.unit_offset)
+        return ForwardOutput(hidden, [captured[i] for i in capture], pre_norm=x)
+
+    def fuse(self) -> None:  # fuse_small_ops() calls it (see CausalLM)
+        self.final_add_norm = compiled(add_rms_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

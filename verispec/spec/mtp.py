@@ -34,7 +34,7 @@ from verispec.engine.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.weights import checkpoint_files
 from verispec.models.base import CausalLM
-from verispec.models.layers.attention import attention_mask
+from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Settings
@@ -102,9 +102,8 @@ class MtpHead(nn.Module):
         x = self.fc(torch.cat((self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)), dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
         # head cache rows sit at their positions (row i = position i), as in the target
-        mask = attention_mask(positions, cache.length + token_ids.shape[1], None)
-        x = self.layers[0](x, cos, sin, cache, mask)
-        return self.norm(x)
+        x, update = self.layers[0](x, None, cos, sin, AttentionInputs(positions, cache))
+        return self.norm(x + update)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
         return self.target.logits(out)

@@ -43,6 +43,42 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's attention output gate: x * sigmoid(gate)."""
+    return x * torch.sigmoid(gate)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm: rmsnorm(x) * w (plain weight) * silu(gate), statistics in
+    float32 (float64 stays); x, gate [..., D]."""
+    dtype = x.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    h = x.to(compute)
+    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (h * F.silu(gate.to(compute))).to(dtype)
+
+
+def causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal convolution + SiLU, written as K shifted multiply-adds (one elementwise
+    kernel when compiled, where F.conv1d is a separate library call): window [B, C, K-1+T]
+    (the last K-1 inputs before this pass, then its T inputs), weight [C, K] -> [B, C, T]."""
+    kernel = weight.shape[-1]
+    t = window.shape[-1] - kernel + 1
+    compute = torch.float64 if window.dtype == torch.float64 else torch.float32
+    w, win = weight.to(compute), window.to(compute)
+    out = win[..., 0:t] * w[:, 0:1]
+    for j in range(1, kernel):
+        out = out + win[..., j:j + t] * w[:, j:j + 1]
+    return F.silu(out).to(window.dtype)
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's write strength beta = sigmoid(b) and log decay g = -exp(A_log) *
+    softplus(a + dt_bias), g in float32 (in half precision -exp(A_log) can overflow); b, a [B, T, H]."""
+    return b.sigmoid(), -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.cache.kv import KVCache, LayerCacheSpec
-from verispec.models.layers.attention import cached_attention
+from verispec.cache.kv import LayerCacheSpec
+from verispec.models.layers.attention import AttentionInputs, attend
+from verispec.models.layers.fused import compiled, merged_linear, prepare_qk, sigmoid_gate
 from verispec.models.layers.norm import RMSNorm
-from verispec.models.layers.rotary import apply_rotary
 
 
 class GatedAttention(nn.Module):
@@ -30,19 +30,38 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, unit_offset=True)
         self.k_norm = RMSNorm(head_dim, eps, unit_offset=True)
         self.scale = head_dim ** -0.5
+        self.eps = eps
+        self.qkv_proj: nn.Linear | None = None  # set by merge_projections()
+        self.prepare_qk = prepare_qk
+        self.gate = sigmoid_gate
 
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None) -> torch.Tensor:  # x: [B, T, H]; cos/sin: [B, T, rotary_dim]
+    def merge_projections(self) -> None:
+        """q(+gate), k and v projections as one GEMM (the separate weights are released)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = merged_linear(self.q_proj, self.k_proj, self.v_proj)
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def fuse(self) -> None:
+        self.prepare_qk = compiled(prepare_qk)
+        self.gate = compiled(sigmoid_gate)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]; cos/sin: [B, T, rotary_dim]
         b, t, _ = x.shape
-        q, gate = self.q_proj(x).view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(b, t, self.num_heads * self.head_dim)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = cached_attention(q, k, v, cache, self.layer_idx, mask, self.scale)
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
-        return self.o_proj(out * torch.sigmoid(gate))
+        hd = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([2 * hd, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = q.view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(b, t, hd)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.prepare_qk(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.eps,
+                                self.q_norm.unit_offset)  # (1 + w), unless an MLX-converted head stores 1 + w
+        out = attend(q, k, v, inputs, self.layer_idx, None, self.scale)
+        return self.o_proj(self.gate(out.transpose(1, 2).reshape(b, t, hd), gate))

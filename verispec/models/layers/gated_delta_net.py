@@ -23,6 +23,8 @@ from torch import nn
 from verispec import log
 from verispec.config import env
 from verispec.cache.kv import KVCache, RecurrentLayerSpec
+from verispec.kernels import gated_delta_recurrent as recurrent_kernel
+from verispec.models.layers.fused import causal_conv_silu, compiled, gated_rms_norm, gdn_gates, merged_linear
 from verispec.models.layers.mlp import activation
 
 L2_EPS = 1e-6  # as transformers and fla normalise q and k
@@ -167,8 +169,16 @@ def fla_available() -> bool:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, per_position: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: fla kernels on CUDA when installed, else the torch reference. Shapes and results
-    as in `torch_gated_delta_rule`."""
+    """Dispatch. q, k [B, T, Hk, Dk] may have fewer heads than v [B, T, H, Dv] (value head h reads
+    key head h // (H / Hk)). On CUDA: short passes (per-position states) run our Triton recurrent
+    kernel (one launch, graph-capturable), long ones fla's chunked kernel when installed; else the
+    torch reference. Results as in `torch_gated_delta_rule`."""
+    if q.is_cuda and per_position and recurrent_kernel.available(q.device):
+        return recurrent_kernel.gated_delta_recurrent(q, k, v, g, beta, state)
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:  # each key head serves `groups` consecutive value heads
+        q = q.repeat_interleave(groups, dim=2)
+        k = k.repeat_interleave(groups, dim=2)
     if q.is_cuda and fla_enabled() and fla_available():
         return fla_gated_delta_rule(q, k, v, g, beta, state, per_position)
     return torch_gated_delta_rule(q, k, v, g, beta, state, per_position)
@@ -196,13 +206,19 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.act = activation(act)
+        self.impl = gated_rms_norm if self.act is F.silu else None
+
+    def fuse(self) -> None:
+        if self.impl is not None:
+            self.impl = compiled(gated_rms_norm)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # x, gate: [..., dim]
+        if self.impl is not None:
+            return self.impl(x, gate, self.weight, self.eps)
         dtype = x.dtype
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         h = x.to(compute)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
         return (h * self.act(gate.to(compute))).to(dtype)
 
 
@@ -232,31 +248,49 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(value_head_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self.act = activation(act)
+        self.in_proj: nn.Linear | None = None  # set by merge_projections()
+        self.gates = gdn_gates
+        self.conv = self._conv_act
 
     def cache_spec(self) -> RecurrentLayerSpec:
         return RecurrentLayerSpec(self.conv_dim, self.conv_kernel, self.num_value_heads,
                                   self.key_head_dim, self.value_head_dim)
 
+    def merge_projections(self) -> None:
+        """The four input projections (qkv, z, b, a) as one GEMM: b and a are tiny (one row per
+        head) and, alone, mostly launch overhead. The separate weights are released."""
+        if self.in_proj is None:
+            self.in_proj = merged_linear(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def fuse(self) -> None:
+        self.gates = compiled(gdn_gates)
+        if self.act is F.silu:
+            self.conv = compiled(causal_conv_silu)
+
+    def _conv_act(self, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The reference: the library convolution (as transformers computes it), then the activation."""
+        return self.act(F.conv1d(window, weight[:, None, :], groups=self.conv_dim))
+
     def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:  # x: [B, T, H]
         b, t, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T] pre-conv inputs
+        hv = self.num_value_heads
+        if self.in_proj is not None:
+            mixed, z, b_in, a_in = self.in_proj(x).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        else:
+            mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b_in, a_in = self.in_proj_b(x), self.in_proj_a(x)
         conv_state, ssm_state = cache.recurrent_state(self.layer_idx)
-        window = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)  # [B, C, K-1+T]
-        conv = self.act(F.conv1d(window, self.conv1d.weight, groups=self.conv_dim))  # [B, C, T]
+        # [B, C, K-1+T]: the committed conv state, then this pass's pre-conv inputs
+        window = torch.cat([conv_state.to(x.dtype), mixed.transpose(1, 2)], dim=-1)
+        conv = self.conv(window, self.conv1d.weight[:, 0, :])  # [B, C, T]
         q, k, v = conv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_key_heads, self.key_head_dim)
         k = k.reshape(b, t, self.num_key_heads, self.key_head_dim)
-        v = v.reshape(b, t, self.num_value_heads, self.value_head_dim)
-        beta = self.in_proj_b(x).sigmoid()  # [B, T, Hv]
-        # float32 before exp: in half precision -exp(A_log) can overflow
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        groups = self.num_value_heads // self.num_key_heads
-        if groups > 1:  # each key head serves `groups` consecutive value heads
-            q = q.repeat_interleave(groups, dim=2)
-            k = k.repeat_interleave(groups, dim=2)
+        v = v.reshape(b, t, hv, self.value_head_dim)
+        beta, g = self.gates(b_in, a_in, self.A_log, self.dt_bias)  # [B, T, Hv]; g float32
         per_position = t <= cache.max_tracked_positions
         out, states = gated_delta_rule(q, k, v, g, beta, ssm_state, per_position)
         cache.set_recurrent_pending(self.layer_idx, window, states, per_position)
-        z = self.in_proj_z(x).reshape(b, t, self.num_value_heads, self.value_head_dim)
-        out = self.norm(out, z).reshape(b, t, self.value_dim)
+        out = self.norm(out, z.reshape(b, t, hv, self.value_head_dim)).reshape(b, t, self.value_dim)
         return self.out_proj(out)
