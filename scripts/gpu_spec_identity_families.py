@@ -104,6 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--families", default="qwen3_5,gemma4", help="comma-separated subset of qwen3_5,gemma4")
     args = ap.parse_args()
     t0 = time.time()
     root = Path(tempfile.mkdtemp())
@@ -117,7 +118,7 @@ def main() -> None:
     text = corpus_text()
     prompts = [text[i * 1500: i * 1500 + 300] for i in range(3)]
     rows = []
-    for family in ("qwen3_5", "gemma4"):
+    for family in args.families.split(","):
         for dtype in ("float32", "bfloat16"):
             rows += run_family(root, family, dtype, args.new_tokens, prompts)
     if args.out:

@@ -54,7 +54,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
 SHIP_LIMIT_BYTES = 60_000_000
 DEMO_NAME = "verispec-demo"
 # select: plain decoding first (the reference), then the likeliest winners, so a cut-short run has them
-SELECT_ORDER = ("ar", "mtp-2", "eagle3-3", "mtp-1", "eagle3-2", "mtp-3", "eagle3-4")
+SELECT_ORDER = ("ar", "mtp-2", "eagle3-3", "mtp-1", "eagle3-2", "mtp-3", "eagle3-4", "eagle3-1")
 
 
 @dataclass(frozen=True)
@@ -702,7 +702,7 @@ class DemoBuild:
         return stamp + [self.options.eval_tokens, self.options.eval_prompts, str(self.device)]
 
     def stage_select(self) -> None:
-        """Measure plain, MTP (depth 1-3) and EAGLE3 (2-4 drafts) decoding on held-out prompts with
+        """Measure plain, MTP (depth 1-3) and EAGLE3 (1-4 drafts) decoding on held-out prompts with
         the engine as `verispec serve` runs it; the fastest speculative configuration becomes the default.
 
         Each configuration's row is saved as it is measured (work/select-partial.json), and past

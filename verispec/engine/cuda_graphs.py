@@ -71,3 +71,31 @@ class StepGraphs:
 
     def get(self, num_tokens: int) -> GraphedStep | None:
         return self.steps.get(num_tokens)
+
+
+class GraphedCall:
+    """`fn(*inputs)` (tensors in, a tuple of tensors out) captured once with static input buffers
+    shaped like `example_inputs`; calling it copies the new inputs in and replays. Outputs are the
+    graph's own buffers: valid until the next replay. For drafter steps (see Proposer.capture_graphs)."""
+
+    def __init__(self, fn, example_inputs: list[torch.Tensor], pool=None):
+        device = example_inputs[0].device
+        self.inputs = [x.clone() for x in example_inputs]
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm-up runs compile/autotune kernels outside the capture
+                fn(*self.inputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def pool(self):
+        return self.graph.pool()
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        for buffer, x in zip(self.inputs, inputs):
+            buffer.copy_(x, non_blocking=True)
+        self.graph.replay()
+        return self.outputs

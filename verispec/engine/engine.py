@@ -314,6 +314,8 @@ class Engine:
         capture = self.proposer.capture_layers if self.proposer else ()
         self._graphs = StepGraphs(self.model, cache, self.num_drafts + 1, capture, self._logits)
         cache.reset()
+        if isinstance(self.proposer, Proposer):
+            self.proposer.capture_graphs(self.num_drafts + 1, cache.capacity)
         seconds = time.perf_counter() - t0
         log.debug("captured %d CUDA graphs (steps of 1..%d tokens) in %.2fs", self.num_drafts + 1,
                   self.num_drafts + 1, seconds)

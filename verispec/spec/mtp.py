@@ -31,6 +31,7 @@ from torch import nn
 from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.engine.params import SamplingParams
+from verispec.kernels import decode_attention as split_k
 from verispec.errors import VerispecError
 from verispec.loading.weights import checkpoint_files
 from verispec.models.base import CausalLM
@@ -253,6 +254,55 @@ class MtpProposer(Proposer):
         self.last_out: torch.Tensor | None = None  # [1, 1, H] head output of the last committed row
         self.last_logits: torch.Tensor | None = None  # [V]
         self.next_position = 0
+        self._graphs: dict = {}  # tokens per pass -> GraphedCall (CUDA, after capture_graphs)
+
+    def capture_graphs(self, max_tokens: int, capacity: int) -> None:
+        """Head passes of 1..max_tokens tokens (observe after a round: accepted + 1 rows; each
+        chained draft: 1 row) as CUDA graphs, the head's projections merged and small ops compiled
+        as the target's are. Its cache is then allocated once for `capacity` positions (graphs
+        hold its addresses) and read in place by the split-K kernel."""
+        if self.device.type != "cuda" or self._graphs:
+            return
+        from verispec.engine.cuda_graphs import GraphedCall
+
+        for module in self.head.modules():  # as CausalLM.fuse_small_ops does for the target
+            if hasattr(module, "merge_projections"):
+                module.merge_projections()
+            if module is not self.head and hasattr(module, "fuse"):
+                module.fuse()
+        p = next(self.head.parameters())
+        self.cache = KVCache(self.head.cache_specs(), capacity, p.dtype, p.device)
+        self.cache.use_decode_kernel = True
+        pool = None
+        for t in range(min(max_tokens, split_k.MAX_QUERY_TOKENS), 0, -1):  # largest first: one shared pool
+            example = [torch.zeros(1, t, dtype=torch.long, device=p.device),
+                       torch.zeros(1, t, self.head.settings.hidden_size, dtype=p.dtype, device=p.device),
+                       torch.arange(capacity - t, capacity, device=p.device)[None]]  # rows no sequence reaches
+            self._graphs[t] = GraphedCall(self._last_row, example, pool)
+            pool = self._graphs[t].pool()
+        self.cache.reset()
+        log.debug("MTP head: captured CUDA graphs for passes of 1..%d tokens", len(self._graphs))
+
+    def _last_row(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head pass (writes T pending rows): the last row's output [1, 1, H] and logits [V]."""
+        out = self.head(ids, hidden, positions, self.cache)
+        return out[:, -1:], self.head.logits(out[0, -1])
+
+    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        graph = self._graphs.get(ids.shape[1])
+        if graph is None:
+            return self._last_row(ids, hidden, positions)
+        out = graph(ids, hidden, positions)
+        self.cache.pending = ids.shape[1]  # the replayed pass wrote its rows
+        return out
+
+    def _reserve(self, rows: int) -> None:
+        """Room for `rows` cache rows; a graphed cache is never reallocated (graphs hold its
+        addresses) and was sized for the whole context at capture."""
+        if not self._graphs:
+            self.cache.ensure_capacity(rows)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.cache.reset()
@@ -272,14 +322,13 @@ class MtpProposer(Proposer):
         then next_token; keep the rows, and the last row's output and logits for the next draft."""
         self.cache.rollback(self.cache.length - self.committed)
         n = len(step.token_ids)
-        self.cache.ensure_capacity(self.committed + n + 64)
+        self._reserve(self.committed + n + 64)
         ids = torch.tensor([step.token_ids[1:] + [step.next_token]], dtype=torch.long, device=self.device)
         positions = torch.arange(step.start_position, step.start_position + n, device=self.device)[None]
-        out = self.head(ids, self._features(step)[None], positions, self.cache)
+        # only the last row's logits: prefill chunks are long
+        self.last_out, self.last_logits = self._pass(ids, self._features(step)[None], positions)
         self.cache.commit(n)
         self.committed = self.cache.length
-        self.last_out = out[:, -1:]
-        self.last_logits = self.head.logits(out[0, -1])  # only the last row: prefill chunks are long
         self.next_position = step.start_position + n
 
     @torch.inference_mode()
@@ -287,7 +336,7 @@ class MtpProposer(Proposer):
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         logits, out = self.last_logits, self.last_out
-        self.cache.ensure_capacity(self.cache.length + num_drafts + 1)
+        self._reserve(self.cache.length + num_drafts + 1)
         for i in range(num_drafts):
             token, q = self._choose(logits, params, generator)
             tokens.append(token)
@@ -297,9 +346,8 @@ class MtpProposer(Proposer):
                 break
             ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
             positions = torch.tensor([[self.next_position + i]], device=self.device)
-            out = self.head(ids, out, positions, self.cache)
+            out, logits = self._pass(ids, out, positions)
             self.cache.commit(1)
-            logits = self.head.logits(out[0, -1])
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:

@@ -49,6 +49,11 @@ class Proposer(ABC):
         Drafters that read the target's K/V (the Gemma 4 assistant) keep it: when `propose` runs,
         its rows below cache.length are exactly the committed ones. Others ignore it."""
 
+    def capture_graphs(self, max_tokens: int, capacity: int) -> None:
+        """CUDA only, called once at prewarm after the target's graphs: capture the drafter's own
+        steps (passes of 1..max_tokens tokens, positions below `capacity`) as CUDA graphs, so a
+        round's drafting costs kernels, not Python. Drafters that do not are run eagerly."""
+
     @abstractmethod
     def reset(self, prompt_ids: list[int]) -> None:
         """A new sequence starts (before the prefill's observe)."""

@@ -9,7 +9,10 @@ Three ways to run the same computation, picked by device and size:
   expert weights in place (torch's grouped_mm, device-side offsets): static shapes, no host sync,
   so decode/verify steps can be captured in CUDA graphs (CUDA bf16/fp16 with 16-byte aligned rows);
 - `gathered`: each pair's expert matrices gathered and multiplied with bmm: static shapes in
-  any dtype, but copies the weights, so only for the few pairs of a decode/verify step.
+  any dtype, but copies the weights, so only for the few pairs of a decode/verify step;
+- `gemv`: our Triton kernel (kernels/expert_gemv.py) streaming each pair's expert matrices in
+  place: static shapes, no sort or copy; CUDA's path for decode/verify steps (up to
+  MAX_GEMV_PAIRS pairs), where the grouped GEMM runs mostly empty tiles around a few rows.
 """
 from __future__ import annotations
 
@@ -21,14 +24,20 @@ from torch import nn
 
 from verispec.models.layers.mlp import activation
 
+from verispec.kernels import expert_gemv
+
 # Above this many token/expert pairs the gathered path would copy too many weights.
 MAX_GATHERED_PAIRS = 64
+# Up to this many pairs (a verify pass of 8 tokens x top-8) each pair streams its experts' weights;
+# past it (prefill) the grouped GEMM reads each expert once for all its rows.
+MAX_GEMV_PAIRS = 64
 
 
 class ExpertsMethod(str, Enum):
     LOOP = "loop"
     GROUPED = "grouped"
     GATHERED = "gathered"
+    GEMV = "gemv"
 
 
 def grouped_mm_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -45,6 +54,8 @@ def grouped_mm_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, num_pairs: int) -> ExpertsMethod:
     if x.device.type != "cuda":
         return ExpertsMethod.LOOP  # the reference: equal to transformers' eager experts
+    if num_pairs <= MAX_GEMV_PAIRS and expert_gemv.available(x.device):
+        return ExpertsMethod.GEMV
     if grouped_mm_usable(x, gate_up, down):
         return ExpertsMethod.GROUPED
     return ExpertsMethod.GATHERED if num_pairs <= MAX_GATHERED_PAIRS else ExpertsMethod.LOOP
@@ -66,6 +77,8 @@ class FusedExperts(nn.Module):
             return self._grouped(x, top_k_index, top_k_weights)
         if method is ExpertsMethod.GATHERED:
             return self._gathered(x, top_k_index, top_k_weights)
+        if method is ExpertsMethod.GEMV:
+            return self._gemv(x, top_k_index, top_k_weights)
         return self._loop(x, top_k_index, top_k_weights)
 
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
@@ -103,5 +116,13 @@ class FusedExperts(nn.Module):
         rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [N*K, H, 1]
         h = self._gated(torch.bmm(self.gate_up_proj[experts], rows)[..., 0])
         h = torch.bmm(self.down_proj[experts], h[:, :, None])[..., 0]
+        h = h * top_k_weights.reshape(-1, 1)
+        return h.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def _gemv(self, x, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)  # pair p = token p // k, slot p % k
+        h = self._gated(expert_gemv.expert_gemv(x, self.gate_up_proj, experts, rows_per_x=k))  # [N*K, I]
+        h = expert_gemv.expert_gemv(h, self.down_proj, experts)  # [N*K, H]
         h = h * top_k_weights.reshape(-1, 1)
         return h.view(n, k, -1).sum(dim=1).to(x.dtype)
