@@ -26,6 +26,10 @@ if has bench26; then
       --repeats 2 --out "$OUT/g26" 2>&1 | grep -E "^\||error" | head -6
 fi
 if has bench8; then
-  timeout 200 python3 -m verispec bench --shape qwen3-8b --methods ar --contexts 512 --gen-tokens 128 \
-      --repeats 3 --out "$OUT/q8" 2>&1 | grep -E "^\||error" | head -6
+  timeout 200 python3 -m verispec bench --shape qwen3-8b --methods ar,eagle3 --draft-block 3 --contexts 512 \
+      --gen-tokens 128 --repeats 3 --step-iters 20 --out "$OUT/q8" 2>&1 | grep -E "^\||error" | head -6
+fi
+if has serve; then  # the embedded demo model: cold start to ready and the first request's latency, with prewarm
+  timeout 150 python3 -m verispec bench "--serve=" "--serve=--no-spec" --contexts 512 --gen-tokens 128 --repeats 2 \
+      --out "$OUT/serve" 2>&1 | grep -E "^\||ready|error" | head -10
 fi

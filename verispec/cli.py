@@ -168,13 +168,13 @@ def _add_bench_parser(sub) -> None:
 def _apply_demo_defaults(args) -> None:
     """No -m: the embedded demo model, speculating as its demo.json says unless a proposer flag
     or --no-spec is given."""
-    from verispec.demo.default import require_demo_model, speculation_defaults
+    from verispec.demo.default import default_device_type, require_demo_model, speculation_defaults
 
     model_dir = require_demo_model()
     args.model = str(model_dir)
     if args.no_spec or args.mtp or args.eagle3:
         return
-    spec = speculation_defaults(model_dir)
+    spec = speculation_defaults(model_dir, default_device_type(args.device))
     if spec.get("mtp"):
         args.mtp = True
         if args.mtp_depth is None and args.draft_block is None:

@@ -97,8 +97,22 @@ def test_select_stage_cut_short_continues_on_rerun(demo_dir):
     assert main(args + ["--force", "select"]) == 0
     demo = json.loads((model / "demo.json").read_text())
     assert [r["config"] for r in demo["measurements"]] == ["ar", "mtp-2"]
-    assert demo["speculation"] == {"method": "mtp", "mtp_depth": 2} and len(demo["unmeasured"]) == 5
+    assert demo["speculation"] == {"method": "mtp", "mtp_depth": 2} and len(demo["unmeasured"]) == 6
+    assert demo["speculation_by_device"] == {"cpu": {"method": "mtp", "mtp_depth": 2}}
     assert main(args) == 0  # not done yet: the rerun measures the next configuration only
     demo = json.loads((model / "demo.json").read_text())
     assert [r["config"] for r in demo["measurements"]] == ["ar", "mtp-2", "eagle3-3"]
-    assert len(demo["unmeasured"]) == 4
+    assert len(demo["unmeasured"]) == 5
+
+
+def test_default_speculation_follows_the_device(tmp_path):
+    (tmp_path / "mtp.safetensors").write_bytes(b"")
+    (tmp_path / "eagle3").mkdir()
+    (tmp_path / "eagle3" / "config.json").write_text("{}")
+    (tmp_path / "demo.json").write_text(json.dumps({
+        "speculation": {"method": "mtp", "mtp_depth": 3},
+        "speculation_by_device": {"cuda": {"method": "mtp", "mtp_depth": 3},
+                                  "cpu": {"method": "eagle3", "eagle3": "eagle3", "draft_block": 4}}}))
+    assert demo_default.speculation_defaults(tmp_path, "cuda") == {"mtp": True, "mtp_depth": 3}
+    assert demo_default.speculation_defaults(tmp_path, "cpu") == {"eagle3": str(tmp_path / "eagle3"), "draft_block": 4}
+    assert demo_default.speculation_defaults(tmp_path, "mps") == {"mtp": True, "mtp_depth": 3}

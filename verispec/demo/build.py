@@ -701,6 +701,14 @@ class DemoBuild:
             stamp.append([name, path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [name])
         return stamp + [self.options.eval_tokens, self.options.eval_prompts, str(self.device)]
 
+    def _device_label(self, dtype: str) -> str:
+        """"cuda (NVIDIA H200, bfloat16)" / "cpu (2 threads, float32)": what a timing was taken on."""
+        import torch
+
+        if self.device.type == "cuda":
+            return f"{self.device.type} ({torch.cuda.get_device_name(self.device)}, {dtype})"
+        return f"{self.device.type} ({torch.get_num_threads()} threads, {dtype})"
+
     def stage_select(self) -> None:
         """Measure plain, MTP (depth 1-3) and EAGLE3 (1-4 drafts) decoding on held-out prompts with
         the engine as `verispec serve` runs it; the fastest speculative configuration becomes the default.
@@ -744,6 +752,7 @@ class DemoBuild:
                 drafted, accepted, rounds = drafted + st.drafted, accepted + st.accepted, rounds + st.rounds
                 decode_s += st.decode_ms / 1000
                 outputs.append(result.token_ids)
+            engine_dtype = str(engine.dtype).removeprefix("torch.")
             del engine
             if name == "ar":
                 partial["reference"] = outputs
@@ -753,7 +762,7 @@ class DemoBuild:
                           "decode_tok_per_s": round((generated - len(prompts)) / max(decode_s, 1e-9), 1),
                           "acceptance": round(accepted / drafted, 4) if drafted else None,
                           "tokens_per_round": round((generated - len(prompts)) / rounds, 3) if rounds else None,
-                          "identical_to_plain_greedy": same, "device": str(self.device)}
+                          "identical_to_plain_greedy": same, "device": self._device_label(engine_dtype)}
             partial_path.write_text(json.dumps(partial))
             r = rows[name]
             say(f"select: {name:9s} {r['decode_tok_per_s']:8.1f} tok/s  acceptance {r['acceptance']}  "
@@ -768,11 +777,22 @@ class DemoBuild:
                        {"method": "eagle3", "eagle3": "eagle3", "draft_block": int(depth)})
         plain = rows["ar"]["decode_tok_per_s"] if "ar" in rows else None
         unmeasured = [n for n in SELECT_ORDER if n not in rows]
-        demo = {"speculation": speculation,
-                "why": f"fastest measured: {best['config']} at {best['decode_tok_per_s']} tok/s vs plain {plain} tok/s "
-                       f"(greedy, {len(prompts)} held-out prompts x {o.eval_tokens} tokens, {self.device})"
-                       + (f"; not measured yet: {', '.join(unmeasured)}" if unmeasured else ""),
-                "measurements": [rows[n] for n in SELECT_ORDER if n in rows], "unmeasured": unmeasured}
+        why = (f"fastest measured: {best['config']} at {best['decode_tok_per_s']} tok/s vs plain {plain} tok/s "
+               f"(greedy, {len(prompts)} held-out prompts x {o.eval_tokens} tokens, {self.device})"
+               + (f"; not measured yet: {', '.join(unmeasured)}" if unmeasured else ""))
+        # a default per device type: what pays on a GPU (captured drafter steps) and on a CPU (drafter
+        # compute) differs; a select run on one device keeps the other's measurements and choice
+        device_type = self.device.type
+        earlier_path = self.model_dir / "demo.json"
+        earlier = json.loads(earlier_path.read_text()) if earlier_path.is_file() else {}
+        by_device = {k: v for k, v in (earlier.get("speculation_by_device") or {}).items() if k != device_type}
+        why_by_device = {k: v for k, v in (earlier.get("why_by_device") or {}).items() if k != device_type}
+        by_device[device_type], why_by_device[device_type] = speculation, why
+        kept = [r for r in earlier.get("measurements", []) if _device_type(r) != device_type]
+        default_type = "cuda" if "cuda" in by_device else device_type
+        demo = {"speculation": by_device[default_type], "why": why_by_device[default_type],
+                "speculation_by_device": by_device, "why_by_device": why_by_device,
+                "measurements": [rows[n] for n in SELECT_ORDER if n in rows] + kept, "unmeasured": unmeasured}
         (self.model_dir / "demo.json").write_text(json.dumps(demo, indent=2) + "\n")
         self.record["select"] = demo
         self.save_record()
@@ -835,6 +855,11 @@ def copy_model(src: Path, out: Path) -> None:
         shutil.copytree(src / "eagle3", out / "eagle3")
 
 
+def _device_type(row: dict) -> str:
+    """A measurement row's device type: "cuda" from "cuda", "cuda:0" or "cuda (H200, bf16)"."""
+    return str(row.get("device", "")).split(" ")[0].split(":")[0]
+
+
 def _fmt(value, spec: str = "") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -873,13 +898,24 @@ def model_card(record: dict, options: DemoOptions) -> str:
         "",
         "## Speculative decoding",
         "",
-        f"Default: `{json.dumps(select.get('speculation'))}` — {select.get('why', 'not measured')}.",
-        "",
-        "| configuration | decode tok/s | acceptance | tokens per target pass | identical to plain greedy |",
-        "|---|---|---|---|---|",
     ]
-    for row in select.get("measurements", []):
-        lines.append(f"| {row['config']} | {row['decode_tok_per_s']} | {_fmt(row['acceptance'])} | "
+    by_device = select.get("speculation_by_device") or {}
+    if by_device:
+        for device_type, spec in by_device.items():
+            lines.append(f"- default on {device_type}: `{json.dumps(spec)}` — "
+                         f"{(select.get('why_by_device') or {}).get(device_type, '')}.")
+    else:
+        lines.append(f"Default: `{json.dumps(select.get('speculation'))}` — {select.get('why', 'not measured')}.")
+    lines += ["",
+              "| device | configuration | decode tok/s | vs plain | acceptance | tokens per target pass | "
+              "identical to plain greedy |",
+              "|---|---|---|---|---|---|---|"]
+    rows = select.get("measurements", [])
+    plain = {_device_type(r): r.get("decode_tok_per_s") for r in rows if r["config"] == "ar"}
+    for row in rows:
+        base, speed = plain.get(_device_type(row)), row.get("decode_tok_per_s")
+        ratio = f"{speed / base:.2f}x" if isinstance(speed, (int, float)) and isinstance(base, (int, float)) else "n/a"
+        lines.append(f"| {row.get('device', '?')} | {row['config']} | {speed} | {ratio} | {_fmt(row['acceptance'])} | "
                      f"{_fmt(row['tokens_per_round'])} | {row['identical_to_plain_greedy']} |")
     for method in ("mtp", "eagle3"):
         m = record.get(method)

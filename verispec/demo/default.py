@@ -28,15 +28,20 @@ def require_demo_model() -> Path:
     return model_dir
 
 
-def speculation_defaults(model_dir: Path) -> dict:
-    """EngineConfig fields for the model's default speculation (from its demo.json), or {}."""
+def speculation_defaults(model_dir: Path, device_type: str | None = None) -> dict:
+    """EngineConfig fields for the model's default speculation (from its demo.json), or {}.
+
+    demo.json may name a default per device type (`speculation_by_device`: {"cuda": .., "cpu": ..}),
+    since what pays differs: on a GPU a drafter step is a few captured kernels, on a CPU it costs
+    compute in proportion to its size; `speculation` is the default for any other device."""
     path = Path(model_dir) / "demo.json"
     if not path.is_file():
         return {}
     try:
-        spec = json.loads(path.read_text()).get("speculation") or {}
+        record = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise VerispecError(f"{path} is not valid JSON: {exc}") from exc
+    spec = (record.get("speculation_by_device") or {}).get(device_type) or record.get("speculation") or {}
     method = spec.get("method")
     if method == "mtp" and (Path(model_dir) / "mtp.safetensors").is_file():
         return {"mtp": True, "mtp_depth": int(spec.get("mtp_depth", 1))}
@@ -46,10 +51,19 @@ def speculation_defaults(model_dir: Path) -> dict:
     return {}
 
 
+def default_device_type(device: str | None) -> str:
+    """The device type an engine given `device` (None: automatic) runs on."""
+    if device:
+        return device.split(":")[0]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def engine_config(model_dir: Path, **overrides):
     """The EngineConfig `verispec serve` uses for the demo model (its default speculation on)."""
     from verispec.config import EngineConfig
 
-    fields = dict(speculation_defaults(model_dir))
+    fields = dict(speculation_defaults(model_dir, default_device_type(overrides.get("device"))))
     fields.update(overrides)
     return EngineConfig(model=str(model_dir), **fields)

@@ -21,11 +21,12 @@ from verispec.engine.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.weights import iter_tensors
 from verispec.models.base import CausalLM
-from verispec.models.layers.attention import attention_mask, cached_attention
+from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
-from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary
+from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.llama import Attention, DecoderSettings
+from verispec.spec.captured import CapturedPasses
 from verispec.spec.drafting import choose_draft
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
@@ -126,17 +127,20 @@ class Eagle3Drafter(nn.Module):
         attn = layer.self_attn
         x_in = torch.cat((e, gn), dim=-1)
         b, t, _ = x_in.shape
-        q = attn.q_proj(x_in).view(b, t, attn.num_heads, attn.head_dim)
-        k = attn.k_proj(x_in).view(b, t, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(x_in).view(b, t, attn.num_kv_heads, attn.head_dim)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if attn.qkv_proj is not None:  # merged by CapturedPasses.capture_graphs (CUDA)
+            kv_size = attn.num_kv_heads * attn.head_dim
+            q, k, v = attn.qkv_proj(x_in).split([attn.num_heads * attn.head_dim, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x_in), attn.k_proj(x_in), attn.v_proj(x_in)
+        q = q.view(b, t, attn.num_heads, attn.head_dim)
+        k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = v.view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
         cos, sin = self.rotary(positions, x_in.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        has_norm = attn.q_norm is not None
+        q, k = attn.prepare_qk(q, k, cos, sin, attn.q_norm.weight if has_norm else None,
+                               attn.k_norm.weight if has_norm else None, attn.eps, False)
         # drafter cache rows sit at their positions (row i = position i), as in the target
-        mask = attention_mask(positions, cache.length + t, None)
-        out = cached_attention(q, k, v, cache, 0, mask, attn.scale)
+        out = attend(q, k, v, AttentionInputs(positions, cache), 0, None, attn.scale)
         x = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         pre = x + layer.mlp(layer.post_attention_layernorm(x))
         normed = self.norm(pre)
@@ -196,7 +200,7 @@ def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
     return drafter
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(CapturedPasses, Proposer):
     method = "eagle3"
 
     def __init__(self, drafter: Eagle3Drafter, target_vocab_size: int):
@@ -210,6 +214,20 @@ class Eagle3Proposer(Proposer):
         self.last_g: torch.Tensor | None = None  # [1, 1, H] fed-back hidden of the last row
         self.last_logits: torch.Tensor | None = None  # [Vd]
         self.next_position = 0
+        self.device = p.device
+
+    def _drafter_module(self) -> nn.Module:
+        return self.drafter
+
+    def _feature_size(self) -> int:
+        return self.drafter.cfg.hidden_size
+
+    def _last_row(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter pass (writes T pending rows): the last row's fed-back hidden [1, 1, H] and
+        draft logits [Vd]."""
+        fed_back, logits = self.drafter(ids, g, positions, self.cache)
+        return fed_back[:, -1:], logits[0, -1]
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.cache.reset()
@@ -221,16 +239,15 @@ class Eagle3Proposer(Proposer):
         features of step.token_ids (token at p+1 with feature at p), at positions p..."""
         self.cache.rollback(self.cache.length - self.committed)  # drop last round's draft rows
         n = len(step.token_ids)
-        self.cache.ensure_capacity(self.committed + n + 64)
+        self._reserve(self.committed + n + 64)
         tokens = step.token_ids[1:] + [step.next_token]
         device = self.draft_to_target.device
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         positions = torch.arange(step.start_position, step.start_position + n, device=device)[None]
         g = self.drafter.project(step.aux)[None]
-        fed_back, logits = self.drafter(ids, g, positions, self.cache)
+        self.last_g, self.last_logits = self._pass(ids, g, positions)
         self.cache.commit(n)
         self.committed = self.cache.length
-        self.last_g, self.last_logits = fed_back[:, -1:], logits[0, -1]
         self.next_position = step.start_position + n
 
     @torch.inference_mode()
@@ -238,7 +255,7 @@ class Eagle3Proposer(Proposer):
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         logits, g = self.last_logits, self.last_g
-        self.cache.ensure_capacity(self.cache.length + num_drafts + 1)
+        self._reserve(self.cache.length + num_drafts + 1)
         for i in range(num_drafts):
             token, q = self._choose(logits, params, generator)
             tokens.append(token)
@@ -249,9 +266,8 @@ class Eagle3Proposer(Proposer):
             device = g.device
             ids = torch.tensor([[token]], dtype=torch.long, device=device)
             positions = torch.tensor([[self.next_position + i]], device=device)
-            g, step_logits = self.drafter(ids, g, positions, self.cache)
+            g, logits = self._pass(ids, g, positions)
             self.cache.commit(1)
-            logits = step_logits[0, -1]
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def _choose(self, draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:

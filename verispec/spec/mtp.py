@@ -31,7 +31,6 @@ from torch import nn
 from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.engine.params import SamplingParams
-from verispec.kernels import decode_attention as split_k
 from verispec.errors import VerispecError
 from verispec.loading.weights import checkpoint_files
 from verispec.models.base import CausalLM
@@ -39,6 +38,7 @@ from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Settings
+from verispec.spec.captured import CapturedPasses
 from verispec.spec.drafting import choose_draft
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
@@ -234,7 +234,7 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
 
 
 # ---- the proposer ----------------------------------------------------------------------------------
-class MtpProposer(Proposer):
+class MtpProposer(CapturedPasses, Proposer):
     """Drafts with the target's own MTP head.
 
     Its 1-layer cache keeps one committed row per target position (h_i paired with t_{i+1});
@@ -254,55 +254,18 @@ class MtpProposer(Proposer):
         self.last_out: torch.Tensor | None = None  # [1, 1, H] head output of the last committed row
         self.last_logits: torch.Tensor | None = None  # [V]
         self.next_position = 0
-        self._graphs: dict = {}  # tokens per pass -> GraphedCall (CUDA, after capture_graphs)
 
-    def capture_graphs(self, max_tokens: int, capacity: int) -> None:
-        """Head passes of 1..max_tokens tokens (observe after a round: accepted + 1 rows; each
-        chained draft: 1 row) as CUDA graphs, the head's projections merged and small ops compiled
-        as the target's are. Its cache is then allocated once for `capacity` positions (graphs
-        hold its addresses) and read in place by the split-K kernel."""
-        if self.device.type != "cuda" or self._graphs:
-            return
-        from verispec.engine.cuda_graphs import GraphedCall
+    def _drafter_module(self) -> nn.Module:
+        return self.head
 
-        for module in self.head.modules():  # as CausalLM.fuse_small_ops does for the target
-            if hasattr(module, "merge_projections"):
-                module.merge_projections()
-            if module is not self.head and hasattr(module, "fuse"):
-                module.fuse()
-        p = next(self.head.parameters())
-        self.cache = KVCache(self.head.cache_specs(), capacity, p.dtype, p.device)
-        self.cache.use_decode_kernel = True
-        pool = None
-        for t in range(min(max_tokens, split_k.MAX_QUERY_TOKENS), 0, -1):  # largest first: one shared pool
-            example = [torch.zeros(1, t, dtype=torch.long, device=p.device),
-                       torch.zeros(1, t, self.head.settings.hidden_size, dtype=p.dtype, device=p.device),
-                       torch.arange(capacity - t, capacity, device=p.device)[None]]  # rows no sequence reaches
-            self._graphs[t] = GraphedCall(self._last_row, example, pool)
-            pool = self._graphs[t].pool()
-        self.cache.reset()
-        log.debug("MTP head: captured CUDA graphs for passes of 1..%d tokens", len(self._graphs))
+    def _feature_size(self) -> int:
+        return self.head.settings.hidden_size
 
     def _last_row(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass (writes T pending rows): the last row's output [1, 1, H] and logits [V]."""
         out = self.head(ids, hidden, positions, self.cache)
         return out[:, -1:], self.head.logits(out[0, -1])
-
-    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        graph = self._graphs.get(ids.shape[1])
-        if graph is None:
-            return self._last_row(ids, hidden, positions)
-        out = graph(ids, hidden, positions)
-        self.cache.pending = ids.shape[1]  # the replayed pass wrote its rows
-        return out
-
-    def _reserve(self, rows: int) -> None:
-        """Room for `rows` cache rows; a graphed cache is never reallocated (graphs hold its
-        addresses) and was sized for the whole context at capture."""
-        if not self._graphs:
-            self.cache.ensure_capacity(rows)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.cache.reset()
