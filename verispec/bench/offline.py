@@ -144,7 +144,8 @@ def _engine(setup: Setup, method: Method) -> tuple[Engine, str | None]:
         else:
             head = random_mtp_head(target, seed=opts.seed + 1)
             note = "MTP head with random weights (never accepted: read the cost columns)"
-        proposer = MtpProposer(head, num_real_tokens=getattr(target.tokenizer, "num_real_tokens", None))
+        # vocabulary rows past the tokenizer's are padding, never drafted (as Engine.load does)
+        proposer = MtpProposer(head, num_real_tokens=min(target.tokenizer.vocab_size, target.model.vocab_size))
         return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=opts.draft_block), note
     raise VerispecError(f"method {method.value} has no offline runner")
 
