@@ -199,27 +199,20 @@ def _log_fla_off() -> None:
 
 
 class GatedRMSNorm(nn.Module):
-    """rmsnorm(x) * w * act(gate): a plain weight (not 1 + w), statistics in float32 (float64 stays)."""
+    """rmsnorm(x) * w * silu(gate) (`fused.gated_rms_norm`): a plain weight (not 1 + w), statistics
+    in float32 (float64 stays). SiLU whatever the config's hidden_act, as transformers' gated norm."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, act: str = "silu"):
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.act = activation(act)
-        self.impl = gated_rms_norm if self.act is F.silu else None
+        self.impl = gated_rms_norm
 
     def fuse(self) -> None:
-        if self.impl is not None:
-            self.impl = compiled(gated_rms_norm)
+        self.impl = compiled(gated_rms_norm)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # x, gate: [..., dim]
-        if self.impl is not None:
-            return self.impl(x, gate, self.weight, self.eps)
-        dtype = x.dtype
-        compute = torch.float64 if dtype == torch.float64 else torch.float32
-        h = x.to(compute)
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (h * self.act(gate.to(compute))).to(dtype)
+        return self.impl(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
