@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from verispec.cache.kv import KVCache, LayerCacheSpec
+from verispec.models.layers.attention import AttentionInputs
+from verispec.models.layers.fused import add_rms_norm, compiled
 
 
 @dataclass
@@ -54,12 +56,64 @@ class CausalLM(nn.Module):
         """Point tied parameters at each other after loading."""
 
     def fuse_small_ops(self, compile: bool = True) -> None:
-        """The CUDA fast path: every submodule that can merges its projections into single GEMMs
-        (`merge_projections()`, weights released) and, with compile=True, switches its small ops
-        (norms, RoPE, residual adds, activations) to compiled single kernels (`fuse()`; the model
-        itself may define one too). Idempotent."""
-        for module in list(self.modules()):
-            if hasattr(module, "merge_projections"):
-                module.merge_projections()
-            if compile and hasattr(module, "fuse"):
-                module.fuse()
+        """The CUDA fast path (see the module function); the model itself may define `fuse()`."""
+        fuse_small_ops(self, compile)
+
+
+class HFLayoutLM(CausalLM):
+    """A model laid out as Hugging Face's decoder-only families: `model.embed_tokens`, `lm_head`,
+    `settings` (hidden_size, tie_word_embeddings)."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.settings.hidden_size
+
+    def input_embeddings(self) -> nn.Embedding:
+        """The raw table (Gemma's sqrt(H) scale is not in it: EAGLE3 drafters sharing it embed unscaled)."""
+        return self.model.embed_tokens
+
+    def tie_weights(self) -> None:
+        if self.settings.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class FoldedDecoderLM(HFLayoutLM):
+    """An HF-layout model (also `model.layers`, `model.norm`, `rotary`) whose layers fold each
+    residual add into the next norm: layer(x, update, cos, sin, inputs) -> (x, its MLP output
+    not yet added). Llama/Qwen3 and Qwen3.5 share this forward."""
+
+    final_add_norm = staticmethod(add_rms_norm)  # fuse() swaps in the compiled kernel
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                capture: tuple[int, ...] = ()) -> ForwardOutput:
+        """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        inputs = AttentionInputs(positions, cache)
+        captured: dict[int, torch.Tensor] = {}
+        update = None
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                captured[i] = x if update is None else x + update
+            x, update = layer(x, update, cos, sin, inputs)
+        norm = self.model.norm
+        x, hidden = self.final_add_norm(x, update, norm.weight, norm.eps, norm.unit_offset)
+        return ForwardOutput(hidden, [captured[i] for i in capture], pre_norm=x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def fuse(self) -> None:  # fuse_small_ops() calls it
+        self.final_add_norm = compiled(add_rms_norm)
+
+
+def fuse_small_ops(root: nn.Module, compile: bool = True) -> None:
+    """Every module under `root` (itself included) that can merges its projections into single
+    GEMMs (`merge_projections()`, weights released) and, with compile=True, switches its small ops
+    (norms, RoPE, residual adds, activations) to compiled single kernels (`fuse()`). Idempotent.
+    Used for targets and for drafters alike."""
+    for module in list(root.modules()):
+        if hasattr(module, "merge_projections"):
+            module.merge_projections()
+        if compile and hasattr(module, "fuse"):
+            module.fuse()

@@ -38,7 +38,7 @@ from torch import nn
 from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.errors import UnsupportedModelError
-from verispec.models.base import CausalLM, ForwardOutput
+from verispec.models.base import ForwardOutput, HFLayoutLM
 from verispec.models.layers.attention import AttentionInputs, attend, attend_cached
 from verispec.models.layers.fused import compiled, merged_linear
 from verispec.models.layers.mlp import GatedMLP, activation
@@ -371,7 +371,7 @@ class Gemma4TextModel(nn.Module):
             self.per_layer_projection_norm = Gemma4RMSNorm(p, s.rms_norm_eps)
 
 
-class Gemma4ForCausalLM(CausalLM):
+class Gemma4ForCausalLM(HFLayoutLM):
     """model_type `gemma4_text`."""
 
     checkpoint_prefix_map = TEXT_PREFIX_MAP
@@ -393,21 +393,10 @@ class Gemma4ForCausalLM(CausalLM):
     def _settings(config: dict) -> Gemma4Settings:
         return Gemma4Settings(config)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.settings.hidden_size
-
-    def input_embeddings(self) -> nn.Embedding:
-        """The raw (unscaled) table: EAGLE3 drafters sharing it embed without Gemma's sqrt(H)."""
-        return self.model.embed_tokens
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The scaled embedding the first layer sees: [B, T] -> [B, T, H]."""
+        """The scaled embedding the first layer sees: [B, T] -> [B, T, H] (input_embeddings() is
+        the raw table)."""
         return scaled_embedding(self.model.embed_tokens, input_ids, self.embed_scale)
-
-    def tie_weights(self) -> None:
-        if self.settings.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         return [layer.self_attn.cache_spec() for layer in self.model.layers]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.cache.kv import KVCache, LayerCacheSpec
+from verispec.cache.kv import LayerCacheSpec
 from verispec.errors import UnsupportedModelError
-from verispec.models.base import CausalLM, ForwardOutput
+from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
@@ -146,7 +146,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(FoldedDecoderLM):
     def __init__(self, config: dict):
         super().__init__()
         s = DecoderSettings(config)
@@ -157,41 +157,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(s.rope, s.head_dim)
         self.num_layers = s.num_layers
-        self.final_add_norm = add_rms_norm
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    @property
-    def hidden_size(self) -> int:
-        return self.settings.hidden_size
-
-    def tie_weights(self) -> None:
-        if self.settings.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         s = self.settings
         return [LayerCacheSpec(s.num_kv_heads, s.head_dim) for _ in range(s.num_layers)]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                capture: tuple[int, ...] = ()) -> ForwardOutput:
-        """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        inputs = AttentionInputs(positions, cache)
-        captured: dict[int, torch.Tensor] = {}
-        update = None
-        for i, layer in enumerate(self.model.layers):
-            if i in capture:
-                captured[i] = x if update is None else x + update
-            x, update = layer(x, update, cos, sin, inputs)
-        norm = self.model.norm
-        x, hidden = self.final_add_norm(x, update, norm.weight, norm.eps, norm.unit_offset)
-        return ForwardOutput(hidden, [captured[i] for i in capture], pre_norm=x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def fuse(self) -> None:  # fuse_small_ops() calls it (see CausalLM)
-        self.final_add_norm = compiled(add_rms_norm)

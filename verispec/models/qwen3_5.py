@@ -19,9 +19,9 @@ from enum import Enum
 import torch
 from torch import nn
 
-from verispec.cache.kv import KVCache, LayerCacheSpec, RecurrentLayerSpec
+from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec
 from verispec.errors import UnsupportedModelError
-from verispec.models.base import CausalLM, ForwardOutput
+from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.fused import add_rms_norm, compiled
 from verispec.models.layers.gated_attention import GatedAttention
@@ -159,7 +159,7 @@ class Qwen3_5TextModel(nn.Module):
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
 
 
-class Qwen3_5ForCausalLM(CausalLM):
+class Qwen3_5ForCausalLM(FoldedDecoderLM):
     """model_type `qwen3_5_text`."""
 
     checkpoint_prefix_map = TEXT_PREFIX_MAP
@@ -175,47 +175,13 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.model = Qwen3_5TextModel(s)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(s.rope, s.rotary_dim)
-        self.final_add_norm = add_rms_norm
 
     @staticmethod
     def _settings(config: dict) -> Qwen3_5Settings:
         return Qwen3_5Settings(config)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.settings.hidden_size
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def tie_weights(self) -> None:
-        if self.settings.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def cache_specs(self) -> list[LayerCacheSpec | RecurrentLayerSpec]:
         return [layer.cache_spec() for layer in self.model.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                capture: tuple[int, ...] = ()) -> ForwardOutput:
-        """input_ids, positions: [B, T]; returns final hidden [B, T, H] and captured streams."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        inputs = AttentionInputs(positions, cache)
-        captured: dict[int, torch.Tensor] = {}
-        update = None
-        for i, layer in enumerate(self.model.layers):
-            if i in capture:
-                captured[i] = x if update is None else x + update
-            x, update = layer(x, update, cos, sin, inputs)
-        norm = self.model.norm
-        x, hidden = self.final_add_norm(x, update, norm.weight, norm.eps, norm.unit_offset)
-        return ForwardOutput(hidden, [captured[i] for i in capture], pre_norm=x)
-
-    def fuse(self) -> None:  # fuse_small_ops() calls it (see CausalLM)
-        self.final_add_norm = compiled(add_rms_norm)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
