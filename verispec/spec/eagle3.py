@@ -26,9 +26,9 @@ from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.llama import Attention, DecoderSettings
-from verispec.spec.captured import CapturedPasses
+from verispec.spec.chained import ChainedDrafter
 from verispec.spec.drafting import choose_draft
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.proposer import TargetStep
 
 SUPPORTED_LAYER_TYPES = ("llama", "qwen3")
 
@@ -200,27 +200,14 @@ def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
     return drafter
 
 
-class Eagle3Proposer(CapturedPasses, Proposer):
+class Eagle3Proposer(ChainedDrafter):
     method = "eagle3"
 
     def __init__(self, drafter: Eagle3Drafter, target_vocab_size: int):
-        self.drafter = drafter
+        super().__init__(drafter, drafter.cache_specs(), drafter.cfg.hidden_size)
         self.capture_layers = drafter.cfg.aux_layer_ids
         self.target_vocab_size = target_vocab_size
-        p = next(drafter.parameters())
-        self.cache = KVCache(drafter.cache_specs(), 256, p.dtype, p.device)
-        self.committed = 0  # drafter rows that hold target features (in-round rows come after)
-        self.draft_to_target = torch.arange(drafter.cfg.draft_vocab_size, device=p.device) + drafter.d2t
-        self.last_g: torch.Tensor | None = None  # [1, 1, H] fed-back hidden of the last row
-        self.last_logits: torch.Tensor | None = None  # [Vd]
-        self.next_position = 0
-        self.device = p.device
-
-    def _drafter_module(self) -> nn.Module:
-        return self.drafter
-
-    def _feature_size(self) -> int:
-        return self.drafter.cfg.hidden_size
+        self.draft_to_target = torch.arange(drafter.cfg.draft_vocab_size, device=self.device) + drafter.d2t
 
     def _last_row(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,46 +216,9 @@ class Eagle3Proposer(CapturedPasses, Proposer):
         fed_back, logits = self.drafter(ids, g, positions, self.cache)
         return fed_back[:, -1:], logits[0, -1]
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.cache.reset()
-        self.committed = 0
-
-    @torch.inference_mode()
-    def observe(self, step: TargetStep) -> None:
-        """Run the drafter over step.token_ids[1:] + [next_token], paired with the target
-        features of step.token_ids (token at p+1 with feature at p), at positions p..."""
-        self.cache.rollback(self.cache.length - self.committed)  # drop last round's draft rows
-        n = len(step.token_ids)
-        self._reserve(self.committed + n + 64)
-        tokens = step.token_ids[1:] + [step.next_token]
-        device = self.draft_to_target.device
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        positions = torch.arange(step.start_position, step.start_position + n, device=device)[None]
-        g = self.drafter.project(step.aux)[None]
-        self.last_g, self.last_logits = self._pass(ids, g, positions)
-        self.cache.commit(n)
-        self.committed = self.cache.length
-        self.next_position = step.start_position + n
-
-    @torch.inference_mode()
-    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        logits, g = self.last_logits, self.last_g
-        self._reserve(self.cache.length + num_drafts + 1)
-        for i in range(num_drafts):
-            token, q = self._choose(logits, params, generator)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            if i + 1 == num_drafts:
-                break
-            device = g.device
-            ids = torch.tensor([[token]], dtype=torch.long, device=device)
-            positions = torch.tensor([[self.next_position + i]], device=device)
-            g, logits = self._pass(ids, g, positions)
-            self.cache.commit(1)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+    def _features(self, step: TargetStep) -> torch.Tensor:
+        """g [T, H]: the fc projection of the captured target layers' streams."""
+        return self.drafter.project(step.aux)
 
     def _choose(self, draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         """draft_logits [Vd] -> (target token id, q over the target vocabulary [V] or None)."""

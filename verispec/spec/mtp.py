@@ -38,9 +38,9 @@ from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Settings
-from verispec.spec.captured import CapturedPasses
+from verispec.spec.chained import ChainedDrafter
 from verispec.spec.drafting import choose_draft
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.proposer import TargetStep
 
 SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
 # Where a checkpoint may keep the head: top level (Qwen/Qwen3.5-*), or under a wrapper prefix.
@@ -234,7 +234,7 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
 
 
 # ---- the proposer ----------------------------------------------------------------------------------
-class MtpProposer(CapturedPasses, Proposer):
+class MtpProposer(ChainedDrafter):
     """Drafts with the target's own MTP head.
 
     Its 1-layer cache keeps one committed row per target position (h_i paired with t_{i+1});
@@ -244,32 +244,17 @@ class MtpProposer(CapturedPasses, Proposer):
     method = "mtp"
 
     def __init__(self, head: MtpHead, hidden: MtpHidden = MtpHidden.POST_NORM, num_real_tokens: int | None = None):
+        super().__init__(head, head.cache_specs(), head.settings.hidden_size)
         self.head = head
         self.hidden = MtpHidden(hidden)
-        p = next(head.parameters())
-        self.device = p.device
-        self.cache = KVCache(head.cache_specs(), 256, p.dtype, p.device)
-        self.committed = 0  # rows holding target features (in-round draft rows come after)
         self.num_real_tokens = num_real_tokens  # vocabulary rows past this are padding, never drafted
-        self.last_out: torch.Tensor | None = None  # [1, 1, H] head output of the last committed row
-        self.last_logits: torch.Tensor | None = None  # [V]
-        self.next_position = 0
-
-    def _drafter_module(self) -> nn.Module:
-        return self.head
-
-    def _feature_size(self) -> int:
-        return self.head.settings.hidden_size
 
     def _last_row(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head pass (writes T pending rows): the last row's output [1, 1, H] and logits [V]."""
+        """One head pass (writes T pending rows): the last row's output after mtp.norm [1, 1, H]
+        and its logits [V]."""
         out = self.head(ids, hidden, positions, self.cache)
         return out[:, -1:], self.head.logits(out[0, -1])
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.cache.reset()
-        self.committed = 0
 
     def _features(self, step: TargetStep) -> torch.Tensor:
         if self.hidden is MtpHidden.POST_NORM:
@@ -278,40 +263,6 @@ class MtpProposer(CapturedPasses, Proposer):
             raise VerispecError("--mtp-hidden pre-norm needs the target's pre-norm hidden states, "
                                 "which this model does not provide")
         return step.pre_norm
-
-    @torch.inference_mode()
-    def observe(self, step: TargetStep) -> None:
-        """Run the head over (h_p, t_{p+1}) for the step's positions p: its tokens shifted by one,
-        then next_token; keep the rows, and the last row's output and logits for the next draft."""
-        self.cache.rollback(self.cache.length - self.committed)
-        n = len(step.token_ids)
-        self._reserve(self.committed + n + 64)
-        ids = torch.tensor([step.token_ids[1:] + [step.next_token]], dtype=torch.long, device=self.device)
-        positions = torch.arange(step.start_position, step.start_position + n, device=self.device)[None]
-        # only the last row's logits: prefill chunks are long
-        self.last_out, self.last_logits = self._pass(ids, self._features(step)[None], positions)
-        self.cache.commit(n)
-        self.committed = self.cache.length
-        self.next_position = step.start_position + n
-
-    @torch.inference_mode()
-    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        logits, out = self.last_logits, self.last_out
-        self._reserve(self.cache.length + num_drafts + 1)
-        for i in range(num_drafts):
-            token, q = self._choose(logits, params, generator)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            if i + 1 == num_drafts:
-                break
-            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            positions = torch.tensor([[self.next_position + i]], device=self.device)
-            out, logits = self._pass(ids, out, positions)
-            self.cache.commit(1)
-        return Draft(tokens, torch.stack(probs) if probs else None)
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         """Head logits [V] -> (token id, the distribution it was sampled from [V], or None when greedy)."""
