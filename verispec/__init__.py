@@ -29,9 +29,19 @@ class LLM:
         self.engine = load_engine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
-        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=True)
-        return self.engine.generate_all(ids, params or SamplingParams())
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
+        """One prompt (text or token ids) -> one result; a list of prompts -> their results, in
+        order, generated together as one continuously scheduled batch."""
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+                                             and prompt)
+        prompts = [prompt] if single else list(prompt)
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+        if isinstance(params, list) and single:
+            params = params[0]
+        results = self.engine.generate_batch(ids, params or SamplingParams())
+        return results[0] if single else results
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              chat_template_kwargs: dict | None = None) -> GenerationResult:

@@ -51,6 +51,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "assistant, --mtp-depth for a Qwen head)")
     p.add_argument("--assistant-window", type=int, default=None, metavar="W",
                    help="Gemma 4 assistant: attend to the last W target positions only (default: the whole context)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step: prompt chunks plus verify rows (default max(2048, --prefill-step-size))")
+    p.add_argument("--block-size", type=int, default=16, help="positions per paged KV block (default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the free GPU memory after the weights that the KV cache takes (default 0.9)")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="the KV cache's size in GiB (CPU default 2; on CUDA it replaces --gpu-memory-utilization)")
+    p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
+                   help="drafts per round by batch size, e.g. '1:3,8:1,32:0' (default: k below 9 sequences, 1 "
+                        "below 32, none from 32)")
     p.add_argument("--no-spec", action="store_true",
                    help="decode without speculation (the embedded demo model speculates by default)")
 
@@ -145,6 +156,9 @@ def _add_bench_parser(sub) -> None:
                        help="HTTP: boot `verispec serve ARGS` for this configuration (repeatable: one per config)")
     bench.add_argument("--methods", default=None, help="offline: comma-separated methods (ar, eagle3; default ar)")
     bench.add_argument("--contexts", default="512", help="comma-separated prompt lengths in tokens (default 512; 4k = 4096)")
+    bench.add_argument("--concurrency", default=None, metavar="N,...",
+                       help="sequences at once, e.g. 1,8,32,64: offline a batch of N prompts submitted together, "
+                            "over HTTP N concurrent clients (aggregate and per-request tok/s, TTFT p50/p99)")
     bench.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per run (default 128)")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per context after a warm-up; medians (default 3)")
     bench.add_argument("--draft-block", type=int, default=None, metavar="K", help="drafts per round (default 2)")
@@ -193,7 +207,9 @@ def _engine_config(args):
     if args.model is None:
         _apply_demo_defaults(args)
 
-    for flag, value in (("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len),
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--block-size", args.block_size),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len),
                         ("--draft-block", args.draft_block), ("--num-mtp-tokens", args.num_mtp_tokens),
                         ("--assistant-window", args.assistant_window)):
         if value is not None and value < 1:
@@ -210,13 +226,18 @@ def _engine_config(args):
         raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
     elif args.draft_block is not None:
         raise VerispecError("--draft-block sets EAGLE3's drafts per round; with --mtp use --mtp-depth N")
+    if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
+        raise VerispecError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
                         eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs,
                         mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm",
                         mtp_model=args.mtp_model, num_mtp_tokens=args.num_mtp_tokens or args.mtp_depth,
-                        assistant_window=args.assistant_window)
+                        assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+                        draft_schedule=args.draft_schedule)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -279,7 +300,8 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     from verispec.bench import run_bench
-    from verispec.bench.options import BenchOptions, Endpoint, parse_contexts, parse_methods, parse_peers
+    from verispec.bench.options import (BenchOptions, Endpoint, parse_concurrency, parse_contexts, parse_methods,
+                                        parse_peers)
 
     http = bool(args.url or args.serve)
     for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3)):
@@ -292,6 +314,8 @@ def cmd_bench(args) -> int:
         kwargs["compare"] = tuple(parse_peers(args.compare))
     if args.draft_block is not None:
         kwargs["draft_block"] = args.draft_block
+    if args.concurrency is not None:
+        kwargs["concurrency"] = tuple(parse_concurrency(args.concurrency))
     opts = BenchOptions(
         model=args.model, shape=args.shape, url=args.url, serve=tuple(args.serve or ()),
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,

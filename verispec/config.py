@@ -74,3 +74,10 @@ class EngineConfig:
     mtp_model: str | None = None  # its directory or hub id (None: `<model>-assistant` beside the model)
     num_mtp_tokens: int | None = None  # MTP drafts per round (None: 2 for the assistant, mtp_depth for Qwen)
     assistant_window: int | None = None  # the assistant attends to the last W target positions (None: all)
+    # serving: continuous batching over a paged KV cache
+    max_num_seqs: int = 64  # sequences decoding at once
+    max_num_batched_tokens: int | None = None  # tokens per step, prompt chunks + verify rows (None: see engine)
+    block_size: int = 16  # positions per KV block
+    gpu_memory_utilization: float = 0.9  # fraction of the free GPU memory (after weights) the KV cache takes
+    kv_cache_gb: float | None = None  # the KV cache's size in GiB (CPU default 2; on CUDA overrides the fraction)
+    draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)

@@ -34,3 +34,9 @@ def info(msg: str, *args) -> None:
 def warning(msg: str, *args) -> None:
     setup_logging()
     _logger.warning(msg, *args)
+
+
+def exception(msg: str, *args) -> None:
+    """An error with its traceback (always shown): a failed engine step."""
+    setup_logging()
+    _logger.error(msg, *args, exc_info=True)

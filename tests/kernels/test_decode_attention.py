@@ -68,3 +68,50 @@ def test_random_shapes():
         err = run_case(length, t, hq=hkv * group, hkv=hkv, d=d, dtype=torch.bfloat16, window=window,
                        splits=splits, seed=i)
         assert err < 1e-2, (hkv, group, d, t, length, window, splits, err)
+
+
+def run_paged_case(lengths: list[int], t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, window: int | None,
+                   block_size: int, seed: int = 0) -> float:
+    """A batch of sequences of different lengths in shuffled pool blocks; every pool row no
+    sequence owns (and every owned row past a sequence's length) is NaN, so a stray read shows."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b = len(lengths)
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_per_seq) + 7
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(blocks_per_seq)
+    tables = torch.zeros(b, width, dtype=torch.long)
+    k_pool = torch.full((num_blocks * block_size, hkv, d), float("nan"), device="cuda", dtype=dtype)
+    v_pool = torch.full_like(k_pool, float("nan"))
+    taken = 0
+    for i, n in enumerate(lengths):
+        ids = [x + 1 for x in order[taken:taken + blocks_per_seq[i]]]
+        taken += blocks_per_seq[i]
+        tables[i, :len(ids)] = torch.tensor(ids)
+        for p in range(n):
+            row = ids[p // block_size] * block_size + p % block_size
+            k_pool[row] = torch.randn(hkv, d, device="cuda", generator=gen).to(dtype)
+            v_pool[row] = torch.randn(hkv, d, device="cuda", generator=gen).to(dtype)
+    tables = tables.cuda()
+    q = torch.randn(b, hq, t, d, device="cuda", generator=gen).to(dtype)
+    pos = torch.stack([torch.arange(n - t, n, device="cuda") for n in lengths])
+    ref = kernel.paged_decode_attention_reference(q.double(), k_pool.double(), v_pool.double(), tables, block_size,
+                                                  pos, d ** -0.5, window)
+    out = kernel.paged_decode_attention(q, k_pool, v_pool, tables, block_size, pos, d ** -0.5, window)
+    assert not torch.isnan(out).any()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("t", [1, 4])
+def test_paged_ragged_batch(block_size, t):
+    lengths = [t + 3, 17, 1000, 63, 4097, 300]
+    assert run_paged_case(lengths, t, hq=32, hkv=8, d=128, dtype=torch.bfloat16, window=None,
+                          block_size=block_size) < 1e-2
+    assert run_paged_case(lengths, t, hq=8, hkv=2, d=64, dtype=torch.float32, window=None,
+                          block_size=block_size) < 1e-4
+
+
+def test_paged_sliding_window():
+    assert run_paged_case([40, 700, 2000], 3, hq=16, hkv=4, d=128, dtype=torch.bfloat16, window=100,
+                          block_size=16) < 1e-2

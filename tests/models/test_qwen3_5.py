@@ -22,6 +22,7 @@ from transformers import Qwen3_5ForConditionalGeneration as HFQwen3_5ForConditio
 from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
                                                           torch_recurrent_gated_delta_rule)
 
+from verispec.cache.paged import BatchCache
 from verispec.cache.kv import KVCache, LayerCacheSpec, RecurrentLayerSpec
 from verispec.demo.tiny import build_tiny_qwen3_5, write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
@@ -425,14 +426,14 @@ def test_rejection_at_every_depth(spec_target, monkeypatch):
     (every 4 consecutive drafts hold one wrong one; whole commits are test_always_right_proposer's)."""
     engine, prompts, plain = spec_target
     verify_commits = set()
-    commit = KVCache.commit
+    commit = BatchCache.commit
 
     def recording_commit(cache, num_rows):
-        if cache.pending == 5:
-            verify_commits.add(num_rows)
+        if cache.positions.shape[1] == 5:  # the verify passes (one sequence)
+            verify_commits.add(num_rows[0])
         commit(cache, num_rows)
 
-    monkeypatch.setattr(KVCache, "commit", recording_commit)
+    monkeypatch.setattr(BatchCache, "commit", recording_commit)
     for reject_at in range(4):
         for i, ids in enumerate(prompts):
             proposer = ReplayProposer(plain[i], engine.model.vocab_size, right_at=lambda j: j % 4 != reject_at)

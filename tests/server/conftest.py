@@ -49,9 +49,7 @@ def http(server) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def spy(engine, monkeypatch):
-    spy = GenerationSpy(engine)
-    monkeypatch.setattr(engine, "generate", spy.generate)
-    return spy
+    return GenerationSpy(engine).install(engine, monkeypatch)
 
 
 @pytest.fixture(scope="session")

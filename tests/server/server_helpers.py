@@ -91,13 +91,25 @@ def extra(obj, name: str):
 
 
 class GenerationSpy:
-    """Wraps engine.generate: records each generation's last chunk, optionally slows every step."""
+    """Wraps engine.generate: records each generation's last chunk; `step_delay_s` slows every
+    engine step (install() patches engine.step too) and every chunk handed to the server."""
 
     def __init__(self, engine, step_delay_s: float = 0.0):
         self.real_generate = engine.generate
+        self.real_step = getattr(engine, "step", None)
         self.step_delay_s = step_delay_s
         self.finished: list[GenerationChunk] = []
         self.num_chunks: list[int] = []
+
+    def install(self, engine, monkeypatch) -> "GenerationSpy":
+        monkeypatch.setattr(engine, "generate", self.generate)
+        if self.real_step is not None:
+            monkeypatch.setattr(engine, "step", self.step)
+        return self
+
+    def step(self):
+        time.sleep(self.step_delay_s)
+        return self.real_step()
 
     def generate(self, prompt_ids, params, cancel=None):
         count = 0

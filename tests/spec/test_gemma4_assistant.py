@@ -288,10 +288,11 @@ class RecordingProposer(AssistantProposer):
 
     def propose(self, num_drafts, params, generator):
         cache = self.target_cache
-        if self.poison:
-            for k, v in zip(cache.keys, cache.values):
-                k[:, :, cache.length:] = float("nan")
-                v[:, :, cache.length:] = float("nan")
+        if self.poison:  # the sequence's rows from its committed length to the end of its blocks
+            rows = cache.rows_from(cache.length)
+            for k, v in zip(cache.pools.keys, cache.pools.values):
+                k[rows] = float("nan")
+                v[rows] = float("nan")
         draft = super().propose(num_drafts, params, generator)
         self.drafts.append(draft.token_ids)
         return draft

@@ -21,6 +21,7 @@ from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 from transformers import Gemma4ForConditionalGeneration as HFGemma4ForConditionalGeneration
 
 from verispec.cache.kv import KVCache
+from verispec.cache.paged import BatchCache
 from verispec.demo.tiny import build_tiny_gemma4, write_random_eagle3
 from verispec.engine.engine import load_engine
 from verispec.loading.model_loader import load_model
@@ -141,14 +142,14 @@ def test_partly_right_proposer(target, k, monkeypatch):
     (k+1)-token verify passes are committed partially at each n in 1..k."""
     _, engine, prompts, plain = target
     verify_commits = set()
-    commit = KVCache.commit
+    commit = BatchCache.commit
 
     def recording_commit(cache, num_rows):
-        if cache.pending == k + 1:
-            verify_commits.add(num_rows)
+        if cache.positions.shape[1] == k + 1:  # the target's verify passes (one sequence)
+            verify_commits.add(num_rows[0])
         commit(cache, num_rows)
 
-    monkeypatch.setattr(KVCache, "commit", recording_commit)
+    monkeypatch.setattr(BatchCache, "commit", recording_commit)
     for reject_at in range(k + 2):
         for i, ids in enumerate(prompts):
             proposer = ReplayProposer(plain[i], engine.model.vocab_size, right_at=lambda j: j % (k + 2) != reject_at)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tests.spec.conftest import greedy, spec_engine
 from tests.spec.test_sampling import chi_square
 from verispec.cache.kv import KVCache
+from verispec.cache.paged import BatchCache
 from verispec.cli import main as cli_main
 from verispec.demo.tiny import build_tiny_qwen3_5, corpus_text, random_mtp_head, write_mtp_sidecar
 from verispec.engine.engine import Engine, load_engine
@@ -398,14 +399,14 @@ def test_rejection_at_every_chain_position(plain, mtp_dirs, pattern, monkeypatch
     head = head_for(engine, mtp_dirs["hf-sidecar"])
     right, expected_commits = PATTERNS[pattern]
     verify_commits = Counter()
-    commit = KVCache.commit
+    commit = BatchCache.commit
 
     def recording_commit(cache, num_rows):
-        if cache.recurrent_layers and cache.pending == 4:  # the target's verify passes
-            verify_commits[num_rows] += 1
+        if cache.positions.shape[1] == 4:  # the target's verify passes (one sequence)
+            verify_commits[num_rows[0]] += 1
         commit(cache, num_rows)
 
-    monkeypatch.setattr(KVCache, "commit", recording_commit)
+    monkeypatch.setattr(BatchCache, "commit", recording_commit)
     for i in (1, 0):
         hidden = MtpHidden.PRE_NORM if pattern == "scattered" else MtpHidden.POST_NORM
         proposer = ScriptedMtp(head, outputs[i], engine.model.vocab_size, right, hidden)

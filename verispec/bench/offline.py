@@ -55,6 +55,8 @@ def run_offline(opts: BenchOptions) -> BenchReport:
     runs_per_context = 1 + opts.repeats
     total = len(opts.methods) * len(opts.contexts) * runs_per_context
     total += sum(len(opts.contexts) for m in opts.methods if m.speculative)
+    if opts.concurrency:
+        total = len(opts.methods) * len(opts.contexts) * len(opts.concurrency) * runs_per_context
     total += len(opts.compare) * len(opts.contexts) * runs_per_context
     progress = Progress(total)
     rows: list[dict] = []
@@ -66,7 +68,10 @@ def run_offline(opts: BenchOptions) -> BenchReport:
             drafter_note = note or drafter_note
             graphs[method.value] = _capture_graphs(engine)
             for context in opts.contexts:
-                rows.append(_measure_engine(setup, engine, method, context, progress))
+                if opts.concurrency:
+                    rows.extend(_measure_concurrency(setup, engine, method, context, progress))
+                else:
+                    rows.append(_measure_engine(setup, engine, method, context, progress))
             del engine
             _free(device)
         for peer in opts.compare:
@@ -112,7 +117,13 @@ def _bandwidth(opts: BenchOptions, device: torch.device) -> tuple[float | None, 
 
 def _engine(setup: Setup, method: Method) -> tuple[Engine, str | None]:
     opts, target = setup.opts, setup.target
-    config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs)
+    config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs,
+                          max_num_seqs=max(opts.concurrency or (1,)),
+                          max_model_len=max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
+                          max_num_batched_tokens=max(opts.prefill_step_size, 2048),
+                          # a bench run with several N keeps speculation on at every N (the schedule's
+                          # choice is what --draft-schedule measures); the default schedule otherwise
+                          draft_schedule=f"1:{opts.draft_block}" if opts.concurrency else None)
     if method is Method.AR:
         return Engine(target.model, target.tokenizer, config), None
     if method is Method.EAGLE3:
@@ -156,7 +167,8 @@ def _capture_graphs(engine: Engine) -> bool:
     capture = getattr(engine, "capture_graphs", None)
     if callable(capture):
         capture()
-    return getattr(engine, "_graphs", None) is not None
+    runner = getattr(engine, "runner", None)
+    return getattr(runner, "graphs", None) is not None
 
 
 def _prompt(setup: Setup, context: int, repeat: int) -> list[int]:
@@ -230,6 +242,47 @@ def _measure_engine(setup: Setup, engine: Engine, method: Method, context: int, 
     return row
 
 
+def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: int, progress: Progress) -> list[dict]:
+    """One row per --concurrency N: N distinct prompts of `context` tokens submitted together."""
+    from verispec.bench.concurrency import batched_roofline_tok_s, run_batch
+
+    opts = setup.opts
+    tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens))
+    rows = []
+    for n in opts.concurrency:
+        label = f"{method.value} ctx {context} x{n}"
+        prompts = [_prompt(setup, context, 1000 * r + i) for r in range(opts.repeats + 1) for i in range(n)]
+        _reset_peak(setup.device)
+        try:
+            run_batch(engine, prompts[:n], min(WARMUP_TOKENS, opts.gen_tokens))
+            progress.step(f"{label} warm-up")
+            runs = []
+            for r in range(opts.repeats):
+                runs.append(run_batch(engine, prompts[(r + 1) * n:(r + 2) * n], opts.gen_tokens))
+                progress.step(f"{label} run {r + 1}/{opts.repeats}")
+        except torch.OutOfMemoryError as exc:
+            raise _out_of_memory(exc, f"running {method.value} x{n} at context {context}") from None
+        costs = None
+        if method.speculative:
+            costs = measure_step_costs(engine, _prompt(setup, context, -2), opts.step_iters, batch=n)
+        best = sorted(runs, key=lambda x: x["decode_tok_s"] or 0)[len(runs) // 2]  # the median run
+        roofline = batched_roofline_tok_s(setup.bandwidth, tb.weights, tb.kv, n)
+        row = {"method": method.value, "context": context, "gen_tokens": opts.gen_tokens, "repeats": len(runs),
+               "ttft_ms": best["ttft_p50_ms"], "prefill_tok_s": None, "bytes_per_token": tb.total,
+               "weight_bytes": tb.weights, "kv_bytes": tb.kv, "roofline_tok_s": roofline,
+               "roofline_fraction": best["decode_tok_s"] / roofline if roofline and best["decode_tok_s"] else None,
+               "peak_memory_gib": _peak_gib(setup.device), "runs": runs, **best}
+        if costs is not None:
+            row.update(costs.as_dict())
+        rows.append(row)
+        progress.note(f"{label}: decode {best['decode_tok_s'] or 0:.1f} tok/s aggregate over {n} sequences, "
+                      f"{best['per_request_tok_s'] or 0:.1f} per request, TTFT p50 {best['ttft_p50_ms']:.0f} ms")
+    base = next((r for r in rows if r["concurrency"] == 1), None)
+    for r in rows:
+        r["speedup_vs_batch1"] = r["decode_tok_s"] / base["decode_tok_s"] if base and r["decode_tok_s"] else None
+    return rows
+
+
 def _measure_peer(setup: Setup, peer: Peer, progress: Progress) -> list[dict]:
     opts, device = setup.opts, setup.device
     if peer is not Peer.TRANSFORMERS:
@@ -292,12 +345,12 @@ def _row(setup: Setup, method: str, context: int, runs: list[dict]) -> dict:
 def _speedups(rows: list[dict]) -> None:
     """speedup_vs_ar: decode tok/s over our plain decode at the same context; speedup_vs_transformers:
     over transformers generate at the same context (both measured in this run)."""
-    by = {(r["method"], r["context"]): r["decode_tok_s"] for r in rows}
+    by = {(r["method"], r["context"], r.get("concurrency")): r["decode_tok_s"] for r in rows}
     for r in rows:
         if r["method"] == "transformers":
             continue
-        ar = by.get(("ar", r["context"]))
-        hf = by.get(("transformers", r["context"]))
+        ar = by.get(("ar", r["context"], r.get("concurrency")))
+        hf = by.get(("transformers", r["context"], None))
         if r["method"] != "ar":
             r["speedup_vs_ar"] = r["decode_tok_s"] / ar if ar else None
         r["speedup_vs_transformers"] = r["decode_tok_s"] / hf if hf else None

@@ -78,6 +78,20 @@ def parse_contexts(text: str) -> list[int]:
     return sorted(out)
 
 
+def parse_concurrency(text: str) -> list[int]:
+    out = []
+    for item in _split(text, "--concurrency"):
+        try:
+            n = int(item)
+        except ValueError:
+            raise VerispecError(f"--concurrency: '{item}' is not a number of sequences (e.g. 1,8,32,64)") from None
+        if n < 1:
+            raise VerispecError(f"--concurrency: every value must be >= 1, got {n}")
+        if n not in out:
+            out.append(n)
+    return sorted(out)
+
+
 def _split(text: str, flag: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
@@ -111,6 +125,7 @@ class BenchOptions:
     serve_timeout_s: float = 900.0
     request_timeout_s: float = 900.0
     seed: int = 0
+    concurrency: tuple[int, ...] = ()  # offline: batches of N sequences at once; HTTP: N concurrent clients
 
     @property
     def http(self) -> bool:

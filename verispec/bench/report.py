@@ -98,6 +98,12 @@ def _bytes(value) -> str:
 OFFLINE_COLUMNS = [
     ("method", "method", str, True),
     ("context", "context", str, True),
+    ("concurrency", "sequences", str, False),
+    ("aggregate_tok_s", "aggregate tok/s", _num, False),
+    ("per_request_tok_s", "per-request tok/s", _num, False),
+    ("ttft_p99_ms", "TTFT p99 ms", _num, False),
+    ("num_drafts", "drafts/round", str, False),
+    ("speedup_vs_batch1", "vs batch 1", lambda v: "" if v is None else f"{v:.2f}x", False),
     ("ttft_ms", "TTFT ms", _num, True),
     ("prefill_tok_s", "prefill tok/s", _num, True),
     ("decode_tok_s", "decode tok/s", _num, True),

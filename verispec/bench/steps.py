@@ -8,8 +8,9 @@ trained drafter of the same shape is the cost of each part, in units of one deco
   propose k drafts) divided by k.
 With those, a round of k drafts of which a are accepted yields a+1 tokens for
 (verify/decode + k * draft) decode steps; the ceiling is every draft accepted.
-These use the engine's own step functions (Engine._prefill, Engine._verify_pass), so they time
-exactly what the engine runs.
+These use the engine's own runner (ModelRunner.prefill / verify, graphs included), so they time
+exactly what the engine runs; with batch=B, every step covers B sequences (the cost of a round
+inside a batch of B).
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from verispec.engine.engine import Engine
+from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
+from verispec.engine.sampler import TokenHistory
+from verispec.engine.sequence import Sequence
 from verispec.spec.proposer import TargetStep
 
 WARMUP_STEPS = 3
@@ -80,41 +84,70 @@ def _median_ms(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int) -> StepCosts:
-    """Prefill `prompt_ids` through the engine (the proposer observing, as in generation), then
-    time decode, verify and draft steps at that context. Needs a speculative engine."""
+def _prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequence:
+    """A sequence prefilled through the engine's own runner (not queued: the bench drives steps
+    itself), holding blocks for k+1 more positions, its proposer observing as in generation."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=k + 2, ignore_eos=True)
+    history = TokenHistory(engine.model.vocab_size, prompt_ids, engine.device)
+    out = OutputBuilder(engine.tokenizer, greedy, k + 2, history, engine.eos_token_ids)
+    seq = Sequence(prompt_ids, greedy, k + 2, out, None, "bench", sink=lambda chunk: None)
+    if not engine.scheduler._grow(seq, len(prompt_ids) + k + 1):
+        raise RuntimeError("the KV cache has no room for the step-cost sequences")
+    if engine.scheduler.slots is not None:
+        seq.state_slot = engine.scheduler.slots.allocate()
+        engine.pools.clear_state(seq.state_slot)
+    engine._attach_proposer(seq)
+    proposer = seq.proposer
+    capture = proposer.capture_layers if proposer is not None else ()
+    result = engine.runner.prefill(seq, len(prompt_ids), capture, keep_all_rows=proposer is not None)
+    seq.num_cached = len(prompt_ids)
+    token = int(torch.argmax(result.logits[0, -1]))
+    seq.out.token_ids.append(token)
+    if proposer is not None:
+        proposer.observe(TargetStep(prompt_ids, 0, result.hidden[0], [a[0] for a in result.aux], token,
+                                    result.pre_norm[0] if result.pre_norm is not None else None))
+    return seq
+
+
+def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch: int = 1) -> StepCosts:
+    """Prefill `batch` copies of `prompt_ids` through the engine (the proposer observing, as in
+    generation), then time decode, verify and draft steps over all of them at that context.
+    Needs a speculative engine."""
     proposer = engine.proposer
     if proposer is None or engine.num_drafts < 1:
         raise ValueError("step costs need an engine with a proposer")
     k = engine.num_drafts
-    context = len(prompt_ids)
     device = engine.device
     greedy = SamplingParams(temperature=0.0)
     capture = proposer.capture_layers
-    cache = engine._cache_for(context + k + 1)
-    proposer.reset(prompt_ids)
-    hidden, aux, last_start, pre_norm = engine._prefill(prompt_ids, cache, capture)
-    token = int(torch.argmax(engine._logits(hidden[-1:])[0]))
-    proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token, pre_norm))
-    drafts = proposer.propose(k, greedy, None).token_ids
+    seqs = [_prefilled_sequence(engine, prompt_ids, k) for _ in range(batch)]
+    try:
+        token = seqs[0].token_ids[-1]
+        drafts = [s.proposer.propose(k, greedy, None).token_ids for s in seqs]
+        context = len(prompt_ids)
 
-    def decode_step():
-        _, _, logits, _ = engine._verify_pass([token], context, cache, ())
-        int(torch.argmax(logits[-1]))
+        def decode_step():
+            out = engine.runner.verify(seqs, [[s.token_ids[-1]] for s in seqs], ())
+            out.logits[:, -1].argmax(-1).tolist()
 
-    verified = {}
+        verified = {}
 
-    def verify_step():
-        hid, aux_rows, logits, _ = engine._verify_pass([token] + drafts, context, cache, capture)
-        logits.argmax(dim=-1).tolist()
-        verified["step"] = TargetStep([token], context, hid[:1], [a[:1] for a in aux_rows], drafts[0])
+        def verify_step():
+            out = engine.runner.verify(seqs, [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], capture)
+            out.logits.argmax(dim=-1).tolist()
+            verified["steps"] = [TargetStep([token], context, out.hidden[b, :1], [a[b, :1] for a in out.aux], d[0])
+                                 for b, d in enumerate(drafts)]
 
-    def draft_round():
-        # the drafter re-reads the verified row (its rows past the committed prefix are dropped), then drafts k
-        proposer.observe(verified["step"])
-        proposer.propose(k, greedy, None)
+        def draft_round():
+            # each drafter re-reads the verified row (its rows past the committed prefix are dropped), then drafts k
+            for s, step in zip(seqs, verified["steps"]):
+                s.proposer.observe(step)
+                s.proposer.propose(k, greedy, None)
 
-    decode_ms = _median_ms(decode_step, iters, device)
-    verify_ms = _median_ms(verify_step, iters, device)
-    draft_ms = _median_ms(draft_round, iters, device)
+        decode_ms = _median_ms(decode_step, iters, device)
+        verify_ms = _median_ms(verify_step, iters, device)
+        draft_ms = _median_ms(draft_round, iters, device)
+    finally:
+        for s in seqs:
+            engine.scheduler.release(s)
     return StepCosts(decode_ms, verify_ms, draft_ms, k)

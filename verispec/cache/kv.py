@@ -177,6 +177,11 @@ class KVCache:
         self.pending = 0
         self._pending_recurrent.clear()
 
+    def batch_cache(self, positions: torch.Tensor, num_keys: int) -> "KVCache":
+        """A read view for a drafter pass over the target's rows (see engine.runner.TargetView):
+        a contiguous cache is its own view (row i = position i)."""
+        return self
+
     def reset(self) -> None:
         self.length = 0
         self.pending = 0

@@ -1,5 +1,11 @@
 """Decode and verify steps as captured CUDA graphs.
 
+BatchGraphs (the engine's): one graph per (batch-size bucket, T) over the paged cache; the
+inputs (token ids, positions, block tables, state slots) go through static buffers, padded rows
+point at the scratch block, so one graph serves any sequences of up to its bucket's size.
+GraphedStep/StepGraphs (below) are the single-sequence form over a contiguous KVCache.
+
+
 A step is the target's forward over T tokens (T = 1 for plain decoding, k + 1 for a verify
 pass) plus its logits, at whatever position: inputs go through static buffers, the KV cache is
 written at device-side positions and read by the split-K kernel, so one graph per T serves every
@@ -91,3 +97,78 @@ class StepGraphs:
 
     def get(self, num_tokens: int) -> GraphedStep | None:
         return self.steps.get(num_tokens)
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class _CapturedBatchPass:
+    """One (bucket, T) graph: the target's forward + logits over a BatchCache of static tensors."""
+
+    def __init__(self, runner, batch: int, num_tokens: int, table_width: int, capture: tuple[int, ...], pool):
+        from verispec.cache.paged import BatchCache
+
+        device = runner.device
+        pools = runner.pools
+        has_state = bool(pools.recurrent_layers)
+        self.batch, self.num_tokens, self.runner = batch, num_tokens, runner
+        self.cache_box: list = []
+
+        def step(input_ids, positions, block_tables, state_slots):
+            cache = BatchCache(pools, block_tables, positions, state_slots if has_state else None, 0, use_kernel=True)
+            self.cache_box[:] = [cache]
+            out = runner.model(input_ids, positions, cache, capture)
+            return out.hidden, out.aux, out.pre_norm, runner.logits(out.hidden)
+
+        example = [torch.zeros((batch, num_tokens), dtype=torch.long, device=device),
+                   torch.arange(num_tokens, device=device)[None].repeat(batch, 1),
+                   torch.zeros((batch, table_width), dtype=torch.long, device=device),
+                   torch.zeros((batch,), dtype=torch.long, device=device)]
+        self.call = GraphedCall(step, example, pool)
+        self.cache = self.cache_box[0]  # the captured forward's cache: its pending states are static
+        self.pending_recurrent = self.cache.pending_recurrent_snapshot()
+
+    def __call__(self, seqs, inputs: list[list[int]], starts: list[int]):
+        from verispec.engine.runner import PassOutput
+
+        b, t = len(seqs), self.num_tokens
+        width = self.call.inputs[2].shape[1]
+        pad = self.batch - b
+        ids = torch.tensor(inputs + [[0] * t] * pad, dtype=torch.long)
+        positions = torch.tensor([[p + j for j in range(t)] for p in starts] + [list(range(t))] * pad)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad)
+        slots = torch.tensor([s.state_slot or 0 for s in seqs] + [0] * pad)
+        hidden, aux, pre_norm, logits = self.call(ids, positions, tables, slots)
+        self.cache.restore_pending_recurrent(self.pending_recurrent)
+        return PassOutput(hidden[:b], [a[:b] for a in aux], pre_norm[:b] if pre_norm is not None else None,
+                          logits[:b], _PaddedCommit(self.cache, self.batch))
+
+
+class _PaddedCommit:
+    """commit(rows per real sequence) on a graph's cache, padded rows keeping nothing."""
+
+    def __init__(self, cache, batch: int):
+        self.cache, self.batch = cache, batch
+
+    def commit(self, num_rows: list[int]) -> None:
+        self.cache.commit(list(num_rows) + [0] * (self.batch - len(num_rows)))
+
+
+class BatchGraphs:
+    """Verify passes captured for batch buckets up to `max_batch` x T = 1..max_tokens, one memory pool."""
+
+    def __init__(self, runner, max_tokens: int, max_batch: int, capture: tuple[int, ...], table_width: int):
+        self.batch_sizes = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+        self.passes: dict[tuple[int, int], _CapturedBatchPass] = {}
+        pool = None
+        for b in sorted(self.batch_sizes, reverse=True):  # largest first, so the shared pool fits the rest
+            for t in range(max_tokens, 0, -1):
+                graph = _CapturedBatchPass(runner, b, t, table_width, capture, pool)
+                pool = graph.call.pool()
+                self.passes[(b, t)] = graph
+
+    def get(self, batch: int, num_tokens: int) -> _CapturedBatchPass | None:
+        for b in self.batch_sizes:
+            if b >= batch:
+                return self.passes.get((b, num_tokens))
+        return None

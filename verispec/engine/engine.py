@@ -1,28 +1,40 @@
-"""The engine: prompt ids + SamplingParams -> an iterator of token chunks, with stats.
+"""The engine: requests in, token chunks out, many sequences decoding at once.
 
-The server only ever talks to this. One generation runs at a time on an engine instance
-(the server serialises requests); the KV cache is allocated once and grown when needed.
+The server and the Python API hand requests to `submit` (or iterate `generate`); a worker thread
+runs steps while there is work. Each step the scheduler picks the sequences and their token
+counts, the runner runs prompt chunks and one verify pass over every decoding sequence, and the
+speculative round is written once: every sequence proposes (k = 0 is plain decoding), one target
+pass checks all of them, acceptance and commit are per sequence. The paged KV cache is allocated
+once at start, sized from the memory budget.
 """
 from __future__ import annotations
 
+import atexit
+import copy
+import queue
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from verispec import log
-from verispec.cache.kv import KVCache, RecurrentLayerSpec
-from verispec.engine.cuda_graphs import StepGraphs
-from verispec.kernels import decode_attention as split_k
+from verispec.cache.kv import RecurrentLayerSpec
+from verispec.cache.paged import (BlockAllocator, CacheBudget, PagedPools, SlotAllocator, kv_bytes_per_token,
+                                  state_bytes_per_slot)
 from verispec.config import EngineConfig, env
+from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
+from verispec.engine.runner import ModelRunner, TargetView
 from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
-from verispec.engine.types import GenerationChunk, GenerationResult, GenerationStats
+from verispec.engine.scheduler import Scheduler, StepPlan
+from verispec.engine.sequence import Sequence
+from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.errors import InvalidRequestError, VerispecError
+from verispec.kernels import decode_attention as split_k
 from verispec.loading.model_loader import load_model, parse_device, parse_dtype
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
@@ -30,8 +42,18 @@ from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
-
 DEFAULT_EAGLE3_BLOCK = 2  # drafts per round: the seed system's measured sweet spot
+CPU_KV_CACHE_GB = 2.0  # CPU pools are allocated lazily by the OS: only blocks in use take memory
+PREWARM_PROMPT_TOKENS = 100
+WORKER_IDLE_S = 0.5
+_live_workers: set[threading.Thread] = set()
+
+
+@atexit.register
+def _join_workers() -> None:
+    """Let a worker finish its step before the interpreter tears torch down under it."""
+    for thread in list(_live_workers):
+        thread.join(timeout=5)
 
 
 def _sync(device: torch.device) -> None:
@@ -53,23 +75,93 @@ class Engine:
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
         if config.prefill_step_size < 1:
             raise VerispecError(f"--prefill-step-size must be >= 1, got {config.prefill_step_size}")
+        for flag, value in (("--max-num-seqs", config.max_num_seqs), ("--block-size", config.block_size)):
+            if value < 1:
+                raise VerispecError(f"{flag} must be >= 1, got {value}")
+        if not 0 < config.gpu_memory_utilization <= 1:
+            raise VerispecError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
         self.eos_token_ids = tokenizer.eos_token_ids
         # Model vocabularies are often padded past the tokenizer's; those rows are never sampled.
         self.num_real_tokens = min(tokenizer.vocab_size, model.vocab_size)
-        self._cache: KVCache | None = None
         self.proposer = proposer
         self.num_drafts = num_drafts if proposer is not None else 0
         if proposer is not None and num_drafts < 1:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
-        self._graphs: StepGraphs | None = None
+        self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts)
         self.use_graphs = self._graphs_possible()
         if self.device.type == "cuda" and config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
             if split_k.triton is None:
                 log.debug("small-op fusion off: Triton is not installed")
             else:
                 model.fuse_small_ops()  # compiled on first use: prewarm pays for it
-        self._lock = threading.Lock()
+        self._setup_cache()
+        self._prototype_free = True  # the proposer itself (its drafter graphs) serves one sequence
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
+        self.last_num_drafts = 0  # drafts per sequence chosen for the last decode step (/metrics)
 
+    # ---- the paged cache --------------------------------------------------------------------------
+    def _setup_cache(self) -> None:
+        specs = self.model.cache_specs()
+        cfg = self.config
+        per_token = max(kv_bytes_per_token(specs, self.dtype), 1)
+        num_slots = cfg.max_num_seqs + 1 if any(isinstance(s, RecurrentLayerSpec) for s in specs) else 0
+        state_bytes = state_bytes_per_slot(specs, self.dtype) * num_slots
+        if cfg.kv_cache_gb is not None:
+            budget = int(cfg.kv_cache_gb * 2**30)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization)
+        else:
+            budget = int(CPU_KV_CACHE_GB * 2**30)
+        budget -= state_bytes
+        block = cfg.block_size
+        # never more than every sequence at full context needs (a small model would otherwise take GBs)
+        most = cfg.max_num_seqs * (self.max_model_len + self.num_drafts + 1) + block
+        num_blocks = min(budget // (per_token * block), -(-most // block) + 1)
+        lookahead = self.num_drafts + 1
+        if num_blocks < 2 or (num_blocks - 1) * block < lookahead + 1:
+            raise VerispecError(f"the KV cache budget ({budget / 2**30:.2f} GiB after recurrent state) holds "
+                                f"{max(num_blocks - 1, 0) * block} tokens, too few to serve one sequence; raise "
+                                "--kv-cache-gb or --gpu-memory-utilization")
+        capacity = (num_blocks - 1) * block
+        if capacity - lookahead < self.max_model_len:
+            log.info("the KV cache holds %d tokens, fewer than the %d-token context: serving a context of %d "
+                     "tokens (raise --kv-cache-gb / --gpu-memory-utilization, or set --max-model-len)",
+                     capacity, self.max_model_len, capacity - lookahead)
+            self.max_model_len = capacity - lookahead
+        self.pools = PagedPools(specs, num_blocks, block, max(num_slots, 1), self.dtype, self.device)
+        self.budget = CacheBudget(num_blocks, block, num_slots, num_blocks * block * per_token + state_bytes)
+        self.blocks = BlockAllocator(num_blocks, block)
+        slots = SlotAllocator(num_slots) if num_slots else None
+        batched = cfg.max_num_batched_tokens or max(2048, cfg.prefill_step_size)
+        self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
+                                   self._on_release)
+        self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
+                                  use_kernel=self.use_graphs or split_k.available(self.device))
+        log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once",
+                 num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
+                 f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs)
+
+    def _on_release(self, seq: Sequence) -> None:
+        """A sequence's blocks went back (finished or preempted): so does its drafter state."""
+        if seq.proposer is not None and seq.proposer is self.proposer:
+            self._prototype_free = True
+        seq.proposer = None
+
+    def _attach_proposer(self, seq: Sequence) -> None:
+        if self.proposer is None:
+            return
+        if self._prototype_free:
+            seq.proposer, self._prototype_free = self.proposer, False
+        else:  # duck-typed proposers without fork(): a shallow copy, as Proposer.fork does
+            fork = getattr(self.proposer, "fork", None)
+            seq.proposer = fork() if fork is not None else copy.copy(self.proposer)
+        if hasattr(seq.proposer, "attach_target_cache"):
+            seq.proposer.attach_target_cache(TargetView(self.runner, seq))
+        seq.proposer.reset(seq.prompt_ids)
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
         if config.mtp:
@@ -144,85 +236,250 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.model.vocab_size}); got {bad[:5]}", param="prompt")
 
-    # ---- generation -----------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
-        """Yield one chunk per target forward pass; the last chunk has finish_reason and stats."""
+    # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[object], None],
+               cancel: threading.Event | None = None) -> Sequence:
+        """Queue a request; `sink` is called (on the engine thread) with each GenerationChunk, the
+        last one carrying finish_reason and stats, or with the exception that ended the request.
+        Setting `cancel` stops it at the next step and frees its blocks. Bad requests raise here."""
         self.check_prompt_ids(prompt_ids)
         max_new = self.resolve_max_tokens(len(prompt_ids), params)
-        with self._lock:
-            yield from self._generate(prompt_ids, params, max_new, cancel)
-
-    def _generate(self, prompt_ids, params, max_new, cancel) -> Iterator[GenerationChunk]:
-        proposer = self.proposer
-        stats = GenerationStats(method=proposer.method if proposer else "ar", prompt_tokens=len(prompt_ids))
-        cache = self._cache_for(len(prompt_ids) + max_new + self.num_drafts + 1)
-        generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
         history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
-        capture = proposer.capture_layers if proposer else ()
+        generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
+        method = self.proposer.method if self.proposer is not None else "ar"
+        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel)
+        self._inbox.put(seq)
+        self._ensure_worker()
+        with self._wake:
+            self._wake.notify()
+        return seq
 
-        if cancel is not None and cancel.is_set():  # the client left while queued
-            chunk = out.cancel()
-            chunk.stats = stats
-            yield chunk
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
+        """Yield one chunk per target pass of this sequence; the last has finish_reason and stats.
+        Closing the iterator early cancels the request."""
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        cancel = cancel or threading.Event()
+        self.submit(prompt_ids, params, chunks.put, cancel)
+        try:
+            while True:
+                item = chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()  # a no-op once finished; stops the sequence when the consumer left early
+
+    def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        return self.generate_batch([prompt_ids], [params])[0]
+
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams
+                       ) -> list[GenerationResult]:
+        """Run every prompt together (one batch, continuously scheduled); results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise VerispecError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        collected: list[list] = [[] for _ in prompts]
+        done = threading.Semaphore(0)
+
+        def sink_for(i: int):
+            def sink(item) -> None:
+                collected[i].append(item)
+                if isinstance(item, BaseException) or item.finish_reason is not None:
+                    done.release()
+            return sink
+
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            self.submit(ids, p, sink_for(i))
+        for _ in prompts:
+            done.acquire()
+        results = []
+        for ids, p, items in zip(prompts, params, collected):
+            if isinstance(items[-1], BaseException):
+                raise items[-1]
+            last = items[-1]
+            token_ids = [t for c in items for t in c.token_ids]
+            logprobs = [lp for c in items for lp in (c.logprobs or [])] if p.logprobs else None
+            results.append(GenerationResult(list(ids), token_ids, "".join(c.text for c in items),
+                                            last.finish_reason, last.stats, logprobs))
+        return results
+
+    # ---- the worker -------------------------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        with self._worker_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="verispec-engine", daemon=True)
+                self._thread.start()
+                _live_workers.add(self._thread)
+
+    def shutdown(self) -> None:
+        """Cancel every request (each stops at the next step, its blocks freed); the worker then
+        goes idle and exits. The engine stays usable: a later submit starts a new worker."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            seq.cancel.set()
+        with self._wake:
+            self._wake.notify()
+
+    def _work(self) -> None:
+        """Steps while there is work; exits after a short idle spell (the next submit starts a new
+        worker), so an idle engine holds no thread."""
+        while True:
+            self._drain_inbox()
+            if self.scheduler.has_work:
+                try:
+                    self.step()
+                except Exception:  # noqa: BLE001 - step() fails its own sequences; this is a bug in between
+                    log.exception("engine step failed outside any sequence's work")
+                continue
+            with self._wake:
+                if self._inbox.empty():
+                    self._wake.wait(timeout=WORKER_IDLE_S)
+            with self._worker_lock:
+                if self._inbox.empty() and not self.scheduler.has_work:
+                    self._thread = None  # decided under the lock: a submit now starts a new worker
+                    _live_workers.discard(threading.current_thread())
+                    return
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def load_stats(self) -> dict:
+        """What /metrics shows about the scheduler and the cache."""
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting) + self._inbox.qsize(),
+                "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_usable,
+                "preemptions": s.num_preemptions, "num_drafts": self.last_num_drafts}
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Finish cancelled sequences, then run what the scheduler plans: prompt chunks and one
+        speculative round over every decoding sequence. A failing step fails its sequences (their
+        clients get the error), frees their blocks, and the engine goes on."""
+        self._drain_inbox()
+        self._finish_cancelled()
+        plan = self.scheduler.schedule(self.draft_schedule.drafts_for)
+        if plan.empty:
             return
+        try:
+            for seq, num_tokens in plan.prefills:
+                self._prefill_chunk(seq, num_tokens)
+            decodes = [s for s in plan.decodes if not s.finished]
+            if decodes:
+                self.last_num_drafts = plan.num_drafts
+                self._round(decodes, plan.num_drafts)
+        except Exception as exc:  # noqa: BLE001 - handed to each affected request
+            log.exception("engine step failed; failing its %d sequences", len(plan.prefills) + len(plan.decodes))
+            for seq in [s for s, _ in plan.prefills] + plan.decodes:
+                if not seq.finished:
+                    self.scheduler.finish(seq)
+                    seq.sink(exc)
+
+    def _finish_cancelled(self) -> None:
+        s = self.scheduler
+        for seq in [q for q in list(s.running) + list(s.waiting) if q.cancel.is_set()]:
+            self._finish(seq, seq.out.cancel())
+
+    def _finish(self, seq: Sequence, chunk: GenerationChunk) -> None:
+        """The sequence's last chunk: its blocks go back first, then the client hears of it."""
+        self.scheduler.finish(seq)
+        seq.emit(chunk)
+        self._log_request(seq)
+
+    def _emit(self, seq: Sequence, chunk: GenerationChunk) -> None:
+        if chunk.finish_reason is not None:
+            self._finish(seq, chunk)
+        else:
+            seq.emit(chunk)
+
+    def _prefill_chunk(self, seq: Sequence, num_tokens: int) -> None:
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.perf_counter()
+        if seq.num_cached == 0:
+            if seq.state_slot is not None:
+                self.pools.clear_state(seq.state_slot)
+            if seq.proposer is None:
+                self._attach_proposer(seq)
+        proposer = seq.proposer
+        start = seq.num_cached
+        capture = proposer.capture_layers if proposer is not None else ()
+        out = self.runner.prefill(seq, num_tokens, capture, keep_all_rows=proposer is not None)
+        seq.num_cached += num_tokens
+        end = start + num_tokens
+        ids = seq.token_ids[start:end]
+        if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
+            next_token, chunk = seq.token_ids[end], None
+        else:
+            logits = out.logits[0]
+            next_token = self._choose(logits[-1], seq)
+            chunk = seq.out.push([next_token], logits[-1:])
+        if proposer is not None:  # also after the last token: the drafter's state stays the committed one
+            proposer.observe(TargetStep(ids, start, out.hidden[0], [a[0] for a in out.aux], next_token,
+                                        out.pre_norm[0] if out.pre_norm is not None else None))
+        if chunk is not None:
+            self._emit(seq, chunk)
+
+    def _round(self, seqs: list[Sequence], num_drafts: int) -> None:
+        """One speculative round over every decoding sequence: drafts, one target pass, then per
+        sequence verification, commit of the accepted rows, and output."""
+        profile = num_drafts > 0 and env().eagle3_profile
         t0 = time.perf_counter()
-        if proposer is not None:
-            proposer.reset(prompt_ids)
-        hidden, aux, last_start, pre_norm = self._prefill(prompt_ids, cache, capture)
-        logits = self._logits(hidden[-1:])
-        token = self._choose(logits[0], params, history, generator)
-        if proposer is not None:
-            proposer.observe(TargetStep(prompt_ids[last_start:], last_start, hidden, aux, token, pre_norm))
-        _sync(self.device)
-        stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1000
-        chunk = out.push([token], logits)
-        profile = proposer is not None and env().eagle3_profile
-        t_decode = time.perf_counter()
-        while not out.done:
-            if cancel is not None and cancel.is_set():
-                chunk = out.cancel()
-                break
-            yield chunk
-            remaining = max_new - len(out.token_ids)
-            num_drafts = min(self.num_drafts, remaining - 1) if proposer is not None else 0
-            t_round = time.perf_counter()
-            draft = proposer.propose(num_drafts, params, generator) if num_drafts > 0 else Draft([])
-            if profile:
-                _sync(self.device)
-                t_drafted = time.perf_counter()
-            position = len(prompt_ids) + len(out.token_ids) - 1
-            inputs = [token] + draft.token_ids
-            hidden, aux, logits, pre_norm = self._verify_pass(inputs, position, cache, capture)
-            accepted, token = self._verify(draft, logits, params, history, generator)
-            if profile:
-                _sync(self.device)
-                log.info("[%s] round %d: draft %.2f ms (k=%d), verify %.2f ms, accepted %d", stats.method,
-                         stats.rounds + 1, (t_drafted - t_round) * 1000, len(draft.token_ids),
-                         (time.perf_counter() - t_drafted) * 1000, accepted)
-            cache.commit(accepted + 1)
+        drafts: list[Draft] = []
+        for seq in seqs:
+            k = min(num_drafts, seq.remaining_tokens - 1) if seq.proposer is not None else 0
+            drafts.append(seq.proposer.propose(k, seq.params, seq.generator) if k > 0 else Draft([]))
+        width = 1 + max(len(d.token_ids) for d in drafts)
+        inputs = []
+        for seq, draft in zip(seqs, drafts):
+            row = [seq.token_ids[-1]] + draft.token_ids
+            inputs.append(row + [row[-1]] * (width - len(row)))  # padding: computed, never read
+        if profile:
+            _sync(self.device)
+            t_drafted = time.perf_counter()
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        out = self.runner.verify(seqs, inputs, capture)
+        greedy_choices = None
+        if any(s.params.greedy and not s.params.has_penalties for s in seqs):
+            greedy_choices = out.logits.argmax(-1).tolist()  # one device sync for the whole batch
+        results = []
+        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
+            n = len(draft.token_ids) + 1
+            choices = greedy_choices[b] if greedy_choices is not None else None
+            results.append(self._verify(draft, out.logits[b, :n], seq, choices))
+        out.cache.commit([accepted + 1 for accepted, _ in results])
+        if profile:
+            _sync(self.device)
+            log.info("[round] %d sequences: draft %.2f ms (k=%d), verify %.2f ms, accepted %s", len(seqs),
+                     (t_drafted - t0) * 1000, num_drafts, (time.perf_counter() - t_drafted) * 1000,
+                     [a for a, _ in results])
+        for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
+            n = accepted + 1
+            position = seq.num_cached
+            seq.num_cached += n
+            stats = seq.stats
             stats.rounds += 1
             stats.drafted += len(draft.token_ids)
             stats.accepted += accepted
-            if proposer is not None:
-                proposer.observe(TargetStep(inputs[:accepted + 1], position, hidden[:accepted + 1],
-                                            [a[:accepted + 1] for a in aux], token, _rows(pre_norm, accepted + 1)))
-            chunk = out.push(draft.token_ids[:accepted] + [token], logits[:accepted + 1])
-        _sync(self.device)
-        stats.decode_ms = (time.perf_counter() - t_decode) * 1000
-        stats.generated_tokens = len(out.token_ids)
-        chunk.stats = stats
-        self._log_request(stats, out)
-        yield chunk
+            chunk = seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n])
+            if seq.proposer is not None:
+                seq.proposer.observe(TargetStep(inputs[b][:n], position, out.hidden[b, :n],
+                                                [a[b, :n] for a in out.aux], token,
+                                                out.pre_norm[b, :n] if out.pre_norm is not None else None))
+            self._emit(seq, chunk)
 
-    def _verify(self, draft: Draft, logits: torch.Tensor, params: SamplingParams, history: TokenHistory,
-                generator: torch.Generator) -> tuple[int, int]:
+    def _verify(self, draft: Draft, logits: torch.Tensor, seq: Sequence,
+                greedy_choices: list[int] | None) -> tuple[int, int]:
         """logits [k+1, V] from one target pass over [last token] + k drafts -> (accepted, next token).
 
         Penalties for position i are computed on the committed sequence plus drafts[:i].
         """
-        drafts = draft.token_ids
+        drafts, params, history = draft.token_ids, seq.params, seq.history
 
         def penalised(i: int) -> torch.Tensor:
             if not params.has_penalties or i == 0:
@@ -234,20 +491,16 @@ class Engine:
                 history.remove(drafts[:i])
 
         if params.greedy and not params.has_penalties:
-            choices = logits.argmax(-1).tolist()  # one device sync for the whole round
-            return verify_greedy(drafts, lambda i: choices[i])
+            return verify_greedy(drafts, lambda i: greedy_choices[i])
         if params.greedy:
             return verify_greedy(drafts, lambda i: int(torch.argmax(penalised(i))))
-        return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), generator)
+        return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), seq.generator)
 
-    def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        chunks = list(self.generate(prompt_ids, params))
-        last = chunks[-1]
-        token_ids = [t for c in chunks for t in c.token_ids]
-        logprobs = [lp for c in chunks for lp in (c.logprobs or [])] if params.logprobs else None
-        return GenerationResult(list(prompt_ids), token_ids, "".join(c.text for c in chunks),
-                                last.finish_reason, last.stats, logprobs)
+    @torch.inference_mode()
+    def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
+        return sample(apply_penalties(logits, seq.params, seq.history), seq.params, seq.generator)
 
+    # ---- warm-up ----------------------------------------------------------------------------------
     def prewarm(self) -> float:
         """Capture CUDA graphs, then one short generation, so the first request pays no
         warm-up. Returns seconds taken."""
@@ -261,7 +514,6 @@ class Engine:
                                               ignore_eos=True))
         return time.perf_counter() - t0
 
-    # ---- steps ----------------------------------------------------------------------------
     def _graphs_possible(self) -> bool:
         if self.device.type != "cuda":
             return False
@@ -275,119 +527,34 @@ class Engine:
             return False
         return True
 
-    def _cache_for(self, num_rows: int) -> KVCache:
-        if self._cache is None:
-            if self.use_graphs:
-                # graphs hold pointers into the cache: allocate it once, for the whole context
-                self._cache = self.model.make_cache(self._graph_cache_rows())
-                self._cache.use_decode_kernel = True
-            else:
-                self._cache = self.model.make_cache(num_rows)
-                self._cache.use_decode_kernel = split_k.available(self.device)
-        self._cache.reset()
-        self._cache.ensure_capacity(num_rows)
-        if isinstance(self.proposer, Proposer):
-            self.proposer.attach_target_cache(self._cache)
-        return self._cache
-
-    def _graph_cache_rows(self) -> int:
-        """Rows for the one cache graphs use: the whole context, unless its K/V would take more
-        than half the free GPU memory — then the context is capped to what fits, and said so."""
-        margin = self.num_drafts + 1
-        rows = self.max_model_len + margin
-        item = torch.empty((), dtype=self.dtype).element_size()
-        row_bytes = sum(2 * s.num_kv_heads * s.head_dim * item for s in self.model.cache_specs()
-                        if not isinstance(s, RecurrentLayerSpec))
-        free, _ = torch.cuda.mem_get_info(self.device)
-        budget = free // 2
-        if row_bytes and rows * row_bytes > budget:
-            fit = budget // row_bytes
-            log.info("the KV cache for the full %d-token context needs %.1f GiB, more than half the free GPU "
-                     "memory; serving a context of %d tokens (set --max-model-len to choose)",
-                     self.max_model_len, rows * row_bytes / 2**30, fit - margin)
-            self.max_model_len = fit - margin
-            rows = fit
-        return rows
-
     def capture_graphs(self) -> float:
-        """Capture decode/verify steps (T = 1..k+1) as CUDA graphs. Returns seconds taken."""
-        if not self.use_graphs or self._graphs is not None:
+        """Capture verify passes (batch buckets x T = 1..k+1) as CUDA graphs. Returns seconds taken."""
+        if not self.use_graphs or self.runner.graphs is not None:
             return 0.0
+        from verispec.engine.cuda_graphs import BatchGraphs
+
         t0 = time.perf_counter()
-        cache = self._cache_for(1)
         capture = self.proposer.capture_layers if self.proposer else ()
-        self._graphs = StepGraphs(self.model, cache, self.num_drafts + 1, capture, self._logits)
-        cache.reset()
-        if isinstance(self.proposer, Proposer):
-            self.proposer.capture_graphs(self.num_drafts + 1, cache.capacity)
+        self.runner.graphs = BatchGraphs(self.runner, self.num_drafts + 1, self.config.max_num_seqs, capture,
+                                         self.blocks.blocks_for(self.max_model_len + self.num_drafts + 1))
+        if self.proposer is not None:
+            self.proposer.capture_graphs(self.num_drafts + 1, self.max_model_len + self.num_drafts + 1)
         seconds = time.perf_counter() - t0
-        log.debug("captured %d CUDA graphs (steps of 1..%d tokens) in %.2fs", self.num_drafts + 1,
-                  self.num_drafts + 1, seconds)
+        log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens in %.2fs",
+                  self.runner.graphs.batch_sizes, self.num_drafts + 1, seconds)
         return seconds
 
-    @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[int], cache: KVCache, capture: tuple[int, ...]
-                 ) -> tuple[torch.Tensor, list[torch.Tensor], int, torch.Tensor | None]:
-        """Chunked prefill. The proposer observes each chunk but the last as it goes (so the
-        prompt's features never all sit in memory at once); the last chunk's hidden [n, H] and
-        aux [n, H_t] each are returned with its start position, to be observed once the first
-        token is chosen. Without a proposer only the last row's hidden is kept."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        step = self.config.prefill_step_size
-        proposer = self.proposer
-        for start in range(0, ids.shape[1], step):
-            chunk = ids[:, start:start + step]
-            end = start + chunk.shape[1]
-            positions = torch.arange(start, end, device=self.device)[None]
-            out = self.model(chunk, positions, cache, capture)
-            cache.commit(chunk.shape[1])
-            if end < len(prompt_ids) and proposer is not None:
-                proposer.observe(TargetStep(prompt_ids[start:end], start, out.hidden[0],
-                                            [a[0] for a in out.aux], prompt_ids[end], _rows(out.pre_norm, None, 0)))
-        hidden = out.hidden[0] if proposer is not None else out.hidden[0, -1:]
-        return hidden, [a[0] for a in out.aux], start, _rows(out.pre_norm, None, 0)
-
-    @torch.inference_mode()
-    def _verify_pass(self, token_ids: list[int], position: int, cache: KVCache, capture: tuple[int, ...]
-                     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
-        """One target pass over T = k+1 tokens (T = 1 is a plain decode step), nothing committed.
-        Returns hidden [T, H], aux [T, H_t] each, logits [T, V], pre-norm hidden [T, H] or None."""
-        step = self._graphs.get(len(token_ids)) if self._graphs is not None else None
-        if step is not None:
-            return step(token_ids, position)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(position, position + len(token_ids), device=self.device)[None]
-        out = self.model(ids, positions, cache, capture)
-        hidden = out.hidden[0]
-        return hidden, [a[0] for a in out.aux], self._logits(hidden), _rows(out.pre_norm, None, 0)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H] -> logits [B, V] in float32 (float64 stays float64), padding rows masked."""
-        logits = self.model.logits(hidden)
-        if logits.dtype != torch.float64:
-            logits = logits.float()
-        if self.num_real_tokens < logits.shape[-1]:
-            logits[..., self.num_real_tokens:] = float("-inf")
-        return logits
-
-    @torch.inference_mode()
-    def _choose(self, logits: torch.Tensor, params: SamplingParams, history: TokenHistory,
-                generator: torch.Generator) -> int:
-        return sample(apply_penalties(logits, params, history), params, generator)
-
-    def _log_request(self, stats: GenerationStats, out: OutputBuilder) -> None:
+    def _log_request(self, seq: Sequence) -> None:
+        stats = seq.stats
         spec = ""
         if stats.drafted:
             spec = (f", {stats.method}: accepted {stats.accepted}/{stats.drafted} "
                     f"({100 * stats.accepted / stats.drafted:.0f}%), "
                     f"{(stats.generated_tokens - 1) / max(stats.rounds, 1):.2f} tokens/round")
-        log.debug("request: prompt=%d tokens, generated=%d, ttft=%.1fms, prefill=%.1f tok/s, "
-                  "decode=%.1f tok/s, finish=%s%s", stats.prompt_tokens, stats.generated_tokens,
-                  stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
-                  out.finish_reason.value if out.finish_reason else None, spec)
-
-
-PREWARM_PROMPT_TOKENS = 100
+        log.debug("request %d: prompt=%d tokens, generated=%d, ttft=%.1fms, prefill=%.1f tok/s, "
+                  "decode=%.1f tok/s, preempted %d times, finish=%s%s", seq.id, stats.prompt_tokens,
+                  stats.generated_tokens, stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
+                  seq.num_preemptions, seq.out.finish_reason.value if seq.out.finish_reason else None, spec)
 
 
 def _is_gemma4(model: CausalLM) -> bool:
@@ -395,15 +562,6 @@ def _is_gemma4(model: CausalLM) -> bool:
     from verispec.models.gemma4 import Gemma4ForCausalLM
 
     return isinstance(model, Gemma4ForCausalLM)
-
-
-def _rows(t: torch.Tensor | None, count: int | None, batch_index: int | None = None) -> torch.Tensor | None:
-    """Optional tensor helper: select a batch row and/or the first `count` rows."""
-    if t is None:
-        return None
-    if batch_index is not None:
-        t = t[batch_index]
-    return t if count is None else t[:count]
 
 
 def load_engine(model: str, **kwargs) -> Engine:

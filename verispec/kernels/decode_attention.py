@@ -55,15 +55,18 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, POS, OPART, LSE,
+    def _split_kernel(Q, K, V, POS, OPART, LSE, BT,
                       stride_qb, stride_qh, stride_qt,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
-                      stride_pb,
+                      stride_pb, stride_btb,
                       scale, window,
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                      HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
+                      PAGE: tl.constexpr):
+        # PAGED: K/V are pools [slots, Hkv, D] and key n of row b sits in slot
+        # BT[b, n // PAGE] * PAGE + n % PAGE (stride_kb/stride_vb unused); else [B, Hkv, capacity, D]
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -90,13 +93,22 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        k_base = K + b * stride_kb + h * stride_kh
-        v_base = V + b * stride_vb + h * stride_vh
+        if PAGED:
+            k_base = K + h * stride_kh
+            v_base = V + h * stride_vh
+        else:
+            k_base = K + b * stride_kb + h * stride_kh
+            v_base = V + b * stride_vb + h * stride_vh
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_valid = offs_n < end
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if PAGED:
+                block = tl.load(BT + b * stride_btb + offs_n // PAGE, mask=n_valid, other=0)
+                rows = block.to(tl.int64) * PAGE + offs_n % PAGE
+            else:
+                rows = offs_n
+            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -111,7 +123,7 @@ if triton is not None:
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -149,7 +161,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q [B, Hq, T, D] with T <= 8; k_cache/v_cache [B, Hkv, capacity, D] (last dim contiguous);
     positions [B, T] increasing, on q's device.
     """
+    return _launch(q, k_cache, v_cache, positions, scale, window, None, 0, num_splits, block_n, num_warps, num_stages)
+
+
+def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                     block_tables: torch.Tensor, block_size: int, positions: torch.Tensor,
+                                     scale: float, window: int | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D]; pools [slots, Hkv, D]; block_tables [B, N]: key j of row b is pool row
+    block_tables[b, j // block_size] * block_size + j % block_size. Otherwise as the contiguous one."""
+    num_keys = int(positions.max()) + 1
+    j = torch.arange(num_keys, device=q.device)
+    column = torch.clamp(j // block_size, max=block_tables.shape[1] - 1)
+    rows = block_tables[:, column] * block_size + j % block_size  # [B, num_keys]
+    # keys past a row's last position belong to other sequences (or nothing): zeros, never read
+    owned = (j[None, :] <= positions[:, -1:])[:, :, None, None]
+    k = torch.where(owned, k_pool[rows], 0).transpose(1, 2)
+    v = torch.where(owned, v_pool[rows], 0).transpose(1, 2)
+    return decode_attention_reference(q, k, v, positions, scale, window)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           block_size: int, positions: torch.Tensor, scale: float, window: int | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """The split-K kernel over the paged pools, reading each row's keys through its block table;
+    same contract as `paged_decode_attention_reference`. On CPU tensors the reference runs."""
+    if not available(q.device):
+        return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, block_size, positions, scale, window)
+    return _launch(q, k_pool, v_pool, positions, scale, window, block_tables, block_size, num_splits)
+
+
+def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, num_splits=None,
+            block_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
     b, hq, t, d = q.shape
+    paged = block_tables is not None
     hkv = k_cache.shape[1]
     if t > MAX_QUERY_TOKENS:
         raise ValueError(f"decode_attention handles at most {MAX_QUERY_TOKENS} query tokens, got {t}")
@@ -166,15 +210,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     opart = torch.empty((b, hq, t, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, t, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if paged:  # pools [slots, Hkv, D]: no batch stride; rows come from the block table
+        strides_k = (0, k_cache.stride(1), k_cache.stride(0))
+        strides_v = (0, v_cache.stride(1), v_cache.stride(0))
+        table, table_stride = block_tables, block_tables.stride(0)
+    else:
+        strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        table, table_stride = positions, 0  # unused
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, positions, opart, lse,
+        q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        positions.stride(0),
+        *strides_k, *strides_v,
+        positions.stride(0), table_stride,
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages,
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=4)
@@ -185,4 +236,5 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-__all__ = ["decode_attention", "decode_attention_reference", "available", "MAX_QUERY_TOKENS"]
+__all__ = ["decode_attention", "decode_attention_reference", "paged_decode_attention",
+           "paged_decode_attention_reference", "available", "MAX_QUERY_TOKENS"]

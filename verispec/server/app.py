@@ -43,5 +43,11 @@ def run_server(engine, host: str, port: int, api_key: str | None, served_model_n
         seconds = engine.prewarm()
         log.info("prewarm took %.2fs", seconds)
     app = create_app(engine, served_model_name, api_key)
+    budget = getattr(engine, "budget", None)  # test doubles have no paged cache
+    if budget is not None:
+            log.info("KV cache: %d tokens in %d blocks of %d (%.2f GiB); up to %d sequences at once, context %d "
+                 "tokens%s", budget.num_tokens, budget.num_blocks - 1, budget.block_size, budget.bytes_total / 2**30,
+                 engine.config.max_num_seqs, engine.max_model_len,
+                 f"; drafts per round by batch size {engine.draft_schedule.describe()}" if engine.num_drafts else "")
     log.info("serving %s at http://%s:%d/v1", served_model_name or engine.model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")

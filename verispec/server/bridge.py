@@ -1,9 +1,10 @@
-"""The async bridge: runs the blocking engine in one worker thread, hands chunks to the event loop.
+"""The async bridge: hands each request to the engine's scheduler and its chunks to the event loop.
 
-One worker thread means requests run one at a time in arrival order (the engine could only
-run one anyway) while the event loop stays free to accept connections, answer /health and
-notice clients that leave. Every generation carries a threading.Event; setting it makes the
-engine stop at its next step, and a request whose client left while queued never starts.
+The engine batches every request it holds (continuous batching); here each in-flight request
+waits for its chunks in a pool thread (`Engine.generate` blocks on the request's own queue), so
+the event loop stays free to accept connections, answer /health and notice clients that leave.
+Every generation carries a threading.Event; setting it makes the engine drop the sequence at its
+next step (its KV blocks freed), and a request whose client left while queued never starts.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ _FINISHED = object()
 
 
 class EngineBridge:
-    def __init__(self, engine):
+    def __init__(self, engine, max_in_flight: int = 1024):
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verispec-engine")
+        # one waiting thread per request in flight; past this many, requests queue here first
+        self._executor = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="verispec-request")
         self._running: set[threading.Event] = set()  # cancel events of queued/running generations
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -77,6 +79,9 @@ class EngineBridge:
         for cancel in list(self._running):
             cancel.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
 
 @contextlib.asynccontextmanager

@@ -44,6 +44,17 @@ class ServerMetrics:
                                      ["method"], registry=self.registry)
         self.in_flight = Gauge("verispec_generations_in_flight", "Generation requests queued or running",
                                registry=self.registry)
+        # the scheduler's view, read from the engine at scrape time (engine.load_stats())
+        self.running = Gauge("verispec_num_requests_running", "Sequences in the running batch", registry=self.registry)
+        self.waiting = Gauge("verispec_num_requests_waiting", "Sequences waiting for admission (KV blocks or "
+                             "--max-num-seqs)", registry=self.registry)
+        self.kv_usage = Gauge("verispec_kv_cache_usage_ratio", "Fraction of the paged KV cache's blocks in use",
+                              registry=self.registry)
+        self.kv_blocks = Gauge("verispec_kv_cache_blocks", "KV cache blocks", ["state"], registry=self.registry)
+        self.preemptions = Gauge("verispec_num_preemptions_total", "Sequences preempted (blocks freed, recomputed "
+                                 "later) since start", registry=self.registry)
+        self.num_drafts = Gauge("verispec_spec_drafts_per_round", "Drafts per sequence chosen for the last decode "
+                                "step from the batch size (--draft-schedule)", registry=self.registry)
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         endpoint = endpoint_label(path)
@@ -59,6 +70,17 @@ class ServerMetrics:
         self.drafted_tokens.labels(method=stats.method).inc(stats.drafted)
         self.accepted_tokens.labels(method=stats.method).inc(stats.accepted)
         self.target_passes.labels(method=stats.method).inc(stats.rounds)
+
+    def observe_engine(self, load: dict) -> None:
+        """Engine.load_stats(): running/waiting sequences, KV blocks, preemptions, drafts per round."""
+        self.running.set(load["running"])
+        self.waiting.set(load["waiting"])
+        total = max(load["kv_blocks_total"], 1)
+        self.kv_usage.set(load["kv_blocks_used"] / total)
+        self.kv_blocks.labels(state="used").set(load["kv_blocks_used"])
+        self.kv_blocks.labels(state="total").set(load["kv_blocks_total"])
+        self.preemptions.set(load["preemptions"])
+        self.num_drafts.set(load["num_drafts"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,6 +48,9 @@ def build_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics() -> Response:
+        load_stats = getattr(state.engine, "load_stats", None)  # test doubles have no scheduler
+        if load_stats is not None:
+            state.metrics.observe_engine(load_stats())
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router

@@ -56,6 +56,14 @@ class ChainedDrafter(Proposer):
         raise NotImplementedError
 
     # ---- the proposer protocol ------------------------------------------------------------------
+    def fork(self) -> "ChainedDrafter":
+        """Same drafter, its own cache; runs eagerly (captured graphs hold the original's cache)."""
+        other = super().fork()
+        other.cache = KVCache(self.cache.specs, 256, self.cache.dtype, self.cache.device)
+        other._graphs = {}
+        other.committed, other.last_out, other.last_logits, other.next_position = 0, None, None, 0
+        return other
+
     def reset(self, prompt_ids: list[int]) -> None:
         self.cache.reset()
         self.committed = 0

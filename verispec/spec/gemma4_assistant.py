@@ -283,12 +283,12 @@ class AssistantProposer(Proposer):
         self.window = window  # attend to at most the last `window` target positions (None: all)
         self.num_real_tokens = num_real_tokens  # vocabulary rows past this are padding, never drafted
         self.device = next(drafter.parameters()).device
-        self.target_cache: KVCache | None = None
+        self.target_cache = None  # engine.runner.TargetView of this sequence
         self.hidden: torch.Tensor | None = None  # [1, 1, H_target] post-norm hidden at the last committed row
         self.next_token = 0
         self.next_position = 0  # the position of next_token: the round's constant RoPE position
 
-    def attach_target_cache(self, cache: KVCache) -> None:
+    def attach_target_cache(self, cache) -> None:  # engine.runner.TargetView
         self.target_cache = cache
 
     def reset(self, prompt_ids: list[int]) -> None:
@@ -307,13 +307,14 @@ class AssistantProposer(Proposer):
         last_row = self._last_row(cache)
         rope_positions = torch.tensor([[self.next_position]], device=self.device)
         last_rows = torch.tensor([[last_row]], device=self.device)
+        target_rows = cache.batch_cache(last_rows, last_row + 1)  # the committed rows, read in place
         token = torch.tensor([[self.next_token]], dtype=torch.long, device=self.device)
         hidden = self.hidden
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for _ in range(num_drafts):
             inputs = torch.cat((self.target.embed(token), hidden), dim=-1)
-            hidden, logits = self.drafter(inputs, rope_positions, last_rows, last_row + 1, cache, self.window)
+            hidden, logits = self.drafter(inputs, rope_positions, last_rows, last_row + 1, target_rows, self.window)
             token, q = self._choose(logits[0, -1], params, generator)
             tokens.append(token)
             if q is not None:
@@ -322,7 +323,7 @@ class AssistantProposer(Proposer):
         ids = torch.cat(tokens).tolist() if tokens else []  # one device sync per round
         return Draft(ids, torch.stack(probs) if probs else None)
 
-    def _last_row(self, cache: KVCache) -> int:
+    def _last_row(self, cache) -> int:
         """The last committed row: the last verify pass's rejected K/V sit at cache.length onward."""
         return min(cache.length, self.next_position) - 1
 

@@ -6,12 +6,12 @@ from `TargetStep.next_token`.
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-from verispec.cache.kv import KVCache
 from verispec.engine.params import SamplingParams
 
 
@@ -44,10 +44,18 @@ class Proposer(ABC):
     method: str = "spec"
     capture_layers: tuple[int, ...] = ()  # target layers whose incoming residual stream it reads
 
-    def attach_target_cache(self, cache: KVCache) -> None:
-        """The target's cache for the coming generation (the engine calls this before `reset`).
-        Drafters that read the target's K/V (the Gemma 4 assistant) keep it: when `propose` runs,
-        its rows below cache.length are exactly the committed ones. Others ignore it."""
+    def attach_target_cache(self, cache) -> None:
+        """The target's cache for this sequence (the engine calls this before `reset`): an object
+        with `length` (committed rows) and `batch_cache(positions, num_keys)` (a read view, see
+        engine.runner.TargetView). Drafters that read the target's K/V (the Gemma 4 assistant)
+        keep it: when `propose` runs, its rows below `length` are exactly the committed ones."""
+
+    def fork(self) -> "Proposer":
+        """A proposer for another sequence: the same drafter weights, its own state. The engine
+        gives each running sequence one (the proposer itself serves one of them, with its captured
+        graphs). State is whatever reset/observe set, so a shallow copy is a fresh proposer;
+        proposers holding buffers (a drafter cache) override this."""
+        return copy.copy(self)
 
     def capture_graphs(self, max_tokens: int, capacity: int) -> None:
         """CUDA only, called once at prewarm after the target's graphs: capture the drafter's own

@@ -5,17 +5,20 @@ import torch
 import torch.nn.functional as F
 
 from verispec.cache.kv import KVCache
+from verispec.cache.paged import BatchCache
 from verispec.kernels import decode_attention as split_k
 
 
-def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
+def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None,
+                   ragged: bool = False) -> torch.Tensor | None:
     """Boolean mask [B, 1, T, S] (True = attend) for queries at `positions` [B, T].
 
     Key s sits at position s (one cache row per position). Returns None when every query may
-    see every key (a single decode token without a window), so SDPA takes its fast path.
+    see every key (a single decode token without a window, all rows of one length), so SDPA
+    takes its fast path. `ragged`: rows of a batch end at different positions (paged cache).
     """
     t = positions.shape[1]
-    if t == 1 and (window is None or num_keys <= window):
+    if t == 1 and (window is None or num_keys <= window) and not (ragged and positions.shape[0] > 1):
         return None
     key_pos = torch.arange(num_keys, device=positions.device)
     q = positions[:, :, None]
@@ -38,17 +41,23 @@ class AttentionInputs:
     window size. Short passes (decode / verify, T <= 8) on a cache that enables it use the
     split-K kernel, which reads the cache in place with bounds from `positions` (CUDA-graph safe)."""
 
-    def __init__(self, positions: torch.Tensor, cache: KVCache):
+    def __init__(self, positions: torch.Tensor, cache: KVCache | BatchCache):
         self.positions = positions  # [B, T]
         self.cache = cache
         num_tokens = positions.shape[1]
-        self.use_kernel = cache.use_decode_kernel and num_tokens <= split_k.MAX_QUERY_TOKENS
-        self.num_keys = cache.length + num_tokens
+        self.paged = isinstance(cache, BatchCache)
+        if self.paged:
+            self.use_kernel = cache.use_kernel and num_tokens <= split_k.MAX_QUERY_TOKENS
+            self.num_keys = cache.num_keys
+        else:
+            self.use_kernel = cache.use_decode_kernel and num_tokens <= split_k.MAX_QUERY_TOKENS
+            self.num_keys = cache.length + num_tokens
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         if window not in self._masks:
-            self._masks[window] = attention_mask(self.positions, self.num_keys, window)
+            num_keys = self.cache.num_keys if self.paged else self.num_keys  # the paged cache gathers that many
+            self._masks[window] = attention_mask(self.positions, num_keys, window, ragged=self.paged)
         return self._masks[window]
 
 
@@ -56,6 +65,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionI
            window: int | None, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D], new k/v [B, Hkv, T, D] -> out [B, Hq, T, D]; writes k/v into the cache."""
     cache = inputs.cache
+    if inputs.paged:
+        cache.write(layer, k, v)
+        return paged_attention(q, inputs, layer, window, scale)
     if inputs.use_kernel:
         cache.write_at(layer, k, v, inputs.positions)
         # the torch reference stands in off-GPU, so the in-place path is testable on CPU
@@ -70,10 +82,27 @@ def attend_cached(q: torch.Tensor, inputs: AttentionInputs, layer: int, window: 
     layer that owns them ran earlier in the pass): q [B, Hq, T, D] -> out [B, Hq, T, D]; writes
     nothing. For layers that share another layer's K/V (Gemma 4's num_kv_shared_layers)."""
     cache = inputs.cache
+    if inputs.paged:
+        return paged_attention(q, inputs, layer, window, scale)
     keys, values = cache.keys[layer], cache.values[layer]
     if inputs.use_kernel:
         kernel = split_k.decode_attention if split_k.available(q.device) else split_k.decode_attention_reference
         return kernel(q, keys, values, inputs.positions, scale, window)
     k, v = keys[:, :, :inputs.num_keys], values[:, :, :inputs.num_keys]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask(window), scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window: int | None,
+                    scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D] over `layer`'s K/V in the paged pools (this pass's rows already written)
+    -> out [B, Hq, T, D]. Short passes on CUDA read the pools in place through the block tables
+    (split-K kernel, graph-capturable); otherwise the rows are gathered and SDPA runs masked."""
+    cache: BatchCache = inputs.cache
+    if inputs.use_kernel:
+        pools = cache.pools
+        return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
+                                              pools.block_size, inputs.positions, scale, window)
+    k, v = cache.gather(layer)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask(window), scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])

@@ -1,0 +1,247 @@
+"""The paged KV cache: fixed-size blocks shared by every running sequence.
+
+Storage (`PagedPools`): for each attention layer one K and one V pool of `num_blocks * block_size`
+rows ([slots, Hkv, D]; slot = block id * block_size + offset), and for each recurrent layer
+(Gated DeltaNet) one conv and one SSM state per *state slot*. A sequence owns a block table (the
+ids of its blocks, in order: position p lives in block table[p // block_size] at offset
+p % block_size) and, on a hybrid model, one state slot. Block 0 and state slot 0 are scratch:
+rows of a padded batch write there, and nothing reads them.
+
+`BatchCache` is the cache a model's forward sees for one step: B sequences' block tables and the
+positions of the step's tokens. It has the surface the model layers use on the contiguous
+`KVCache` (write K/V, read them back, recurrent state, commit per row), so the models do not know
+which cache they run on. Rolling back rejected drafts stays a pointer move: a sequence's
+committed length lives in the engine's `Sequence`, and rows past it are overwritten next step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec, _PendingRecurrent
+
+SCRATCH = 0  # block id / state slot that padded rows use
+
+
+class BlockAllocator:
+    """Hands out block ids 1..num_blocks-1 (0 is scratch) and takes them back."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 2:
+            raise ValueError(f"a paged cache needs at least 2 blocks (one is scratch), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise MemoryError(f"{count} KV blocks requested, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+class SlotAllocator:
+    """Recurrent-state slots 1..num_slots-1 (0 is scratch), one per running sequence."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(1, num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise MemoryError("no free recurrent state slot")
+        return self._free.popleft()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+def kv_bytes_per_token(specs: list, dtype: torch.dtype) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * s.num_kv_heads * s.head_dim * item for s in specs if isinstance(s, LayerCacheSpec))
+
+
+def state_bytes_per_slot(specs: list, dtype: torch.dtype) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(s.conv_dim * (s.conv_kernel - 1) * item + s.num_heads * s.key_dim * s.value_dim * 4
+               for s in specs if isinstance(s, RecurrentLayerSpec))
+
+
+class PagedPools:
+    """One model's paged storage (a target's, or a drafter's own layers). Layers whose spec is
+    None (K/V shared with another layer) get no pool."""
+
+    def __init__(self, specs: list, num_blocks: int, block_size: int, num_state_slots: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.specs = specs
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = torch.device(device)
+        slots = num_blocks * block_size
+        self.keys: list[torch.Tensor | None] = []  # per layer [slots, Hkv, D]
+        self.values: list[torch.Tensor | None] = []
+        self.conv_states: dict[int, torch.Tensor] = {}  # [state slots, conv_dim, kernel - 1]
+        self.ssm_states: dict[int, torch.Tensor] = {}  # [state slots, H, Dk, Dv] float32
+        for i, spec in enumerate(specs):
+            if isinstance(spec, LayerCacheSpec):
+                self.keys.append(torch.zeros(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+                self.values.append(torch.zeros(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+                continue
+            self.keys.append(None)
+            self.values.append(None)
+            if isinstance(spec, RecurrentLayerSpec):
+                self.conv_states[i] = torch.zeros(num_state_slots, spec.conv_dim, spec.conv_kernel - 1,
+                                                  dtype=dtype, device=device)
+                self.ssm_states[i] = torch.zeros(num_state_slots, spec.num_heads, spec.key_dim, spec.value_dim,
+                                                 dtype=torch.float32, device=device)
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return list(self.conv_states)
+
+    def clear_state(self, slot: int) -> None:
+        """A fresh sequence's recurrent state: zeros."""
+        for i in self.conv_states:
+            self.conv_states[i][slot].zero_()
+            self.ssm_states[i][slot].zero_()
+
+
+def slot_table(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """block_tables [B, N] (block ids), positions [B, T] -> pool row of each position [B, T].
+    Positions past a table's end map into the scratch block (the table is padded with 0s)."""
+    column = torch.clamp(positions // block_size, max=block_tables.shape[1] - 1)
+    blocks = block_tables.gather(1, column)
+    blocks = torch.where(positions // block_size < block_tables.shape[1], blocks, SCRATCH)
+    return blocks * block_size + positions % block_size
+
+
+class BatchCache:
+    """The cache one forward pass sees: B sequences in the shared pools.
+
+    block_tables [B, N] long (0-padded), positions [B, T] of this pass's tokens, state_slots [B]
+    (recurrent layers; None without any), num_keys: one past the largest position any query reads
+    (a host int, so the eager path gathers no more keys than needed).
+    """
+
+    paged = True
+    max_tracked_positions = 16  # passes up to this many tokens keep per-position recurrent states
+
+    def __init__(self, pools: PagedPools, block_tables: torch.Tensor, positions: torch.Tensor,
+                 state_slots: torch.Tensor | None, num_keys: int, use_kernel: bool = False):
+        self.pools = pools
+        self.block_tables = block_tables
+        self.positions = positions
+        self.state_slots = state_slots
+        self.num_keys = num_keys
+        self.use_kernel = use_kernel
+        self.block_size = pools.block_size
+        self.write_slots = slot_table(block_tables, positions, self.block_size).reshape(-1)  # [B * T]
+        self._read_slots: torch.Tensor | None = None
+        self._pending_recurrent: dict[int, _PendingRecurrent] = {}
+
+    # ---- attention layers -------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] into the pool rows of this pass's positions (index_copy_: capturable)."""
+        b, h, t, d = k.shape
+        self.pools.keys[layer].index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(b * t, h, d))
+        self.pools.values[layer].index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(b * t, h, d))
+
+    def read_slots(self) -> torch.Tensor:
+        """Pool rows of positions 0..num_keys-1 for every sequence: [B, num_keys] (built once a pass)."""
+        if self._read_slots is None:
+            b = self.block_tables.shape[0]
+            key_positions = torch.arange(self.num_keys, device=self.block_tables.device).expand(b, -1)
+            self._read_slots = slot_table(self.block_tables, key_positions, self.block_size)
+        return self._read_slots
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions 0..num_keys-1 for every sequence: [B, Hkv, num_keys, D] each
+        (rows past a sequence's own positions are other data or scratch: queries mask them)."""
+        slots = self.read_slots()
+        k = self.pools.keys[layer][slots].transpose(1, 2)
+        v = self.pools.values[layer][slots].transpose(1, 2)
+        return k, v
+
+    # ---- recurrent layers -------------------------------------------------------------------------
+    def recurrent_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed (conv state [B, conv_dim, kernel-1], SSM state [B, H, Dk, Dv] float32)."""
+        return self.pools.conv_states[layer][self.state_slots], self.pools.ssm_states[layer][self.state_slots]
+
+    def set_recurrent_pending(self, layer: int, conv_window: torch.Tensor, ssm_states: torch.Tensor,
+                              per_position: bool) -> None:
+        """conv_window [B, conv_dim, kernel-1+T], ssm_states [T or 1, B, H, Dk, Dv]."""
+        self._pending_recurrent[layer] = _PendingRecurrent(conv_window, ssm_states, per_position)
+
+    def pending_recurrent_snapshot(self) -> dict:
+        return dict(self._pending_recurrent)
+
+    def restore_pending_recurrent(self, snapshot: dict) -> None:
+        self._pending_recurrent = dict(snapshot)
+
+    def commit(self, num_rows: list[int]) -> None:
+        """Keep the first num_rows[b] rows of this pass for sequence b: its recurrent state becomes
+        the one after that many positions (K/V need nothing: lengths live in the sequences)."""
+        if not self._pending_recurrent:
+            return
+        keep = [b for b, n in enumerate(num_rows) if n > 0]
+        if not keep:
+            return
+        device = self.state_slots.device
+        rows = torch.tensor(keep, device=device)
+        counts = torch.tensor([num_rows[b] for b in keep], device=device)
+        slots = self.state_slots[rows]
+        for layer, p in self._pending_recurrent.items():
+            kernel = self.pools.specs[layer].conv_kernel
+            t = p.conv_window.shape[-1] - (kernel - 1)
+            if p.per_position:
+                ssm = p.ssm_states[counts - 1, rows]
+            elif all(num_rows[b] == t for b in keep):
+                ssm = p.ssm_states[-1, rows]
+            else:
+                raise ValueError(f"commit({num_rows}) of a {t}-token pass that kept only its final recurrent "
+                                 f"state (passes over {self.max_tracked_positions} tokens keep no per-position states)")
+            self.pools.ssm_states[layer].index_copy_(0, slots, ssm.to(torch.float32))
+            # conv state after n rows: window[:, :, n : n + kernel - 1]
+            index = (counts[:, None] + torch.arange(kernel - 1, device=device)[None])  # [R, K-1]
+            window = p.conv_window[rows]  # [R, C, K-1+T]
+            conv = window.gather(2, index[:, None, :].expand(-1, window.shape[1], -1))
+            self.pools.conv_states[layer].index_copy_(0, slots, conv.to(self.pools.dtype))
+        self._pending_recurrent.clear()
+
+
+@dataclass
+class CacheBudget:
+    """How the paged cache was sized (for the startup log and /metrics)."""
+
+    num_blocks: int
+    block_size: int
+    num_state_slots: int
+    bytes_total: int
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size

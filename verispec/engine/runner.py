@@ -1,0 +1,121 @@
+"""The model runner: turns a step's sequences into tensors and runs the target over the paged cache.
+
+Two kinds of pass: a prompt chunk of one sequence ([1, n] tokens), and a verify pass over every
+decoding sequence at once ([B, T]: each row is a sequence's last token followed by its drafts,
+T = 1 without speculation). Rows shorter than T are padded; padded tokens write into their own
+sequence's blocks past its committed length (overwritten later) or into the scratch block, and
+nothing reads them. On CUDA, verify passes replay CUDA graphs captured per (batch bucket, T).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.cache.paged import SCRATCH, BatchCache, PagedPools
+from verispec.engine.sequence import Sequence
+from verispec.models.base import CausalLM
+
+
+@dataclass
+class PassOutput:
+    hidden: torch.Tensor  # [B, T, H] final-norm hidden states
+    aux: list[torch.Tensor]  # each [B, T, H_t]: residual streams the proposer captures
+    pre_norm: torch.Tensor | None  # [B, T, H]
+    logits: torch.Tensor | None  # [B, T, V] float32 (float64 stays), padded vocabulary masked
+    cache: BatchCache  # the pass's cache view: commit(rows per sequence) keeps what was accepted
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pools: PagedPools, num_real_tokens: int, use_kernel: bool):
+        self.model = model
+        self.pools = pools
+        self.num_real_tokens = num_real_tokens
+        self.use_kernel = use_kernel  # split-K kernel over the block tables for short passes (CUDA)
+        p = next(model.parameters())
+        self.device = p.device
+        self.graphs = None  # BatchGraphs (CUDA), set by the engine at prewarm
+
+    def block_tables(self, seqs: list[Sequence], num_columns: int | None = None) -> torch.Tensor:
+        """[B, N] block ids, 0-padded (0 = scratch)."""
+        width = num_columns or max(1, max(len(s.block_table) for s in seqs))
+        rows = [s.block_table + [SCRATCH] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def state_slots(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        if not self.pools.recurrent_layers:
+            return None
+        return torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=self.device)
+
+    def batch_cache(self, seqs: list[Sequence], positions: torch.Tensor, num_keys: int) -> BatchCache:
+        return BatchCache(self.pools, self.block_tables(seqs), positions, self.state_slots(seqs), num_keys,
+                          self.use_kernel)
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, num_tokens: int, capture: tuple[int, ...], keep_all_rows: bool) -> PassOutput:
+        """The next `num_tokens` uncached tokens of `seq`, committed. hidden/aux/pre_norm keep every
+        row when `keep_all_rows` (a proposer observes them), else the last row only; logits are
+        those of the last row."""
+        start = seq.num_cached
+        ids = torch.tensor([seq.token_ids[start:start + num_tokens]], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + num_tokens, device=self.device)[None]
+        cache = self.batch_cache([seq], positions, start + num_tokens)
+        out = self.model(ids, positions, cache, capture)
+        cache.commit([num_tokens])
+        rows = slice(None) if keep_all_rows else slice(-1, None)
+        hidden = out.hidden[:, rows]
+        pre_norm = out.pre_norm[:, rows] if out.pre_norm is not None else None
+        return PassOutput(hidden, [a[:, rows] for a in out.aux], pre_norm, self.logits(out.hidden[:, -1:]), cache)
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], inputs: list[list[int]], capture: tuple[int, ...]) -> PassOutput:
+        """One pass over every sequence's inputs (each of length T, drafts padded) at positions
+        num_cached..; nothing committed (the caller commits the accepted rows per sequence)."""
+        t = len(inputs[0])
+        starts = [s.num_cached for s in seqs]
+        step = self.graphs.get(len(seqs), t) if self.graphs is not None else None
+        if step is not None:
+            return step(seqs, inputs, starts)
+        ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
+        positions = torch.tensor([[p + j for j in range(t)] for p in starts], device=self.device)
+        cache = self.batch_cache(seqs, positions, max(starts) + t)
+        out = self.model(ids, positions, cache, capture)
+        return PassOutput(out.hidden, out.aux, out.pre_norm, self.logits(out.hidden), cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] in float32 (float64 stays float64), padding rows masked."""
+        logits = self.model.logits(hidden)
+        if logits.dtype != torch.float64:
+            logits = logits.float()
+        if self.num_real_tokens < logits.shape[-1]:
+            logits[..., self.num_real_tokens:] = float("-inf")
+        return logits
+
+
+class TargetView:
+    """One sequence's rows in the target's paged cache, for drafters that read the target's K/V
+    (the Gemma 4 assistant): `length` is the committed row count (rows past it hold the last verify
+    pass's rejected K/V), `batch_cache` a one-sequence cache view for a read-only pass."""
+
+    def __init__(self, runner: ModelRunner, seq: Sequence):
+        self.runner = runner
+        self.seq = seq
+
+    @property
+    def length(self) -> int:
+        return self.seq.num_cached
+
+    @property
+    def pools(self) -> PagedPools:
+        return self.runner.pools
+
+    def rows_from(self, position: int) -> torch.Tensor:
+        """Pool rows of this sequence's positions from `position` to the end of its blocks."""
+        size = self.runner.pools.block_size
+        positions = range(position, len(self.seq.block_table) * size)
+        return torch.tensor([self.seq.block_table[p // size] * size + p % size for p in positions],
+                            dtype=torch.long, device=self.runner.device)
+
+    def batch_cache(self, positions: torch.Tensor, num_keys: int) -> BatchCache:
+        """positions [1, T] of the queries; keys 0..num_keys-1."""
+        return self.runner.batch_cache([self.seq], positions, num_keys)

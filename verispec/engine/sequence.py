@@ -1,0 +1,95 @@
+"""One request's state inside the engine: nothing else holds per-request state.
+
+A sequence's tokens are its prompt followed by what it generated. `num_cached` counts the
+positions whose K/V (and recurrent state) are committed in the paged cache. While decoding, every
+token but the last is cached (the last chosen token is fed by the next step); after a preemption
+`num_cached` is 0 and the sequence is prefilled again over all its tokens but the last.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from enum import Enum
+from typing import Callable
+
+from verispec.engine.output import OutputBuilder
+from verispec.engine.params import SamplingParams
+from verispec.engine.types import GenerationChunk, GenerationStats
+
+_ids = itertools.count(1)
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, out: OutputBuilder,
+                 generator, method: str, sink: Callable[[object], None], cancel: threading.Event | None = None):
+        self.id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+        self.out = out
+        self.history = out.history
+        self.generator = generator
+        self.stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
+        self.sink = sink  # receives GenerationChunk objects, or an exception that ended the request
+        self.cancel = cancel or threading.Event()
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.state_slot: int | None = None  # recurrent-state slot (hybrid models)
+        self.num_cached = 0
+        self.proposer = None  # this sequence's proposer (its own drafter state), when speculating
+        self.num_preemptions = 0
+        self.arrival = time.perf_counter()
+        self.first_scheduled: float | None = None
+        self.first_token_at: float | None = None
+
+    # ---- tokens ------------------------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.out.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.out.token_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions to cache before the next decode step: the whole prompt before the first
+        token; after a preemption, every token but the last (which the next step feeds)."""
+        return self.num_tokens - 1 if self.out.token_ids else len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.prefill_target
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_new_tokens - len(self.out.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # ---- output ------------------------------------------------------------------------------------
+    def emit(self, chunk: GenerationChunk) -> None:
+        if chunk.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if chunk.finish_reason is not None:
+            self._fill_stats()
+            chunk.stats = self.stats
+        self.sink(chunk)
+
+    def _fill_stats(self) -> None:
+        now = time.perf_counter()
+        stats = self.stats
+        stats.generated_tokens = len(self.out.token_ids)
+        if self.first_token_at is not None:
+            stats.ttft_ms = (self.first_token_at - self.arrival) * 1000
+            stats.prefill_ms = (self.first_token_at - (self.first_scheduled or self.arrival)) * 1000
+            stats.decode_ms = (now - self.first_token_at) * 1000
