@@ -322,7 +322,11 @@ class ScriptedMtp(MtpProposer):
     """The real MTP proposer (head, cache, in-round rows, rollback) whose drafts are replaced by a
     script: the target's own continuation, right where right(index, chain_position) says. Records
     the head's logits at every draft, to be checked against the head run from scratch on the
-    committed sequence: its cache must hold exactly the committed rows, whatever was accepted."""
+    committed sequence: its cache must hold exactly the committed rows, whatever was accepted.
+    Runs the per-sequence path (its own contiguous cache); tests/engine/test_batched_drafting.py
+    checks the batched path against it."""
+
+    batched = False
 
     def __init__(self, head, continuation, vocab_size, right, hidden=MtpHidden.POST_NORM):
         super().__init__(head, hidden)

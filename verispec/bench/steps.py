@@ -104,8 +104,12 @@ def _prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequen
     token = int(torch.argmax(result.logits[0, -1]))
     seq.out.token_ids.append(token)
     if proposer is not None:
-        proposer.observe(TargetStep(prompt_ids, 0, result.hidden[0], [a[0] for a in result.aux], token,
-                                    result.pre_norm[0] if result.pre_norm is not None else None))
+        step = TargetStep(prompt_ids, 0, result.hidden[0], [a[0] for a in result.aux], token,
+                          result.pre_norm[0] if result.pre_norm is not None else None)
+        if engine.batched_drafting:
+            proposer.observe_rows([(seq, step)])
+        else:
+            proposer.observe(step)
     return seq
 
 
@@ -123,7 +127,15 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
     seqs = [_prefilled_sequence(engine, prompt_ids, k) for _ in range(batch)]
     try:
         token = seqs[0].token_ids[-1]
-        drafts = [s.proposer.propose(k, greedy, None).token_ids for s in seqs]
+        batched = engine.batched_drafting
+
+        def propose_all():
+            if batched:
+                return [d.token_ids for d in proposer.propose_rows(seqs, [k] * len(seqs), [greedy] * len(seqs),
+                                                                   [None] * len(seqs))]
+            return [s.proposer.propose(k, greedy, None).token_ids for s in seqs]
+
+        drafts = propose_all()
         context = len(prompt_ids)
 
         def decode_step():
@@ -139,10 +151,13 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
                                  for b, d in enumerate(drafts)]
 
         def draft_round():
-            # each drafter re-reads the verified row (its rows past the committed prefix are dropped), then drafts k
-            for s, step in zip(seqs, verified["steps"]):
-                s.proposer.observe(step)
-                s.proposer.propose(k, greedy, None)
+            # the drafter re-reads the verified row (its rows past the committed prefix are dropped), then drafts k
+            if batched:
+                proposer.observe_rows(list(zip(seqs, verified["steps"])))
+            else:
+                for s, step in zip(seqs, verified["steps"]):
+                    s.proposer.observe(step)
+            propose_all()
 
         decode_ms = _median_ms(decode_step, iters, device)
         verify_ms = _median_ms(verify_step, iters, device)

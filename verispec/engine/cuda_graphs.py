@@ -136,7 +136,7 @@ class _CapturedBatchPass:
         pad = self.batch - b
         ids = torch.tensor(inputs + [[0] * t] * pad, dtype=torch.long)
         positions = torch.tensor([[p + j for j in range(t)] for p in starts] + [list(range(t))] * pad)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad)
+        tables = self.runner.table_rows(seqs, width, pad)
         slots = torch.tensor([s.state_slot or 0 for s in seqs] + [0] * pad)
         hidden, aux, pre_norm, logits = self.call(ids, positions, tables, slots)
         self.cache.restore_pending_recurrent(self.pending_recurrent)

@@ -88,6 +88,9 @@ class Engine:
         if proposer is not None and num_drafts < 1:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
         self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts)
+        # a batched proposer drafts for every sequence in one pass per chained step (spec/batched.py);
+        # others get one instance per sequence (Proposer.fork)
+        self.batched_drafting = bool(getattr(proposer, "batched", False))
         self.use_graphs = self._graphs_possible()
         if self.device.type == "cuda" and config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
             if split_k.triton is None:
@@ -141,18 +144,26 @@ class Engine:
                                    self._on_release)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device))
+        if self.batched_drafting:
+            self.proposer.bind(num_blocks, block, self.runner.block_tables, self.runner.use_kernel)
         log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once",
                  num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
                  f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs)
 
     def _on_release(self, seq: Sequence) -> None:
         """A sequence's blocks went back (finished or preempted): so does its drafter state."""
-        if seq.proposer is not None and seq.proposer is self.proposer:
+        if seq.proposer is not None and self.batched_drafting:
+            self.proposer.release(seq)
+        elif seq.proposer is not None and seq.proposer is self.proposer:
             self._prototype_free = True
         seq.proposer = None
 
     def _attach_proposer(self, seq: Sequence) -> None:
         if self.proposer is None:
+            return
+        if self.batched_drafting:
+            seq.proposer = self.proposer
+            self.proposer.start(seq)
             return
         if self._prototype_free:
             seq.proposer, self._prototype_free = self.proposer, False
@@ -420,8 +431,12 @@ class Engine:
             next_token = self._choose(logits[-1], seq)
             chunk = seq.out.push([next_token], logits[-1:])
         if proposer is not None:  # also after the last token: the drafter's state stays the committed one
-            proposer.observe(TargetStep(ids, start, out.hidden[0], [a[0] for a in out.aux], next_token,
-                                        out.pre_norm[0] if out.pre_norm is not None else None))
+            step = TargetStep(ids, start, out.hidden[0], [a[0] for a in out.aux], next_token,
+                              out.pre_norm[0] if out.pre_norm is not None else None)
+            if self.batched_drafting:
+                proposer.observe_rows([(seq, step)])
+            else:
+                proposer.observe(step)
         if chunk is not None:
             self._emit(seq, chunk)
 
@@ -430,14 +445,12 @@ class Engine:
         sequence verification, commit of the accepted rows, and output."""
         profile = num_drafts > 0 and env().eagle3_profile
         t0 = time.perf_counter()
-        drafts: list[Draft] = []
-        for seq in seqs:
-            k = min(num_drafts, seq.remaining_tokens - 1) if seq.proposer is not None else 0
-            drafts.append(seq.proposer.propose(k, seq.params, seq.generator) if k > 0 else Draft([]))
+        counts = [min(num_drafts, s.remaining_tokens - 1) if s.proposer is not None else 0 for s in seqs]
+        drafts = self._propose(seqs, counts)
         width = 1 + max(len(d.token_ids) for d in drafts)
         inputs = []
         for seq, draft in zip(seqs, drafts):
-            row = [seq.token_ids[-1]] + draft.token_ids
+            row = [seq.last_token] + draft.token_ids
             inputs.append(row + [row[-1]] * (width - len(row)))  # padding: computed, never read
         if profile:
             _sync(self.device)
@@ -458,6 +471,7 @@ class Engine:
             log.info("[round] %d sequences: draft %.2f ms (k=%d), verify %.2f ms, accepted %s", len(seqs),
                      (t_drafted - t0) * 1000, num_drafts, (time.perf_counter() - t_drafted) * 1000,
                      [a for a, _ in results])
+        observed, chunks = [], []
         for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
             n = accepted + 1
             position = seq.num_cached
@@ -466,12 +480,35 @@ class Engine:
             stats.rounds += 1
             stats.drafted += len(draft.token_ids)
             stats.accepted += accepted
-            chunk = seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n])
-            if seq.proposer is not None:
-                seq.proposer.observe(TargetStep(inputs[b][:n], position, out.hidden[b, :n],
-                                                [a[b, :n] for a in out.aux], token,
-                                                out.pre_norm[b, :n] if out.pre_norm is not None else None))
+            chunks.append(seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n]))
+            if seq.proposer is not None:  # also after the last token: the drafter's state stays the committed one
+                observed.append((seq, TargetStep(inputs[b][:n], position, out.hidden[b, :n],
+                                                 [a[b, :n] for a in out.aux], token,
+                                                 out.pre_norm[b, :n] if out.pre_norm is not None else None)))
+        if observed and self.batched_drafting:
+            self.proposer.observe_rows(observed)
+        else:
+            for seq, step in observed:
+                seq.proposer.observe(step)
+        for seq, chunk in zip(seqs, chunks):
             self._emit(seq, chunk)
+
+    def _propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        """Each sequence's drafts (counts[b] of them; 0 = none this round)."""
+        drafts = [Draft([]) for _ in seqs]
+        if self.batched_drafting:
+            rows = [b for b, k in enumerate(counts) if k > 0]
+            if rows:
+                picked = [seqs[b] for b in rows]
+                made = self.proposer.propose_rows(picked, [counts[b] for b in rows], [s.params for s in picked],
+                                                  [s.generator for s in picked])
+                for b, draft in zip(rows, made):
+                    drafts[b] = draft
+            return drafts
+        for b, (seq, k) in enumerate(zip(seqs, counts)):
+            if k > 0:
+                drafts[b] = seq.proposer.propose(k, seq.params, seq.generator)
+        return drafts
 
     def _verify(self, draft: Draft, logits: torch.Tensor, seq: Sequence,
                 greedy_choices: list[int] | None) -> tuple[int, int]:
@@ -537,7 +574,10 @@ class Engine:
         capture = self.proposer.capture_layers if self.proposer else ()
         self.runner.graphs = BatchGraphs(self.runner, self.num_drafts + 1, self.config.max_num_seqs, capture,
                                          self.blocks.blocks_for(self.max_model_len + self.num_drafts + 1))
-        if self.proposer is not None:
+        if self.batched_drafting:
+            self.proposer.capture_batch_graphs(self.runner.graphs.batch_sizes, self.num_drafts + 1,
+                                               self.blocks.blocks_for(self.max_model_len + self.num_drafts + 1))
+        elif self.proposer is not None:
             self.proposer.capture_graphs(self.num_drafts + 1, self.max_model_len + self.num_drafts + 1)
         seconds = time.perf_counter() - t0
         log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens in %.2fs",

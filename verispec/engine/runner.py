@@ -42,6 +42,23 @@ class ModelRunner:
         rows = [s.block_table + [SCRATCH] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
+    @staticmethod
+    def table_rows(seqs: list[Sequence], width: int, pad_rows: int = 0) -> torch.Tensor:
+        """Host [B + pad_rows, width] block tables for a captured graph's static buffer. Each
+        sequence keeps its row as a tensor, rebuilt only when its table grew (every block_size
+        tokens), so a step costs one stack, not B x width Python ints."""
+        rows = []
+        for s in seqs:
+            cached = s.table_row
+            if cached is None or cached[0] != len(s.block_table) or cached[1].shape[0] != width:
+                row = torch.zeros(width, dtype=torch.long)
+                row[:len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+                cached = s.table_row = (len(s.block_table), row)
+            rows.append(cached[1])
+        if pad_rows:
+            rows.extend([torch.zeros(width, dtype=torch.long)] * pad_rows)
+        return torch.stack(rows)
+
     def state_slots(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if not self.pools.recurrent_layers:
             return None

@@ -6,6 +6,8 @@ sampling (the spec issue) compares between drafter and target.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from verispec.engine.params import SamplingParams
@@ -13,23 +15,49 @@ from verispec.engine.types import TokenLogprob
 
 
 class TokenHistory:
-    """Counts of prompt and generated tokens, for penalties. Lives on the logits' device."""
+    """Counts of prompt and generated tokens, for penalties. Counts are kept on the host and the
+    device tensors built only when a penalty reads them: most requests have no penalties, and a
+    device update per token per sequence would cost a kernel launch each in a batched step."""
 
     def __init__(self, vocab_size: int, prompt_ids: list[int], device: torch.device):
-        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        if prompt_ids:
-            ids = torch.tensor([i for i in prompt_ids if i < vocab_size], dtype=torch.long, device=device)
-            self.in_prompt[ids] = True
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        self.vocab_size = vocab_size
+        self.device = device
+        self.prompt_ids = prompt_ids
+        self.counts: Counter[int] = Counter()
+        self._in_prompt: torch.Tensor | None = None
+        self._output_counts: torch.Tensor | None = None  # built from `counts`, dropped when they change
 
     def add(self, token_ids: list[int]) -> None:
-        for t in token_ids:
-            self.output_counts[t] += 1
+        if token_ids:
+            self.counts.update(token_ids)
+            self._output_counts = None
 
     def remove(self, token_ids: list[int]) -> None:
         """Undo `add` (verification scores drafts provisionally)."""
-        for t in token_ids:
-            self.output_counts[t] -= 1
+        if token_ids:
+            self.counts.subtract(token_ids)
+            self._output_counts = None
+
+    @property
+    def in_prompt(self) -> torch.Tensor:  # [V] bool
+        if self._in_prompt is None:
+            self._in_prompt = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            ids = [i for i in self.prompt_ids if 0 <= i < self.vocab_size]
+            if ids:
+                self._in_prompt[torch.tensor(ids, dtype=torch.long, device=self.device)] = True
+        return self._in_prompt
+
+    @property
+    def output_counts(self) -> torch.Tensor:  # [V] int32
+        if self._output_counts is None:
+            counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
+            present = [(t, c) for t, c in self.counts.items() if c and 0 <= t < self.vocab_size]
+            if present:
+                ids, values = zip(*present)
+                counts[torch.tensor(ids, dtype=torch.long, device=self.device)] = torch.tensor(
+                    values, dtype=torch.int32, device=self.device)
+            self._output_counts = counts
+        return self._output_counts
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:

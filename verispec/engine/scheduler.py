@@ -66,6 +66,7 @@ class Scheduler:
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
+        seq.table_row = None  # a cached graph-input row names the freed blocks
         if seq.state_slot is not None and self.slots is not None:
             self.slots.free(seq.state_slot)
             seq.state_slot = None

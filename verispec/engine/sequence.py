@@ -41,6 +41,7 @@ class Sequence:
         self.cancel = cancel or threading.Event()
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.table_row = None  # (table length, host tensor row) cached for graph inputs (ModelRunner.table_rows)
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models)
         self.num_cached = 0
         self.proposer = None  # this sequence's proposer (its own drafter state), when speculating
@@ -53,6 +54,10 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.out.token_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.out.token_ids[-1] if self.out.token_ids else self.prompt_ids[-1]
 
     @property
     def num_tokens(self) -> int:

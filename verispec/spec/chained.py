@@ -23,10 +23,11 @@ from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.engine.params import SamplingParams
 from verispec.kernels import decode_attention as split_k
 from verispec.models.base import fuse_small_ops
+from verispec.spec.batched import BatchedDrafting
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
 
-class ChainedDrafter(Proposer):
+class ChainedDrafter(BatchedDrafting, Proposer):
     def __init__(self, drafter: torch.nn.Module, cache_specs: list[LayerCacheSpec], feature_size: int):
         self.drafter = drafter
         self.feature_size = feature_size

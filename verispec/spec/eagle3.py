@@ -216,6 +216,18 @@ class Eagle3Proposer(ChainedDrafter):
         fed_back, logits = self.drafter(ids, g, positions, self.cache)
         return fed_back[:, -1:], logits[0, -1]
 
+    def _rows(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, cache, last: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched pass (spec/batched.py): ids, positions [B, T], g [B, T, H], last [B] -> each
+        row's fed-back hidden at index last [B, 1, H] and draft logits there [B, Vd]."""
+        fed_back, logits = self.drafter(ids, g, positions, cache)
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        return fed_back[rows, last][:, None], logits[rows, last]
+
+    def _greedy_tokens(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[B, Vd] -> the greedy drafts as target ids [B]."""
+        return self.draft_to_target[draft_logits.argmax(-1)]
+
     def _features(self, step: TargetStep) -> torch.Tensor:
         """g [T, H]: the fc projection of the captured target layers' streams."""
         return self.drafter.project(step.aux)

@@ -256,6 +256,21 @@ class MtpProposer(ChainedDrafter):
         out = self.head(ids, hidden, positions, self.cache)
         return out[:, -1:], self.head.logits(out[0, -1])
 
+    def _rows(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache, last: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched pass (spec/batched.py): ids, positions [B, T], hidden [B, T, H], last [B] ->
+        each row's output after mtp.norm at index last [B, 1, H] and its logits [B, V]."""
+        out = self.head(ids, hidden, positions, cache)
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        picked = out[rows, last]
+        return picked[:, None], self.head.logits(picked)
+
+    def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> the greedy drafts [B], never a padded vocabulary row."""
+        if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
+            logits = logits[:, :self.num_real_tokens]
+        return logits.argmax(-1)
+
     def _features(self, step: TargetStep) -> torch.Tensor:
         if self.hidden is MtpHidden.POST_NORM:
             return step.hidden

@@ -1,0 +1,208 @@
+"""Chained drafters (EAGLE3, the MTP head) drafting for every sequence of a batch at once.
+
+The drafter's own KV rows live in paged pools indexed by the *target's* block tables (drafter
+row p sits at position p, as the target's does), so a drafter needs no allocator of its own and
+a sequence's drafter rows come and go with its blocks. Per sequence the drafter keeps only the
+last committed row's output and logits. One round: k chained passes over [B, 1] (token chosen
+per row from the last logits), then, after verification, one observe pass over every sequence's
+accepted rows ([B, n_max], padded). On CUDA both kinds of pass replay CUDA graphs captured per
+(batch bucket, T), as the target's verify passes do.
+
+Subclasses give `_rows` (one pass, returning each row's output and logits at a given index) and
+`_greedy_tokens` (the greedy draft of every row, on the device), besides the per-sequence
+ChainedDrafter pieces (`_features`, `_choose`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.cache.paged import BatchCache, PagedPools
+from verispec.spec.proposer import Draft, TargetStep
+
+
+@dataclass
+class _RowState:
+    last_out: torch.Tensor  # [1, F] output of the last committed row (fed to the first chained pass)
+    last_logits: torch.Tensor  # [V'] its logits (the first draft's distribution)
+    next_position: int  # the position of the token the first draft follows
+
+
+class BatchedDrafting:
+    """Mixin for ChainedDrafter: the engine's batched protocol (bind / start / release /
+    observe_rows / propose_rows)."""
+
+    batched = True  # the engine drives it through the batched protocol (one instance, all sequences)
+
+    def bind(self, num_blocks: int, block_size: int, tables_fn, use_kernel: bool) -> None:
+        """Paged pools for the drafter's layers, indexed by the target's block tables
+        (`tables_fn(seqs) -> [B, N]`)."""
+        p = next(self.drafter.parameters())
+        self.pools = PagedPools(self.cache.specs, num_blocks, block_size, 1, p.dtype, p.device)
+        self._tables_fn = tables_fn
+        self._use_kernel = use_kernel
+        self._states: dict[int, _RowState] = {}
+        self._batch_graphs = None
+
+    def capture_batch_graphs(self, batch_sizes: list[int], max_tokens: int, table_width: int) -> None:
+        """CUDA: observe and chained passes (T = 1..max_tokens) as graphs per batch bucket, with the
+        drafter's projections merged and small ops compiled as the target's are."""
+        if self.device.type != "cuda" or self._batch_graphs is not None:
+            return
+        from verispec.models.base import fuse_small_ops
+
+        fuse_small_ops(self.drafter)
+        self._batch_graphs = DrafterGraphs(self, batch_sizes, max_tokens, table_width, self.feature_size)
+
+    def start(self, seq) -> None:
+        self._states.pop(seq.id, None)
+
+    def release(self, seq) -> None:
+        self._states.pop(seq.id, None)
+
+    # ---- passes ---------------------------------------------------------------------------------
+    def _batch_pass(self, seqs, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                    last: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions [B, T]; features [B, T, F]; last [B]: the index whose output and logits
+        each row returns -> (out [B, 1, F], logits [B, V'])."""
+        graphs = self._batch_graphs
+        if graphs is not None:
+            step = graphs.get(len(seqs), ids.shape[1])
+            if step is not None:
+                return step(seqs, ids, features, positions, last)
+        cache = BatchCache(self.pools, self._tables_fn(seqs), positions, None, num_keys, self._use_kernel)
+        return self._rows(ids, features, positions, cache, last)
+
+    @torch.inference_mode()
+    def observe_rows(self, rows: list[tuple[object, TargetStep]]) -> None:
+        """Each sequence's committed step: the drafter runs over step.token_ids[1:] + [next_token]
+        paired with the target features at the step's positions (one pass for all sequences)."""
+        seqs = [seq for seq, _ in rows]
+        steps = [step for _, step in rows]
+        n_max = max(len(s.token_ids) for s in steps)
+        device = self.device
+        ids, positions, feats = [], [], []
+        for step in steps:
+            n = len(step.token_ids)
+            row_ids = step.token_ids[1:] + [step.next_token]
+            ids.append(row_ids + [row_ids[-1]] * (n_max - n))
+            positions.append([step.start_position + j for j in range(n_max)])
+            f = self._features(step)  # [n, F]
+            if n < n_max:
+                f = torch.cat([f, f[-1:].expand(n_max - n, -1)])
+            feats.append(f)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+        pos_t = torch.tensor(positions, device=device)
+        last = torch.tensor([len(s.token_ids) - 1 for s in steps], device=device)
+        num_keys = max(s.start_position + n_max for s in steps)
+        out, logits = self._batch_pass(seqs, ids_t, torch.stack(feats).to(self.pools.dtype), pos_t, last, num_keys)
+        for b, (seq, step) in enumerate(rows):
+            self._states[seq.id] = _RowState(out[b].clone(), logits[b].clone(),
+                                             step.start_position + len(step.token_ids))
+
+    @torch.inference_mode()
+    def propose_rows(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
+        """Up to num_drafts[b] drafts for each sequence, chained for all of them at once."""
+        k = max(num_drafts)
+        states = [self._states[s.id] for s in seqs]
+        logits = torch.stack([st.last_logits for st in states])
+        out = torch.stack([st.last_out for st in states])  # [B, 1, F]
+        base = [st.next_position for st in states]
+        chosen: list[torch.Tensor] = []
+        probs: list[list[torch.Tensor | None]] = []
+        zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        for i in range(k):
+            # a row past its own count draws nothing: its generator must advance as it would alone
+            active = [i < n for n in num_drafts]
+            tokens, q = self._choose_rows(logits, params, generators, active)
+            chosen.append(tokens)
+            probs.append(q)
+            if i + 1 == k:
+                break
+            positions = torch.tensor([[p + i] for p in base], device=self.device)
+            out, logits = self._batch_pass(seqs, tokens[:, None], out, positions, zero, max(base) + i + 1)
+        table = torch.stack(chosen, dim=1).tolist()  # [B, k]: one device sync per round
+        drafts = []
+        for b, n in enumerate(num_drafts):
+            qs = [probs[i][b] for i in range(n)]
+            drafts.append(Draft(table[b][:n], torch.stack(qs) if n and qs[0] is not None else None))
+        return drafts
+
+    def _choose_rows(self, logits: torch.Tensor, params: list, generators: list, active: list[bool]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """logits [B, V'] -> (target token ids [B] on the device, per row the distribution it was
+        sampled from [V], or None when greedy). Inactive sampling rows keep the greedy token."""
+        tokens = self._greedy_tokens(logits)
+        probs: list[torch.Tensor | None] = [None] * logits.shape[0]
+        for b, p in enumerate(params):
+            if not p.greedy and active[b]:
+                token, q = self._choose(logits[b], p, generators[b])
+                tokens[b] = token
+                probs[b] = q
+        return tokens, probs
+
+    # ---- what a drafter provides ------------------------------------------------------------------
+    def _rows(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
+              last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DrafterGraphs:
+    """A batched drafter's passes captured per (batch bucket, T) over its paged pools: static
+    token ids, features, positions, block tables and row indices; padded rows use the scratch block."""
+
+    def __init__(self, drafter: BatchedDrafting, batch_sizes: list[int], max_tokens: int, table_width: int,
+                 feature_size: int):
+        from verispec.engine.cuda_graphs import GraphedCall
+        from verispec.engine.runner import ModelRunner
+
+        table_rows = ModelRunner.table_rows
+        self.drafter = drafter
+        self.batch_sizes = batch_sizes
+        self.calls: dict[tuple[int, int], GraphedCall] = {}
+        pools = drafter.pools
+        device, dtype = pools.device, pools.dtype
+
+        def step(ids, features, positions, tables, last):
+            cache = BatchCache(pools, tables, positions, None, 0, use_kernel=True)
+            return drafter._rows(ids, features, positions, cache, last)
+
+        self.table_rows = table_rows
+        pool = None
+        for b in sorted(batch_sizes, reverse=True):  # largest first, so the shared pool fits the rest
+            for t in range(max_tokens, 0, -1):
+                example = [torch.zeros(b, t, dtype=torch.long, device=device),
+                           torch.zeros(b, t, feature_size, dtype=dtype, device=device),
+                           torch.arange(t, device=device)[None].repeat(b, 1),
+                           torch.zeros(b, table_width, dtype=torch.long, device=device),
+                           torch.zeros(b, dtype=torch.long, device=device)]
+                call = GraphedCall(step, example, pool)
+                pool = call.pool()
+                self.calls[(b, t)] = call
+
+    def get(self, batch: int, num_tokens: int):
+        bucket = next((b for b in self.batch_sizes if b >= batch), None)
+        call = self.calls.get((bucket, num_tokens)) if bucket is not None else None
+        if call is None:
+            return None
+
+        table_rows = self.table_rows
+
+        def replay(seqs, ids, features, positions, last):
+            pad = bucket - len(seqs)
+            width = call.inputs[3].shape[1]
+            tables = table_rows(seqs, width, pad)
+            if pad:
+                t = ids.shape[1]
+                ids = torch.cat([ids, ids.new_zeros(pad, t)])
+                features = torch.cat([features, features.new_zeros(pad, t, features.shape[2])])
+                positions = torch.cat([positions, torch.arange(t, device=positions.device)[None].repeat(pad, 1)])
+                last = torch.cat([last, last.new_zeros(pad)])
+            out, logits = call(ids, features, positions, tables, last)
+            return out[:len(seqs)], logits[:len(seqs)]
+
+        return replay
