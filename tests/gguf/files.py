@@ -5,8 +5,9 @@ BPE tokenizer) goes into one .gguf file: metadata under `{arch}.*` and `tokenize
 (norms, biases) as F32, every matrix in the case's type. llama.cpp's conventions are applied:
 llama q/k rows permuted for interleaved RoPE, gemma3 norm weights stored as 1 + w. Types the library
 can quantize are quantized from the model's weights; the k-quants (which it cannot quantize) are
-random blocks with their float16 scales set so the weights stay ~0.1 — what the file then holds is
-defined by the library's dequantization, which both loaders under test start from.
+random blocks with their float16 scales set so each block has mean ~0 and the weights peak at 0.1 —
+what the file then holds is defined by the library's dequantization, which both loaders under test
+start from.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ CHAT_TEMPLATE_MARK = "{# tiny gguf chat template #}"
 # (offset of d, offset of dmin or None) in each k-quant block, as gguf.quants lays them out
 K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 WEIGHT_SCALE = 0.1
+GEMMA_EMBEDDING_SHRINK = 0.25
 
 
 @dataclass
@@ -82,6 +84,8 @@ def build_hf_model(arch: str, vocab_size: int, seed: int, tie: bool):
                 p.copy_(torch.rand(p.shape, generator=gen) + (-0.5 if arch == "gemma3" else 0.5))
             else:
                 p.normal_(0.0, 0.08, generator=gen)
+        if arch == "gemma3":  # its sqrt(H) = 16x embedding scale would swamp every layer's update
+            model.model.embed_tokens.weight.mul_(GEMMA_EMBEDDING_SHRINK)
     return model
 
 
@@ -106,13 +110,20 @@ def encode(array: np.ndarray, qtype: str, gen: np.random.Generator) -> tuple[np.
     rows, cols = array.shape
     blocks = gen.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
     d_at, dmin_at = K_QUANT_SCALES[qtype]
-    scales = [d_at] + ([dmin_at] if dmin_at is not None else [])
-    for at in scales:
-        blocks[:, at:at + 2] = np.ones((len(blocks), 1), np.float16).view(np.uint8)
-    peak = np.abs(dequantize(blocks.reshape(rows, -1), t)).max()
-    for at in scales:  # the weights are linear in d and dmin: rescale both to a peak of WEIGHT_SCALE
-        values = gen.uniform(0.5, 1.0, size=(len(blocks), 1)) * WEIGHT_SCALE / peak
-        blocks[:, at:at + 2] = values.astype(np.float16).view(np.uint8)
+    def weights(d: np.ndarray, dmin: np.ndarray | None) -> np.ndarray:  # [blocks, block_size]
+        blocks[:, d_at:d_at + 2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+        if dmin_at is not None:
+            blocks[:, dmin_at:dmin_at + 2] = dmin.astype(np.float16).reshape(-1, 1).view(np.uint8)
+        return dequantize(blocks, t)
+
+    # w = d * A - dmin * B, linear in d and dmin: pick dmin so each block's mean is ~0 (random mins
+    # would give every weight the same sign), then scale both to a peak of WEIGHT_SCALE
+    ones, zeros = np.ones(len(blocks)), np.zeros(len(blocks))
+    a = weights(ones, zeros if dmin_at is not None else None)
+    d = ones
+    dmin = a.mean(-1) / -weights(zeros, ones).mean(-1) if dmin_at is not None else None
+    scale = WEIGHT_SCALE / np.abs(weights(d, dmin)).max()
+    weights(d * scale, dmin * scale if dmin is not None else None)
     return blocks.reshape(rows, -1), t
 
 

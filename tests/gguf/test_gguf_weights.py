@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from verispec.loading.gguf import GGUFCheckpoint
 from verispec.loading.gguf.quants import AFFINE_TYPES, AffineQuantized, dense, read_tensor
 
-from tests.gguf.conftest import ALL_TYPES, CASES
+from tests.gguf.conftest import ALL_TYPES, CASES, TIED
 
 
 def hf_from_gguf(path):
@@ -38,7 +38,7 @@ def test_weights_equal_transformers_gguf_loading(gguf_files, arch, qtype):
     case = gguf_files.get(arch, qtype)
     ours = dict(GGUFCheckpoint(case.path).tensors())
     ref = hf_from_gguf(case.path).state_dict()
-    tied = arch in ("qwen2", "gemma3")
+    tied = arch in TIED
     assert set(ref) - set(ours) == ({"lm_head.weight"} if tied else set())
     for name, tensor in ours.items():
         assert torch.equal(tensor.float(), ref[name]), name
