@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("gguf", reason="the gguf package writes and reads the test files: pip install gguf")
-
-from tests.gguf.files import GGUFCase, write_gguf  # noqa: E402
+from tests.gguf.files import GGUFCase, write_gguf
 
 ALL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # llama gets every type (its q/k permutation must survive each); the others the common ones
