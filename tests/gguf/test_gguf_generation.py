@@ -122,3 +122,24 @@ def test_unsupported_inputs_are_refused_by_name(tmp_path):
         list(checkpoint.tensors())
     with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
         GGUFCheckpoint(_write_minimal(tmp_path / "yarn.gguf", "llama", extra={"rope.scaling.type": "yarn"}))
+
+
+def test_speculation_on_a_gguf_target(gguf_files, tmp_path):
+    """An EAGLE3 drafter on a GGUF target keeps plain greedy output (float64); `--mtp` on a model
+    without an MTP head decodes plainly (the head lookup never needs a config.json)."""
+    from verispec.demo.tiny import write_random_eagle3
+
+    case = gguf_files.get("llama", "Q4_1")
+    plain = load_engine(str(case.path), dtype="float64", device="cpu", prefill_step_size=16)
+    drafter = write_random_eagle3(tmp_path / "eagle3", GGUFCheckpoint(case.path).config, seed=3, aux_layer_ids=[0, 1, 1])
+    spec = load_engine(str(case.path), dtype="float64", device="cpu", prefill_step_size=16, eagle3=str(drafter),
+                       draft_block=3)
+    mtp = load_engine(str(case.path), dtype="float64", device="cpu", mtp=True)
+    assert mtp.proposer is None
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for n in PROMPT_LENS:
+        prompt = random_ids(n, plain.model.vocab_size, seed=n)
+        ref = plain.generate_all(prompt, params).token_ids
+        result = spec.generate_all(prompt, params)
+        assert result.token_ids == ref and result.stats.method == "eagle3" and result.stats.drafted > 0
+        assert mtp.generate_all(prompt, params).token_ids == ref
