@@ -70,11 +70,11 @@ def tensor_names(arch: str) -> dict[str, str]:
     return names
 
 
-def build_hf_model(arch: str, vocab_size: int, seed: int, tie: bool):
+def build_hf_model(arch: str, vocab_size: int, seed: int, tie: bool, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(MODEL_TYPES[arch], vocab_size=vocab_size, max_position_embeddings=1024,
-                                  rms_norm_eps=1e-6, tie_word_embeddings=tie, **SHAPES[arch])
+                                  rms_norm_eps=1e-6, tie_word_embeddings=tie, **SHAPES[arch], **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -127,13 +127,29 @@ def encode(array: np.ndarray, qtype: str, gen: np.random.Generator) -> tuple[np.
     return blocks.reshape(rows, -1), t
 
 
-def write_gguf(out_dir: Path, arch: str, qtype: str, hf_tokenizer, seed: int = 0, tie: bool = False) -> GGUFCase:
+def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """What llama.cpp's converter stores as `rope_freqs` for Llama 3.x's llama3 RoPE scaling: per
+    frequency, 1 (short wavelengths), `factor` (long ones), or in between 1 / ((1 - s) / factor + s)
+    with s the position of the wavelength between the two bounds."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old_len, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (old_len / wavelen - low) / (high - low)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, middle))
+    return factors.astype(np.float32)
+
+
+def write_gguf(out_dir: Path, arch: str, qtype: str, hf_tokenizer, seed: int = 0, tie: bool = False,
+               llama3_rope: dict | None = None) -> GGUFCase:
+    """llama3_rope (llama only): the model uses Llama 3.x RoPE scaling, stored as `rope_freqs`."""
     import gguf
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"tiny-{arch}-{qtype}.gguf"
     vocab = len(hf_tokenizer)
-    model = build_hf_model(arch, vocab, seed, tie)
+    model = build_hf_model(arch, vocab, seed, tie, **({"rope_scaling": llama3_rope} if llama3_rope else {}))
     c = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
@@ -155,6 +171,8 @@ def write_gguf(out_dir: Path, arch: str, qtype: str, hf_tokenizer, seed: int = 0
     writer.add_vocab_size(vocab)
     eos_id, template = _write_tokenizer(writer, hf_tokenizer, arch)
 
+    if llama3_rope:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(llama3_rope, SHAPES[arch]["rope_theta"], head_dim))
     gen = np.random.default_rng(seed)
     names = tensor_names(arch)
     for hf_name, tensor in model.state_dict().items():

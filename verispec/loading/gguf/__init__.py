@@ -26,6 +26,7 @@ from verispec.loading.gguf.quants import AFFINE_TYPES, AffineQuantized, dense, l
     tensor_type_name
 
 SUFFIX = ".gguf"
+ROPE_FREQS = "rope_freqs.weight"
 # Token ids llama.cpp also ends generation on besides eos (end of turn / end of message)
 VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                      "tokenizer.ggml.merges")
@@ -67,7 +68,9 @@ class GGUFCheckpoint:
         self.meta = Metadata(values, str(self.path))
         self.architecture = self.meta.architecture
         self.tensor_shapes = {t.name: logical_shape(t) for t in self.reader.tensors}
-        self.config = hf_config(self.meta, self.tensor_shapes)
+        rope_freqs = next((dense(read_tensor(t)).float().tolist() for t in self.reader.tensors
+                           if t.name == ROPE_FREQS), None)
+        self.config = hf_config(self.meta, self.tensor_shapes, rope_freqs)
 
     def tensor_types(self) -> Counter:
         return Counter(tensor_type_name(t) for t in self.reader.tensors)
@@ -82,6 +85,8 @@ class GGUFCheckpoint:
                       self.path.name, ", ".join(quantized))
         skipped = []
         for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:  # read into the config's RoPE parameters
+                continue
             name = hf_name(t.name, self.architecture)
             if name is None:
                 skipped.append(t.name)

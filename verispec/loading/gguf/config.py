@@ -7,7 +7,8 @@ per-architecture rules, which we follow where they decide the arithmetic:
   head_dim^-0.5 except on the 27B (62 layers), where it is (hidden / heads)^-0.5 — what the released
   configs' query_pre_attn_scalar says (256 on 1B-12B = head_dim, 168 on the 27B).
 - llama: `rope.dimension_count` is the head dim; llama.cpp's q/k row permutation is undone by
-  the tensor reader (names.py).
+  the tensor reader (names.py); Llama 3.x's RoPE scaling comes as the `rope_freqs` tensor
+  (a factor per frequency pair that llama.cpp divides the frequency by).
 """
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ class Metadata:
         return value
 
 
-def hf_config(meta: Metadata, tensor_shapes: dict[str, tuple[int, ...]]) -> dict:
-    """The config dict for models/registry.py's classes. tensor_shapes: GGUF name -> torch shape."""
+def hf_config(meta: Metadata, tensor_shapes: dict[str, tuple[int, ...]],
+              rope_freqs: list[float] | None = None) -> dict:
+    """The config dict for models/registry.py's classes. tensor_shapes: GGUF name -> torch shape;
+    rope_freqs: the `rope_freqs.weight` tensor's values when the file has one."""
     arch = meta.architecture
-    if "rope_freqs.weight" in tensor_shapes:
-        raise UnsupportedModelError(f"GGUF file {meta.path} carries rope_freqs (per-frequency RoPE factors, e.g. "
-                                    "Llama 3.1's llama3 scaling), which is not supported yet "
-                                    f"(supported RoPE scaling: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    if rope_freqs is not None and arch != "llama":
+        raise UnsupportedModelError(f"GGUF file {meta.path} carries rope_freqs (per-frequency RoPE factors) on a "
+                                    f"{arch} model; they are supported on llama files only")
     if meta.arch("expert_count", 0):
         raise UnsupportedModelError(f"GGUF file {meta.path} is a mixture-of-experts {arch} model, which is not "
                                     "supported from GGUF (supported: dense llama, qwen2, qwen3, gemma3)")
@@ -90,6 +92,12 @@ def hf_config(meta: Metadata, tensor_shapes: dict[str, tuple[int, ...]]) -> dict
         config.update(_gemma3(meta, config, full_rope))
     else:
         config["rope_parameters"] = full_rope
+        if rope_freqs is not None:
+            if full_rope["rope_type"] != "default":
+                raise UnsupportedModelError(f"GGUF file {meta.path} has both rope_freqs and "
+                                            f"{full_rope['rope_type']} RoPE scaling; one of them is supported")
+            # Llama 3.x's llama3 scaling, as llama.cpp's converter stores it: theta_i / factor_i
+            full_rope["frequency_factors"] = list(rope_freqs)
         if arch == "llama":
             config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
             config["mlp_bias"] = "blk.0.ffn_gate.bias" in tensor_shapes
