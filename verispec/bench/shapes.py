@@ -82,6 +82,14 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
                final_logit_softcapping=30.0, max_position_embeddings=262144, rms_norm_eps=1e-6,
                tie_word_embeddings=True)),
+    # Gemma 3 27B (google/gemma-3-27b-it's text_config): 5 sliding layers then 1 full, repeated
+    Shape("gemma3-27b", "Gemma 3 27B: dense, 62 layers, hidden 5376, 32/16 heads x 128, sliding window 1024, "
+          "MLP 21504, vocab 262208",
+          dict(model_type="gemma3_text", hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+               num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+               sliding_window=1024, vocab_size=262208, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=131072,
+               rms_norm_eps=1e-6, tie_word_embeddings=True)),
     Shape("tiny", "a tiny Qwen3-architecture model for CPU tests",
           dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,

@@ -434,3 +434,61 @@ def build_tiny_gemma4_assistant(out_dir: str | Path, target_config: dict, seed: 
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=True)
     return model
+
+
+GEMMA3_TINY_TEXT = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=1024, rms_norm_eps=1e-6,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0}},
+    final_logit_softcapping=5.0,
+)
+GEMMA3_TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=16, patch_size=4)
+
+
+def build_tiny_gemma3(out_dir: str | Path, wrapper: bool = False, seed: int = 0,
+                      tokenizer_dir: str | Path | None = None, tie_word_embeddings: bool = True, **text_overrides):
+    """A random-weight Gemma 3 checkpoint: `gemma3_text` (Gemma3ForCausalLM), or with `wrapper` the
+    multimodal `gemma3` layout (Gemma3ForConditionalGeneration with a one-block vision tower).
+
+    The default text config: 5 sliding layers (8-token window) then a full one, each type with its
+    own RoPE base (100 vs 1e4, linear x4 on full layers, so that a swapped base shows on short
+    prompts), query_pre_attn_scalar 24 != head_dim 16, final logit softcapping at 5. Norm weights
+    are drawn in [-0.5, 0.5) (applied as 1 + w), the rest normal(0, 0.08).
+    Returns the transformers model (float32) for use as a test oracle.
+    """
+    import torch
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, \
+        Gemma3TextConfig, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        hf_tok = build_tokenizer(out)
+    else:
+        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        hf_tok.save_pretrained(str(out))
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(GEMMA3_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+                tie_word_embeddings=tie_word_embeddings)
+    text.update(text_overrides)
+    torch.manual_seed(seed)
+    if wrapper:
+        config = Gemma3Config(text_config=text, vision_config=dict(GEMMA3_TINY_VISION), mm_tokens_per_image=4,
+                              tie_word_embeddings=tie_word_embeddings)
+        model = Gemma3ForConditionalGeneration(config)
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**text))
+    model = model.float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+            else:
+                p.normal_(0.0, 0.08, generator=gen)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(str(out))
+    return model

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from verispec import log
 from verispec.errors import VerispecError
+from verispec.loading.gguf import GGUFCheckpoint, is_gguf
 from verispec.loading.weights import checkpoint_files, iter_tensors
 from verispec.models.base import CausalLM
 from verispec.models.registry import model_class
@@ -39,6 +41,9 @@ def parse_device(name: str | None) -> torch.device:
 
 
 def read_config(model_dir: Path) -> dict:
+    """config.json of a checkpoint directory, or the config built from a GGUF file's metadata."""
+    if is_gguf(model_dir):
+        return GGUFCheckpoint(model_dir).config
     path = model_dir / "config.json"
     try:
         return json.loads(path.read_text())
@@ -47,24 +52,31 @@ def read_config(model_dir: Path) -> dict:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    config = read_config(model_dir)
+    """A checkpoint directory (config.json + safetensors) or a GGUF file (see resolve_model)."""
+    if is_gguf(model_dir):
+        gguf = GGUFCheckpoint(model_dir)
+        log.debug("%s", gguf.describe())
+        config, tensors = gguf.config, gguf.tensors()
+    else:
+        config, tensors = read_config(model_dir), iter_tensors(checkpoint_files(model_dir))
     cls = model_class(config.get("model_type"))
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device=device)
     model.to(dtype)
-    _load_weights(model, checkpoint_files(model_dir), dtype, device)
+    _load_weights(model, tensors, dtype, device)
     model.tie_weights()
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
+def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                  device: torch.device) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     ignored: list[str] = []
-    for ckpt_name, tensor in iter_tensors(files):
+    for ckpt_name, tensor in tensors:
         name = ckpt_name
         for src, dst in model.checkpoint_prefix_map.items():
             if name.startswith(src):

@@ -1,7 +1,9 @@
 """Model id -> local directory.
 
-Order: an existing local directory; then VERISPEC_MODEL_CACHE (flat `org/name`, `models/org/name`,
-or hub-cache layout `models--org--name/snapshots/*`); then the Hugging Face cache (HF_HUB_CACHE,
+Order: an existing local directory (with config.json, or holding one .gguf file: then the file's
+path is returned), a .gguf file; a packaged model id (packaged.py: `smollm2`); then
+VERISPEC_MODEL_CACHE (flat `org/name`, `models/org/name`, or hub-cache layout
+`models--org--name/snapshots/*`); then the Hugging Face cache (HF_HUB_CACHE,
 HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub); then a download with
 huggingface_hub when the hub is reachable. Missing everywhere: one error naming every place.
 """
@@ -13,6 +15,8 @@ from pathlib import Path
 from verispec import log
 from verispec.config import EnvSettings, env
 from verispec.errors import ModelNotFoundError
+from verispec.loading.gguf import find_gguf, is_gguf
+from verispec.loading.packaged import packaged_model_path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -59,10 +63,20 @@ def resolve_model(model_id: str, allow_download: bool = True) -> Path:
     local = Path(model_id).expanduser()
     if _is_model_dir(local):
         return local.resolve()
+    if is_gguf(local):
+        return local.resolve()
     looked.append(f"local path {local}")
     if local.exists() and local.is_dir():
-        raise ModelNotFoundError(f"{local} is a directory but has no config.json: not a model checkpoint",
-                                 param="model")
+        gguf_file = find_gguf(local)
+        if gguf_file is not None:
+            return gguf_file.resolve()
+        raise ModelNotFoundError(f"{local} is a directory but has no config.json or .gguf file: not a model "
+                                 "checkpoint", param="model")
+    if local.suffix.lower() == ".gguf":
+        raise ModelNotFoundError(f"GGUF file {local} does not exist", param="model")
+    packaged = packaged_model_path(model_id)
+    if packaged is not None:
+        return packaged
     if not HUB_ID.match(model_id):
         raise ModelNotFoundError(
             f"model '{model_id}' not found: it is neither a local model directory nor a hub id "

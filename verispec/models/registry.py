@@ -6,6 +6,8 @@ import importlib
 from verispec.errors import UnsupportedModelError
 
 MODEL_REGISTRY: dict[str, str] = {
+    "gemma3": "verispec.models.gemma3:Gemma3ForConditionalGeneration",
+    "gemma3_text": "verispec.models.gemma3:Gemma3ForCausalLM",
     "gemma4": "verispec.models.gemma4:Gemma4ForConditionalGeneration",
     "gemma4_text": "verispec.models.gemma4:Gemma4ForCausalLM",
     "llama": "verispec.models.llama:LlamaForCausalLM",

@@ -188,11 +188,11 @@ def supports_mtp(model: CausalLM) -> bool:
 def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
     """The target's MTP head, or None (with one log line saying why) when it has none."""
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    if not supports_mtp(target):
+    if not supports_mtp(target):  # checked first: a GGUF target has no config.json to read
         log.warning("--mtp: model type '%s' has no MTP head (MTP self-speculation is for %s); "
-                    "decoding without speculation", config.get("model_type"), " / ".join(MTP_MODEL_TYPES))
+                    "decoding without speculation", target.config.get("model_type"), " / ".join(MTP_MODEL_TYPES))
         return None
+    config = json.loads((model_dir / "config.json").read_text())
     source, looked = find_mtp_source(model_dir, config)
     if source is None:
         log.warning("--mtp: no MTP head in %s (looked in %s); decoding without speculation",

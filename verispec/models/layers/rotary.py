@@ -25,7 +25,21 @@ def rope_parameters(config: dict) -> dict:
 
 
 def inverse_frequencies(params: dict, rotary_dim: int) -> torch.Tensor:
-    """[rotary_dim // 2] float32 inverse frequencies, computed as transformers does."""
+    """[rotary_dim // 2] float32 inverse frequencies, computed as transformers does, then divided by
+    `frequency_factors` when given (GGUF files carry Llama 3.x's RoPE scaling that way: llama.cpp's
+    per-frequency factors, the `rope_freqs` tensor, applied to default frequencies)."""
+    inv_freq = _inverse_frequencies(params, rotary_dim)
+    factors = params.get("frequency_factors")
+    if factors is None:
+        return inv_freq
+    factors = torch.as_tensor(factors, dtype=torch.float32, device="cpu")
+    if factors.shape != inv_freq.shape:
+        raise UnsupportedModelError(f"RoPE frequency_factors has {factors.numel()} entries for "
+                                    f"{inv_freq.numel()} frequencies (rotary dim {rotary_dim})")
+    return inv_freq / factors
+
+
+def _inverse_frequencies(params: dict, rotary_dim: int) -> torch.Tensor:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(

