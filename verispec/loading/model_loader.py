@@ -8,7 +8,7 @@ import torch
 
 from verispec import log
 from verispec.errors import VerispecError
-from verispec.loading.weights import checkpoint_files, iter_tensors
+from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
 from verispec.models.base import CausalLM
 from verispec.models.registry import model_class
 
@@ -47,29 +47,44 @@ def read_config(model_dir: Path) -> dict:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    from verispec.quant import loading as quant_loading
+
     config = read_config(model_dir)
     cls = model_class(config.get("model_type"))
+    files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = cls(config)
+        # quantized checkpoints: their linears / embeddings become quantized layers (same names)
+        shapes = {_our_name(model, name): quant_loading.CheckpointTensor(name, shape)
+                  for name, shape in tensor_shapes(files).items()}
+        quantized = quant_loading.prepare_model(model, config, shapes) is not None
     model.to_empty(device=device)
     model.to(dtype)
-    _load_weights(model, checkpoint_files(model_dir), dtype, device)
+    _load_weights(model, files, dtype, device)
     model.tie_weights()
+    if quantized:
+        quant_loading.finish_loading(model)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
+def _our_name(model: CausalLM, ckpt_name: str) -> str:
+    for src, dst in model.checkpoint_prefix_map.items():
+        if ckpt_name.startswith(src):
+            return dst + ckpt_name[len(src):]
+    return ckpt_name
+
+
 def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
+    from verispec.quant.loading import loadable_tensors
+
     params = dict(model.named_parameters())
+    params.update(loadable_tensors(model))  # quantized layers' packed integer buffers
     loaded: set[str] = set()
     ignored: list[str] = []
     for ckpt_name, tensor in iter_tensors(files):
-        name = ckpt_name
-        for src, dst in model.checkpoint_prefix_map.items():
-            if name.startswith(src):
-                name = dst + name[len(src):]
-                break
+        name = _our_name(model, ckpt_name)
         if name not in params:
             ignored.append(ckpt_name)
             continue
@@ -78,9 +93,10 @@ def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device
             raise VerispecError(
                 f"weight {ckpt_name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(tensor.to(device=device, dtype=dtype))
+            param.copy_(_as_stored(ckpt_name, tensor, param, dtype).to(device=device))
         loaded.add(name)
-    tied = {"lm_head.weight"} if getattr(getattr(model, "settings", None), "tie_word_embeddings", False) else set()
+    tied_names = {n for n in params if n.startswith("lm_head.")}  # a quantized head has several tensors
+    tied = tied_names if getattr(getattr(model, "settings", None), "tie_word_embeddings", False) else set()
     missing = sorted(set(params) - loaded - tied)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
@@ -88,3 +104,13 @@ def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device
     if ignored:
         log.debug("ignored %d checkpoint tensors not used by %s (e.g. %s)", len(ignored),
                   type(model).__name__, ", ".join(ignored[:3]))
+
+
+def _as_stored(ckpt_name: str, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float tensors in the model's dtype; integer ones (packed quantized values) keep their bits:
+    uint32 words are held as int32, the same bits."""
+    if param.is_floating_point():
+        return tensor.to(dtype=dtype)
+    if tensor.is_floating_point() or tensor.element_size() != param.element_size():
+        raise VerispecError(f"weight {ckpt_name} is {tensor.dtype}, verispec expects {param.dtype} there")
+    return tensor.view(param.dtype) if tensor.dtype != param.dtype else tensor

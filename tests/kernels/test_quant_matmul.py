@@ -1,0 +1,63 @@
+"""The Triton dequant-matmul against its torch reference for every supported bits / group size
+and the decode / verify widths, in both offset forms. Runs on CUDA, and on CPU through Triton's
+interpreter (tests/conftest.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.kernels import quant_matmul as kernel
+from verispec.quant.packing import pack_rows
+
+pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_operands(n: int, k: int, bits: int, group: int, zero_point: bool, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(dtype)
+    if zero_point:
+        offsets = torch.randint(0, 1 << bits, (n, k // group), generator=gen).to(dtype)
+    else:
+        offsets = (torch.randn(n, k // group, generator=gen) * 0.1).to(dtype)
+    return pack_rows(q, bits).to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE)
+
+
+@pytest.mark.parametrize("bits", kernel.SUPPORTED_BITS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_matches_reference_float32(bits, group, m):
+    n, k = 40, 256  # N not a multiple of the tile: masked rows
+    packed, scales, offsets = random_operands(n, k, bits, group, False, torch.float32, bits * 1000 + group + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    y = kernel.dequant_matmul(x, packed, scales, offsets, bits, group)
+    ref = kernel.dequant_matmul_reference(x.double(), packed, scales, offsets, bits, group)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # float32 sums in another order than the reference: compare to float64, relative to the norm
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-6
+
+
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, 32), (3, 64)])
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_forms_and_half_precision(bits, group, zero_point, dtype):
+    n, k, m = 64, 384, 5
+    packed, scales, offsets = random_operands(n, k, bits, group, zero_point, dtype, 7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    y = kernel.dequant_matmul(x, packed, scales, offsets, bits, group, zero_point=zero_point)
+    ref = kernel.dequant_matmul_reference(x.double(), packed, scales, offsets, bits, group, zero_point)
+    assert y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((y.double() - ref).norm() / ref.norm()) < tol
+
+
+def test_rejects_bad_operands():
+    packed, scales, offsets = random_operands(8, 64, 4, 32, False, torch.float32, 0)
+    with pytest.raises(ValueError, match="bits=7"):
+        kernel.dequant_matmul(torch.zeros(1, 64, device=DEVICE), packed, scales, offsets, 7, 32)
+    with pytest.raises(ValueError, match="at most 16"):
+        kernel.dequant_matmul(torch.zeros(17, 64, device=DEVICE), packed, scales, offsets, 4, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        kernel.dequant_matmul(torch.zeros(1, 96, device=DEVICE), packed, scales, offsets, 4, 32)

@@ -1,0 +1,108 @@
+"""Plugging quantized layers into a model built for float weights, at load time.
+
+The model is built as usual (on the meta device); `prepare_model` then replaces each
+`nn.Linear` / `nn.Embedding` whose checkpoint tensors are quantized by the matching quantized
+layer, with the checkpoint's tensor names. The loader copies tensors in, then `finish_loading`
+ties a quantized lm_head to a quantized embedding and lets each layer check and derive what it
+needs. Models stay format-agnostic: they only ever see modules that map [..., K] -> [..., N].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from verispec.errors import UnsupportedModelError
+from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear, QuantizedLinear
+from verispec.quant import QuantFormat, detect_format
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    name: str  # the checkpoint's name (mlx-lm's per-layer config keys use these)
+    shape: tuple[int, ...]
+
+
+def prepare_model(model: nn.Module, config: dict, tensors: dict[str, CheckpointTensor]) -> QuantFormat | None:
+    """Swap quantized layers in; `tensors` maps our parameter names (after the model's
+    checkpoint_prefix_map) to the checkpoint's. Returns the format, None for float weights."""
+    fmt = detect_format(config)
+    if fmt is QuantFormat.MLX_AFFINE:
+        _prepare_mlx(model, config["quantization"], tensors)
+    elif fmt is QuantFormat.COMPRESSED_TENSORS:
+        from verispec.quant.compressed_tensors import prepare_model as prepare_ct
+        prepare_ct(model, config, tensors)
+    return fmt
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _layer_tensors(tensors: dict[str, CheckpointTensor], prefix: str, names: tuple[str, ...]) -> dict[str, tuple]:
+    return {n: tensors[f"{prefix}.{n}"].shape for n in names if f"{prefix}.{n}" in tensors}
+
+
+def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, CheckpointTensor]) -> None:
+    from verispec.quant import mlx_affine
+
+    mlx_affine.mode_of(quantization, "affine")
+    layers = sorted(name[: -len(".scales")] for name in tensors if name.endswith(".scales"))
+    for path in layers:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue  # a part of the checkpoint this model does not use; the loader skips it too
+        shapes = _layer_tensors(tensors, path, mlx_affine.TENSOR_NAMES)
+        ckpt_path = tensors[f"{path}.scales"].name[: -len(".scales")]
+        if isinstance(module, nn.Linear):
+            spec = mlx_affine.layer_spec(ckpt_path, quantization, module.in_features, shapes)
+            spec.check_shapes(ckpt_path, module.out_features, module.in_features, shapes)
+            _replace(model, path, MLXAffineLinear(module.in_features, module.out_features, spec.bits,
+                                                  spec.group_size, bias=module.bias is not None))
+        elif isinstance(module, nn.Embedding):
+            spec = mlx_affine.layer_spec(ckpt_path, quantization, module.embedding_dim, shapes)
+            spec.check_shapes(ckpt_path, module.num_embeddings, module.embedding_dim, shapes)
+            _replace(model, path, MLXAffineEmbedding(module.num_embeddings, module.embedding_dim,
+                                                     spec.bits, spec.group_size))
+        else:
+            raise UnsupportedModelError(
+                f"{ckpt_path} is quantized but verispec's {type(module).__name__} there has no quantized "
+                "version yet (supported: linear layers and embeddings)")
+    _tie_quantized_head(model)
+
+
+def _tie_quantized_head(model: nn.Module) -> None:
+    """A tied lm_head reads the quantized embedding table: mlx-lm writes no lm_head tensors then."""
+    settings = getattr(model, "settings", None)
+    if not getattr(settings, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return
+    embedding = model.input_embeddings()
+    if isinstance(embedding, MLXAffineEmbedding):
+        model.lm_head = embedding.as_linear()
+
+
+def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The quantized layers' packed buffers, by name: the loader fills them like parameters."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, MLXAffineEmbedding)):
+            for name, buf in module.named_buffers(recurse=False):
+                if name in module.checkpoint_buffers:
+                    out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def finish_loading(model: nn.Module) -> None:
+    """After the tensors are copied in (and the model's own tie_weights ran)."""
+    settings = getattr(model, "settings", None)
+    if getattr(settings, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        embedding = model.input_embeddings()
+        if isinstance(embedding, MLXAffineEmbedding):
+            model.lm_head = embedding.as_linear()  # the loaded tensors, shared
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.finish_loading()
