@@ -147,6 +147,10 @@ class MLXAffineEmbedding(nn.Module):
         w = q * scales[rows].to(compute).unsqueeze(-1) + biases[rows].to(compute).unsqueeze(-1)
         return w.view(*input_ids.shape, self.embedding_dim).to(scales.dtype)
 
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole table [V, H] in `dtype`."""
+        return self(torch.arange(self.num_embeddings, device=self.weight.device)).to(dtype)
+
     def as_linear(self) -> MLXAffineLinear:
         """An lm_head sharing this table's tensors (tie_word_embeddings)."""
         head = MLXAffineLinear(self.embedding_dim, self.num_embeddings, self.bits, self.group_size)
