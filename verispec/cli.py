@@ -1,4 +1,5 @@
-"""Command line: `verispec serve`, `verispec generate`, `verispec bench` and `verispec train-drafter`.
+"""Command line: `verispec serve`, `verispec generate`, `verispec bench`, `verispec train-drafter` and
+`verispec quantize`.
 
 A bad flag or model path prints one readable line on stderr and exits non-zero.
 """
@@ -90,7 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen, temperature_default=0.0)
     _add_bench_parser(sub)
     _add_train_drafter_parser(sub)
+    _add_quantize_parser(sub)
     return parser
+
+
+def _add_quantize_parser(sub) -> None:
+    from verispec.quant.convert import OUTPUT_FORMATS
+
+    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (MLX affine, read by mlx-lm too)")
+    q.add_argument("-m", "--model", required=True, help="the float checkpoint: local directory or hub id")
+    q.add_argument("--format", required=True, help=f"output format: {' | '.join(OUTPUT_FORMATS)}")
+    q.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    q.add_argument("--group-size", type=int, default=None,
+                   help="columns per scale/bias group: 32, 64 or 128 (default 64, as mlx-lm)")
 
 
 def _add_train_drafter_parser(sub) -> None:
@@ -333,7 +346,17 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "train-drafter": cmd_train_drafter}
+def cmd_quantize(args) -> int:
+    from verispec.quant.convert import quantize_checkpoint
+
+    s = quantize_checkpoint(args.model, args.format, args.out, group_size=args.group_size)
+    print(f"{args.format}: {s.quantized} tensors quantized, {s.kept} kept as they were; "
+          f"{s.bytes_in / 2 ** 20:.1f} MiB -> {s.bytes_out / 2 ** 20:.1f} MiB in {s.out_dir}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "train-drafter": cmd_train_drafter,
+            "quantize": cmd_quantize}
 
 
 def main(argv: list[str] | None = None) -> int:

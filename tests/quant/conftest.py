@@ -6,9 +6,11 @@ import contextlib
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+PROMPT = [3, 17, 250, 41, 9, 100, 7]
 TINY_SHAPE = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2)
 
@@ -55,3 +57,12 @@ def quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     from verispec.models.layers.quant_linear import MLXAffineEmbedding, QuantizedLinear
 
     return {name: m for name, m in model.named_modules() if isinstance(m, (QuantizedLinear, MLXAffineEmbedding))}
+
+
+def to_torch(a) -> torch.Tensor:
+    """An mx.array as a torch tensor: packed uint32 words as int32 (the same bits), floats as float32."""
+    import mlx.core as mx
+
+    if a.dtype == mx.uint32:
+        return torch.from_numpy(np.array(a).view(np.int32))
+    return torch.from_numpy(np.array(a.astype(mx.float32)))

@@ -16,18 +16,8 @@ from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLin
 from verispec.quant import mlx_affine
 from verispec.quant.packing import pack_rows, unpack_rows
 
-from tests.quant.conftest import TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors, quantized_modules
-
-PROMPT = [3, 17, 250, 41, 9, 100, 7]
-
-
-def to_torch(a) -> torch.Tensor:
-    import mlx.core as mx
-
-    if a.dtype == mx.uint32:
-        return torch.from_numpy(np.array(a).view(np.int32))
-    return torch.from_numpy(np.array(a.astype(mx.float32)))
-
+from tests.quant.conftest import (PROMPT, TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors,
+                                  quantized_modules, to_torch)
 
 @pytest.mark.parametrize("bits", mlx_affine.SUPPORTED_BITS)
 @pytest.mark.parametrize("group", mlx_affine.SUPPORTED_GROUP_SIZES)
