@@ -36,13 +36,13 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict[str, CheckpointT
     return fmt
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_name, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
 
 
-def _layer_tensors(tensors: dict[str, CheckpointTensor], prefix: str, names: tuple[str, ...]) -> dict[str, tuple]:
+def layer_tensor_shapes(tensors: dict[str, CheckpointTensor], prefix: str, names: tuple[str, ...]) -> dict[str, tuple]:
     return {n: tensors[f"{prefix}.{n}"].shape for n in names if f"{prefix}.{n}" in tensors}
 
 
@@ -56,17 +56,17 @@ def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, Checkp
             module = model.get_submodule(path)
         except AttributeError:
             continue  # a part of the checkpoint this model does not use; the loader skips it too
-        shapes = _layer_tensors(tensors, path, mlx_affine.TENSOR_NAMES)
+        shapes = layer_tensor_shapes(tensors, path, mlx_affine.TENSOR_NAMES)
         ckpt_path = tensors[f"{path}.scales"].name[: -len(".scales")]
         if isinstance(module, nn.Linear):
             spec = mlx_affine.layer_spec(ckpt_path, quantization, module.in_features, shapes)
             spec.check_shapes(ckpt_path, module.out_features, module.in_features, shapes)
-            _replace(model, path, MLXAffineLinear(module.in_features, module.out_features, spec.bits,
+            replace_module(model, path, MLXAffineLinear(module.in_features, module.out_features, spec.bits,
                                                   spec.group_size, bias=module.bias is not None))
         elif isinstance(module, nn.Embedding):
             spec = mlx_affine.layer_spec(ckpt_path, quantization, module.embedding_dim, shapes)
             spec.check_shapes(ckpt_path, module.num_embeddings, module.embedding_dim, shapes)
-            _replace(model, path, MLXAffineEmbedding(module.num_embeddings, module.embedding_dim,
+            replace_module(model, path, MLXAffineEmbedding(module.num_embeddings, module.embedding_dim,
                                                      spec.bits, spec.group_size))
         else:
             raise UnsupportedModelError(

@@ -18,7 +18,8 @@ from torch import nn
 
 from verispec import log
 from verispec.kernels import quant_matmul
-from verispec.quant.packing import packed_words, unpack_rows
+from verispec.errors import UnsupportedModelError
+from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
 def _float_param(*shape: int) -> nn.Parameter:
@@ -118,6 +119,70 @@ class MLXAffineLinear(QuantizedLinear):
         merged.weight = torch.cat([l.weight for l in layers])
         merged.scales = nn.Parameter(torch.cat([l.scales for l in layers]), requires_grad=False)
         merged.biases = nn.Parameter(torch.cat([l.biases for l in layers]), requires_grad=False)
+        if first.bias is not None:
+            merged.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
+        return merged
+
+
+class PackedIntLinear(QuantizedLinear):
+    """compressed-tensors pack-quantized layout (verispec/quant/compressed_tensors.py):
+    weight_packed [N, ceil(K*bits/32)], weight_scale [N, K/group_size], weight_zero_point
+    [ceil(N*bits/32), K/group_size] packed along N (asymmetric only), weight_shape [2];
+    w = (u - u_z) * scale on the unsigned values u (u_z = 2**(bits-1) when symmetric)."""
+
+    zero_point = True
+    checkpoint_buffers = ("weight_packed", "weight_zero_point", "weight_shape")
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, symmetric: bool,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        num_groups = in_features // group_size
+        self.register_buffer("weight_packed",
+                             torch.empty(out_features, packed_words(in_features, bits), dtype=torch.int32))
+        self.weight_scale = _float_param(out_features, num_groups)
+        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
+        if not symmetric:
+            self.register_buffer("weight_zero_point",
+                                 torch.empty(packed_words(out_features, bits), num_groups, dtype=torch.int32))
+        # unsigned zero points [N, G] in the scales' dtype (exact: integers below 256), derived once loaded
+        self.register_buffer("zeros", torch.empty(out_features, num_groups), persistent=False)
+
+    def packed_values(self) -> torch.Tensor:
+        return self.weight_packed
+
+    def group_scales(self) -> torch.Tensor:
+        return self.weight_scale
+
+    def group_offsets(self) -> torch.Tensor:
+        return self.zeros
+
+    def finish_loading(self) -> None:
+        shape = tuple(int(v) for v in self.weight_shape.tolist())
+        if shape != (self.out_features, self.in_features):
+            raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors layer does not match its "
+                                        f"[{self.out_features}, {self.in_features}]")
+        scale = self.weight_scale
+        if self.symmetric:
+            zeros = torch.full_like(scale, float(1 << (self.bits - 1)))
+        else:
+            # packed along N: unpack each group's column of zero points
+            zeros = unpack_rows(self.weight_zero_point.T.contiguous(), self.bits, self.out_features).T
+        self.zeros = zeros.to(device=scale.device, dtype=scale.dtype).contiguous()
+
+    @classmethod
+    def concat_rows(cls, layers: list["PackedIntLinear"]) -> "PackedIntLinear":
+        """One layer computing several that read the same input (outputs concatenated)."""
+        first = layers[0]
+        symmetric = all(l.symmetric for l in layers)
+        merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
+                     symmetric, bias=first.bias is not None)
+        merged.weight_packed = torch.cat([l.weight_packed for l in layers])
+        merged.weight_scale = nn.Parameter(torch.cat([l.weight_scale for l in layers]), requires_grad=False)
+        merged.weight_shape = torch.tensor([merged.out_features, merged.in_features], device=first.weight_shape.device)
+        merged.zeros = torch.cat([l.zeros for l in layers])
+        if not symmetric:
+            merged.weight_zero_point = pack_rows(merged.zeros.T.to(torch.int64), first.bits).T.contiguous()
         if first.bias is not None:
             merged.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
         return merged

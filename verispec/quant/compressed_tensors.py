@@ -1,0 +1,136 @@
+"""compressed-tensors checkpoints (what llm-compressor writes): integer `pack-quantized` weights.
+
+config.json: `quantization_config: {quant_method: "compressed-tensors", format, config_groups:
+{name: {targets, weights: {num_bits, type, symmetric, strategy, group_size}, input_activations,
+format?}}, ignore, quantization_status}`. A quantized linear `P` stores
+  P.weight_packed      int32 [N, ceil(K*b/32)]  signed values + 2**(b-1), little-endian bitstream
+  P.weight_scale       float [N, K/group_size] (strategy "group") or [N, 1] ("channel")
+  P.weight_zero_point  int32 [ceil(N*b/32), groups], packed along N (asymmetric only)
+  P.weight_shape       int64 [2] = (N, K)
+and decodes as w = (q - z) * scale (z = 0 when symmetric); held unsigned here, that is
+w = (u - u_z) * scale with u_z = 2**(b-1) when symmetric. This covers GPTQ / AWQ / RTN W4A16
+and W8A16 exports (without activation reordering).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from verispec.errors import UnsupportedModelError
+from verispec.quant.packing import packed_words
+
+SUPPORTED_FORMATS = ("pack-quantized",)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # those the fused kernel decodes
+SUPPORTED_STRATEGIES = ("group", "channel")
+
+
+@dataclass(frozen=True)
+class PackedIntSpec:
+    bits: int
+    symmetric: bool
+    group_size: int | None  # None: one group per row ("channel")
+
+
+def _scheme_error(path: str, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"compressed-tensors scheme of {path}: {what}")
+
+
+def spec_from_args(path: str, fmt: str, args: dict | None, activations: dict | None) -> PackedIntSpec:
+    if fmt not in SUPPORTED_FORMATS:
+        raise _scheme_error(path, f"format '{fmt}' is not supported (supported: {', '.join(SUPPORTED_FORMATS)})")
+    if not args:
+        raise _scheme_error(path, "no weight quantization arguments")
+    if args.get("type", "int") != "int":
+        raise _scheme_error(path, f"weight type '{args.get('type')}' is not supported (supported: int)")
+    bits = int(args.get("num_bits", 8))
+    if bits not in SUPPORTED_BITS:
+        raise _scheme_error(path, f"num_bits={bits} is not supported (supported: {', '.join(map(str, SUPPORTED_BITS))})")
+    strategy = args.get("strategy", "tensor")
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise _scheme_error(path, f"strategy '{strategy}' is not supported (supported: {', '.join(SUPPORTED_STRATEGIES)})")
+    if args.get("actorder") not in (None, "static", False):
+        raise _scheme_error(path, f"actorder '{args.get('actorder')}' (activation-ordered groups) is not supported yet")
+    if activations:
+        # W4A8 / W8A8 integer schemes quantize activations too; running them W*A16 would not be
+        # the model the checkpoint describes
+        raise _scheme_error(path, "quantized activations (input_activations) are not supported (supported: W*A16)")
+    group = int(args["group_size"]) if strategy == "group" else None
+    return PackedIntSpec(bits, bool(args.get("symmetric", True)), group)
+
+
+def _matches(target: str, path: str, module: nn.Module) -> int:
+    """How specifically `target` names the layer (compressed-tensors' order: exact name, regex,
+    class name); 0 when it does not."""
+    if target == path:
+        return 3
+    if target.startswith("re:") and re.match(target[3:], path):
+        return 2
+    return 1 if target == type(module).__name__ else 0
+
+
+def layer_spec(quant_config: dict, path: str, module: nn.Module) -> PackedIntSpec:
+    """The scheme of checkpoint layer `path` from config_groups (the most specific target wins)."""
+    best, best_rank = None, 0
+    for group in (quant_config.get("config_groups") or {}).values():
+        rank = max((_matches(t, path, module) for t in group.get("targets", [])), default=0)
+        if rank > best_rank:
+            best, best_rank = group, rank
+    if best is None:
+        raise _scheme_error(path, "its tensors are quantized but no config_groups target names it")
+    fmt = best.get("format") or quant_config.get("format")
+    return spec_from_args(path, fmt, best.get("weights"), best.get("input_activations"))
+
+
+def check_config(quant_config: dict) -> None:
+    status = quant_config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise UnsupportedModelError(f"compressed-tensors quantization_status '{status}' is not supported "
+                                    "(supported: compressed, the packed checkpoints llm-compressor saves)")
+    if quant_config.get("sparsity_config"):
+        raise UnsupportedModelError("compressed-tensors sparsity_config is not supported")
+
+
+def check_shapes(path: str, spec: PackedIntSpec, out_features: int, in_features: int,
+                 shapes: dict[str, tuple]) -> int:
+    """Checks the layer's tensor shapes; returns its group size (in_features for "channel")."""
+    group = spec.group_size or in_features
+    if in_features % group:
+        raise UnsupportedModelError(f"{path}: {in_features} input features are not a multiple of group_size {group}")
+    num_groups = in_features // group
+    expected = {"weight_packed": (out_features, packed_words(in_features, spec.bits)),
+                "weight_scale": (out_features, num_groups), "weight_shape": (2,)}
+    if not spec.symmetric:
+        expected["weight_zero_point"] = (packed_words(out_features, spec.bits), num_groups)
+    for name, shape in expected.items():
+        if tuple(shapes.get(name, ())) != shape:
+            raise UnsupportedModelError(f"{path}.{name} has shape {tuple(shapes.get(name, ()))}, expected {shape} "
+                                        f"for {spec.bits}-bit group {group} over [{out_features}, {in_features}]")
+    if "weight_g_idx" in shapes:
+        raise UnsupportedModelError(f"{path}.weight_g_idx: activation-ordered groups are not supported yet")
+    return group
+
+
+def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
+    """Swap each linear stored as `weight_packed` for a PackedIntLinear (see quant/loading.py)."""
+    from verispec.models.layers.quant_linear import PackedIntLinear
+    from verispec.quant.loading import layer_tensor_shapes, replace_module
+
+    quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    check_config(quant_config)
+    names = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    for path in sorted(n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")):
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue  # not part of this model; the loader ignores its tensors too
+        ckpt_path = tensors[f"{path}.weight_packed"].name[: -len(".weight_packed")]
+        if not isinstance(module, nn.Linear):
+            raise UnsupportedModelError(f"{ckpt_path} is quantized but verispec's {type(module).__name__} there "
+                                        "has no quantized version yet (supported: linear layers)")
+        spec = layer_spec(quant_config, ckpt_path, module)
+        group = check_shapes(ckpt_path, spec, module.out_features, module.in_features,
+                             layer_tensor_shapes(tensors, path, names))
+        replace_module(model, path, PackedIntLinear(module.in_features, module.out_features, spec.bits, group,
+                                              spec.symmetric, bias=module.bias is not None))
