@@ -14,7 +14,7 @@ from verispec.engine.engine import load_engine
 from verispec.engine.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.quant_linear import PackedIntLinear
+from verispec.models.layers.quant_linear import Float8Linear, PackedIntLinear
 
 from tests.quant.conftest import PROMPT, TINY_SHAPE
 
@@ -22,6 +22,7 @@ pytest.importorskip("compressed_tensors", reason="compressed-tensors is not inst
 # transformers notes that the checkpoint's own quantization_config wins over run_compressed=False's; expected
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 
+FP8_PRESETS = ("FP8_DYNAMIC", "FP8", "FP8_BLOCK")  # channel, tensor and 128x128 block scales
 SCHEMES = {
     "w4-g32-sym": dict(num_bits=4, symmetric=True, strategy="group", group_size=32),
     "w4-g64-asym": dict(num_bits=4, symmetric=False, strategy="group", group_size=64),
@@ -30,31 +31,37 @@ SCHEMES = {
 }
 
 
-def ct_quantize(src: Path, out: Path, weights: dict, dtype=torch.float32) -> Path:
-    """Round-to-nearest W*A16 with compressed-tensors' own qparams, compressed by its
-    ModelCompressor into the pack-quantized format and saved as llm-compressor saves."""
+def ct_quantize(src: Path, out: Path, weights: dict | None = None, dtype=torch.float32, preset: str | None = None) -> Path:
+    """Round-to-nearest quantization with compressed-tensors' own qparams (integer `weights`
+    arguments, or a preset scheme such as FP8_DYNAMIC), compressed by its ModelCompressor and
+    saved as llm-compressor saves."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+                                                 apply_quantization_config, preset_name_to_scheme)
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     if out.exists():
         return out
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(type="int", **weights))
+    if preset is not None:
+        scheme = preset_name_to_scheme(preset, ["Linear"])
+    else:
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(type="int", **weights))
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     with torch.no_grad():
         for module in model.modules():
             if getattr(module, "quantization_scheme", None) is None:
                 continue
-            w = module.weight
-            group = weights.get("group_size") or w.shape[-1]
-            grouped = w.view(w.shape[0], -1, group)
-            scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), module.quantization_scheme.weights)
-            module.weight_scale.copy_(scale)
-            module.weight_zero_point.copy_(zero)
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+            args = module.quantization_scheme.weights
+            low, high = weight_ranges(module.weight, args)
+            scale, zero = calculate_qparams(low, high, args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+            if hasattr(module, "input_scale"):  # static activation scale (not used weights-only)
+                module.input_scale.fill_(0.05)
+    compressor = ModelCompressor.from_pretrained_model(model, None)
     compressor.compress_model(model)
     model.save_pretrained(str(out))
     compressor.update_config(str(out))
@@ -62,6 +69,24 @@ def ct_quantize(src: Path, out: Path, weights: dict, dtype=torch.float32) -> Pat
         if (src / name).exists():
             shutil.copy(src / name, out / name)
     return out
+
+
+def weight_ranges(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-scale minimum and maximum of w [N, K] for the scheme's strategy."""
+    n, k = w.shape
+    if args.strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
+    if args.strategy == "channel":
+        return w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    if args.strategy == "group":
+        grouped = w.view(n, -1, args.group_size)
+        return grouped.amin(-1), grouped.amax(-1)
+    rows, cols = args.block_structure  # edge blocks may be partial (k_proj is [64, 128] here)
+    starts = [(r, c) for r in range(0, n, rows) for c in range(0, k, cols)]
+    shape = (-(-n // rows), -(-k // cols))
+    low = torch.stack([w[r:r + rows, c:c + cols].amin() for r, c in starts]).view(shape)
+    high = torch.stack([w[r:r + rows, c:c + cols].amax() for r, c in starts]).view(shape)
+    return low, high
 
 
 def decompressed_by_library(path: Path, dtype=torch.float32):
@@ -75,7 +100,9 @@ def decompressed_by_library(path: Path, dtype=torch.float32):
 def ct_checkpoints(tiny_models, tmp_path_factory) -> dict[str, Path]:
     src = tiny_models.get("quant-qwen3", "qwen3", head_dim=32, **TINY_SHAPE)
     root = tmp_path_factory.mktemp("ct")
-    return {name: ct_quantize(src, root / name, weights) for name, weights in SCHEMES.items()}
+    out = {name: ct_quantize(src, root / name, weights) for name, weights in SCHEMES.items()}
+    out.update({name: ct_quantize(src, root / name, preset=name) for name in FP8_PRESETS})
+    return out
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -90,7 +117,18 @@ def test_weights_equal_library_decompression(ct_checkpoints, name):
                                    rtol=0, atol=0, msg=lambda m: f"{name} {path}: {m}")
 
 
-@pytest.mark.parametrize("name", ["w4-g32-sym", "w4-g64-asym"])
+@pytest.mark.parametrize("name", FP8_PRESETS)
+def test_fp8_weights_equal_library_decompression(ct_checkpoints, name):
+    ours = load_model(ct_checkpoints[name], torch.float32, torch.device("cpu"))
+    theirs = decompressed_by_library(ct_checkpoints[name])
+    layers = {path: m for path, m in ours.named_modules() if isinstance(m, Float8Linear)}
+    assert len(layers) == 7 * TINY_SHAPE["num_hidden_layers"]
+    for path, layer in layers.items():
+        torch.testing.assert_close(layer.dequantized_weight(torch.float32), theirs.get_submodule(path).weight,
+                                   rtol=0, atol=0, msg=lambda m: f"{name} {path}: {m}")
+
+
+@pytest.mark.parametrize("name", ["w4-g32-sym", "w4-g64-asym", "FP8_DYNAMIC", "FP8", "FP8_BLOCK"])
 def test_greedy_equals_transformers_on_decompressed(ct_checkpoints, name):
     theirs = decompressed_by_library(ct_checkpoints[name])
     ids = torch.tensor([PROMPT])
@@ -115,13 +153,14 @@ def test_bfloat16_scales_decode_as_the_library_does(tiny_models, tmp_path):
             assert torch.equal(layer.dequantized_weight(torch.bfloat16), theirs.get_submodule(name).weight), name
 
 
-def test_merged_projections_keep_the_output(ct_checkpoints):
-    model = load_model(ct_checkpoints["w4-g64-asym"], torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("name,merged_type", [("w4-g64-asym", PackedIntLinear), ("FP8", Float8Linear),
+                                               ("FP8_BLOCK", torch.nn.Module)])
+def test_merged_projections_keep_the_output(ct_checkpoints, name, merged_type):
+    model = load_model(ct_checkpoints[name], torch.float32, torch.device("cpu"))
     ids, pos = torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None]
     before = model.logits(model(ids, pos, model.make_cache(16)).hidden)
     model.fuse_small_ops(compile=False)
-    merged = model.model.layers[0].mlp.gate_up_proj
-    assert isinstance(merged, PackedIntLinear) and not merged.symmetric
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, merged_type)
     torch.testing.assert_close(model.logits(model(ids, pos, model.make_cache(16)).hidden), before, rtol=1e-5, atol=1e-5)
 
 

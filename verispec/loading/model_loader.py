@@ -107,10 +107,11 @@ def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device
 
 
 def _as_stored(ckpt_name: str, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float tensors in the model's dtype; integer ones (packed quantized values) keep their bits:
-    uint32 words are held as int32, the same bits."""
+    """Float tensors in the model's dtype; quantized values keep their bits: uint32 words are held
+    as int32, FP8 values as uint8 (so casting the model to its dtype leaves them alone)."""
     if param.is_floating_point():
         return tensor.to(dtype=dtype)
-    if tensor.is_floating_point() or tensor.element_size() != param.element_size():
+    fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if (tensor.is_floating_point() and not fp8) or tensor.element_size() != param.element_size():
         raise VerispecError(f"weight {ckpt_name} is {tensor.dtype}, verispec expects {param.dtype} there")
     return tensor.view(param.dtype) if tensor.dtype != param.dtype else tensor

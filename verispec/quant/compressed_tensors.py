@@ -1,4 +1,5 @@
-"""compressed-tensors checkpoints (what llm-compressor writes): integer `pack-quantized` weights.
+"""compressed-tensors checkpoints (what llm-compressor writes): integer `pack-quantized` weights
+and FP8 `float-quantized` weights.
 
 config.json: `quantization_config: {quant_method: "compressed-tensors", format, config_groups:
 {name: {targets, weights: {num_bits, type, symmetric, strategy, group_size}, input_activations,
@@ -10,6 +11,11 @@ format?}}, ignore, quantization_status}`. A quantized linear `P` stores
 and decodes as w = (q - z) * scale (z = 0 when symmetric); held unsigned here, that is
 w = (u - u_z) * scale with u_z = 2**(b-1) when symmetric. This covers GPTQ / AWQ / RTN W4A16
 and W8A16 exports (without activation reordering).
+
+An FP8 linear `P` stores `P.weight` float8_e4m3fn [N, K] and `P.weight_scale` ([1] per tensor,
+[N, 1] per channel, [N/bn, K/bk] per block); w = weight * scale. W8A8 schemes (FP8_DYNAMIC: per
+token; FP8: static `P.input_scale`) round the activations through FP8 too, as the library's own
+forward does; W8A16 ones do not.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from torch import nn
 from verispec.errors import UnsupportedModelError
 from verispec.quant.packing import packed_words
 
-SUPPORTED_FORMATS = ("pack-quantized",)
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+FLOAT_STRATEGIES = ("tensor", "channel", "block")
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # those the fused kernel decodes
 SUPPORTED_STRATEGIES = ("group", "channel")
 
@@ -37,11 +44,21 @@ def _scheme_error(path: str, what: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"compressed-tensors scheme of {path}: {what}")
 
 
-def spec_from_args(path: str, fmt: str, args: dict | None, activations: dict | None) -> PackedIntSpec:
+@dataclass(frozen=True)
+class Float8Spec:
+    strategy: str  # tensor | channel | block
+    block: tuple[int, int] | None  # block strategy: (rows, columns) per scale
+    activations: str | None  # None (W8A16), "dynamic" (per token) or "static" (input_scale)
+    activation_group_size: int | None = None  # dynamic per token and group of columns
+
+
+def spec_from_args(path: str, fmt: str, args: dict | None, activations: dict | None) -> PackedIntSpec | Float8Spec:
     if fmt not in SUPPORTED_FORMATS:
         raise _scheme_error(path, f"format '{fmt}' is not supported (supported: {', '.join(SUPPORTED_FORMATS)})")
     if not args:
         raise _scheme_error(path, "no weight quantization arguments")
+    if fmt == "float-quantized":
+        return _float8_spec(path, args, activations)
     if args.get("type", "int") != "int":
         raise _scheme_error(path, f"weight type '{args.get('type')}' is not supported (supported: int)")
     bits = int(args.get("num_bits", 8))
@@ -53,11 +70,36 @@ def spec_from_args(path: str, fmt: str, args: dict | None, activations: dict | N
     if args.get("actorder") not in (None, "static", False):
         raise _scheme_error(path, f"actorder '{args.get('actorder')}' (activation-ordered groups) is not supported yet")
     if activations:
-        # W4A8 / W8A8 integer schemes quantize activations too; running them W*A16 would not be
-        # the model the checkpoint describes
-        raise _scheme_error(path, "quantized activations (input_activations) are not supported (supported: W*A16)")
+        # pack-quantized is the weight-only (W*A16) format; integer activation schemes are not
+        raise _scheme_error(path, "quantized activations (input_activations) are not supported with "
+                                  "pack-quantized (supported: W*A16)")
     group = int(args["group_size"]) if strategy == "group" else None
     return PackedIntSpec(bits, bool(args.get("symmetric", True)), group)
+
+
+def _float8_spec(path: str, args: dict, activations: dict | None) -> Float8Spec:
+    if args.get("type") != "float" or int(args.get("num_bits", 8)) != 8:
+        raise _scheme_error(path, f"float-quantized {args.get('type')} {args.get('num_bits')}-bit weights are not "
+                                  "supported (supported: float 8-bit, E4M3)")
+    strategy = args.get("strategy", "tensor")
+    if strategy not in FLOAT_STRATEGIES:
+        raise _scheme_error(path, f"FP8 strategy '{strategy}' is not supported (supported: {', '.join(FLOAT_STRATEGIES)})")
+    block = tuple(int(v) for v in args["block_structure"]) if strategy == "block" else None
+    return Float8Spec(strategy, block, *_fp8_activations(path, activations))
+
+
+def _fp8_activations(path: str, args: dict | None) -> tuple[str | None, int | None]:
+    if not args:
+        return None, None
+    kind = (args.get("type"), int(args.get("num_bits", 8)), args.get("strategy"), bool(args.get("dynamic")))
+    if kind == ("float", 8, "token", True):
+        return "dynamic", None
+    if kind == ("float", 8, "group", True):
+        return "dynamic", int(args["group_size"])
+    if kind == ("float", 8, "tensor", False):
+        return "static", None
+    raise _scheme_error(path, f"FP8 activation scheme {kind} (type, bits, strategy, dynamic) is not supported "
+                              "(supported: float 8-bit dynamic per token or per group, float 8-bit static per tensor)")
 
 
 def _matches(target: str, path: str, module: nn.Module) -> int:
@@ -70,7 +112,7 @@ def _matches(target: str, path: str, module: nn.Module) -> int:
     return 1 if target == type(module).__name__ else 0
 
 
-def layer_spec(quant_config: dict, path: str, module: nn.Module) -> PackedIntSpec:
+def layer_spec(quant_config: dict, path: str, module: nn.Module) -> PackedIntSpec | Float8Spec:
     """The scheme of checkpoint layer `path` from config_groups (the most specific target wins)."""
     best, best_rank = None, 0
     for group in (quant_config.get("config_groups") or {}).values():
@@ -112,25 +154,48 @@ def check_shapes(path: str, spec: PackedIntSpec, out_features: int, in_features:
     return group
 
 
+def float8_scale_shape(spec: Float8Spec, out_features: int, in_features: int) -> tuple[int, ...]:
+    if spec.strategy == "tensor":
+        return (1,)
+    if spec.strategy == "channel":
+        return (out_features, 1)
+    rows, cols = spec.block
+    return (-(-out_features // rows), -(-in_features // cols))
+
+
 def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
-    """Swap each linear stored as `weight_packed` for a PackedIntLinear (see quant/loading.py)."""
-    from verispec.models.layers.quant_linear import PackedIntLinear
+    """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear or a
+    Float8Linear (see quant/loading.py)."""
+    from verispec.models.layers.quant_linear import Float8Linear, PackedIntLinear
     from verispec.quant.loading import layer_tensor_shapes, replace_module
 
     quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     check_config(quant_config)
-    names = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-    for path in sorted(n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")):
+    names = ("weight", "input_scale", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    for path in sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")):
         try:
             module = model.get_submodule(path)
         except AttributeError:
             continue  # not part of this model; the loader ignores its tensors too
-        ckpt_path = tensors[f"{path}.weight_packed"].name[: -len(".weight_packed")]
+        ckpt_path = tensors[f"{path}.weight_scale"].name[: -len(".weight_scale")]
         if not isinstance(module, nn.Linear):
             raise UnsupportedModelError(f"{ckpt_path} is quantized but verispec's {type(module).__name__} there "
                                         "has no quantized version yet (supported: linear layers)")
         spec = layer_spec(quant_config, ckpt_path, module)
-        group = check_shapes(ckpt_path, spec, module.out_features, module.in_features,
-                             layer_tensor_shapes(tensors, path, names))
-        replace_module(model, path, PackedIntLinear(module.in_features, module.out_features, spec.bits, group,
-                                              spec.symmetric, bias=module.bias is not None))
+        shapes = layer_tensor_shapes(tensors, path, names)
+        n, k = module.out_features, module.in_features
+        if isinstance(spec, Float8Spec):
+            expected = {"weight": (n, k), "weight_scale": float8_scale_shape(spec, n, k)}
+            if spec.activations == "static":
+                expected["input_scale"] = (1,)
+            for name, shape in expected.items():
+                if tuple(shapes.get(name, ())) != shape:
+                    raise UnsupportedModelError(f"{ckpt_path}.{name} has shape {tuple(shapes.get(name, ()))}, "
+                                                f"expected {shape} for FP8 {spec.strategy} over [{n}, {k}]")
+            replace_module(model, path, Float8Linear(k, n, expected["weight_scale"], spec.block,
+                                                     bias=module.bias is not None, activations=spec.activations,
+                                                     activation_group_size=spec.activation_group_size))
+            continue
+        group = check_shapes(ckpt_path, spec, n, k, shapes)
+        replace_module(model, path, PackedIntLinear(k, n, spec.bits, group, spec.symmetric,
+                                                    bias=module.bias is not None))

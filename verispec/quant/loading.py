@@ -89,10 +89,10 @@ def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The quantized layers' packed buffers, by name: the loader fills them like parameters."""
     out = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, MLXAffineEmbedding)):
-            for name, buf in module.named_buffers(recurse=False):
-                if name in module.checkpoint_buffers:
-                    out[f"{prefix}.{name}" if prefix else name] = buf
+        wanted = getattr(module, "checkpoint_buffers", ())
+        for name, buf in module.named_buffers(recurse=False):
+            if name in wanted:
+                out[f"{prefix}.{name}" if prefix else name] = buf
     return out
 
 
