@@ -14,7 +14,8 @@ from verispec.engine.engine import load_engine
 from verispec.engine.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.quant_linear import Float8Linear, PackedIntLinear
+from verispec.models.layers.float_quant_linear import Float8Linear
+from verispec.models.layers.quant_linear import PackedIntLinear
 
 from tests.quant.conftest import PROMPT, TINY_SHAPE
 

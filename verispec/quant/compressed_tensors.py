@@ -166,7 +166,8 @@ def float8_scale_shape(spec: Float8Spec, out_features: int, in_features: int) ->
 def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
     """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear or a
     Float8Linear (see quant/loading.py)."""
-    from verispec.models.layers.quant_linear import Float8Linear, PackedIntLinear
+    from verispec.models.layers.float_quant_linear import Float8Linear
+    from verispec.models.layers.quant_linear import PackedIntLinear
     from verispec.quant.loading import layer_tensor_shapes, replace_module
 
     quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")

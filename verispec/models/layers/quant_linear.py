@@ -22,7 +22,7 @@ from verispec.errors import UnsupportedModelError
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
-def _float_param(*shape: int) -> nn.Parameter:
+def float_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
@@ -40,7 +40,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.bias = _float_param(out_features) if bias else None
+        self.bias = float_param(out_features) if bias else None
 
     # the tensors of one format; overridden per format
     def packed_values(self) -> torch.Tensor:
@@ -98,8 +98,8 @@ class MLXAffineLinear(QuantizedLinear):
         self.bits, self.group_size = bits, group_size
         self.register_buffer("weight", torch.empty(out_features, packed_words(in_features, bits), dtype=torch.int32))
         num_groups = in_features // group_size
-        self.scales = _float_param(out_features, num_groups)
-        self.biases = _float_param(out_features, num_groups)
+        self.scales = float_param(out_features, num_groups)
+        self.biases = float_param(out_features, num_groups)
 
     def packed_values(self) -> torch.Tensor:
         return self.weight
@@ -140,7 +140,7 @@ class PackedIntLinear(QuantizedLinear):
         num_groups = in_features // group_size
         self.register_buffer("weight_packed",
                              torch.empty(out_features, packed_words(in_features, bits), dtype=torch.int32))
-        self.weight_scale = _float_param(out_features, num_groups)
+        self.weight_scale = float_param(out_features, num_groups)
         self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
         if not symmetric:
             self.register_buffer("weight_zero_point",
@@ -188,99 +188,6 @@ class PackedIntLinear(QuantizedLinear):
         return merged
 
 
-FP8_E4M3_MAX = 448.0
-
-
-def fp8_round_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
-                          group_size: int | None = None) -> torch.Tensor:
-    """x [..., K] rounded through FP8 E4M3 as compressed-tensors' W8A8 forward does: a scale per
-    token, or per token and group of `group_size` columns (amax / 448; dynamic), or the
-    checkpoint's input_scale (static); values clamped to +-448, cast to FP8 and back."""
-    shape = x.shape
-    if group_size is not None:
-        x = x.unflatten(-1, (shape[-1] // group_size, group_size))
-    if static_scale is None:
-        scale = x.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX
-        scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
-    else:
-        scale = static_scale.to(x.dtype)
-    rounded = (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-    return (rounded * scale).reshape(shape)
-
-
-class Float8Linear(nn.Module):
-    """compressed-tensors float-quantized FP8 (E4M3) weights: weight [N, K] (held as its uint8
-    bits, so casting the model to its dtype leaves it alone), weight_scale [1] (tensor), [N, 1]
-    (channel) or [ceil(N/bn), ceil(K/bk)] (block); w = weight * scale. Dequantized on the fly
-    (no fused FP8 kernel yet). W8A8 checkpoints also round the activations through FP8
-    (`activations`: "dynamic" per token or per token and `activation_group_size` columns, or
-    "static" with the checkpoint's input_scale [1])."""
-
-    checkpoint_buffers = ("weight",)
-
-    def __init__(self, in_features: int, out_features: int, scale_shape: tuple[int, ...],
-                 block: tuple[int, int] | None, bias: bool = False, activations: str | None = None,
-                 activation_group_size: int | None = None):
-        super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.uint8))
-        self.weight_scale = _float_param(*scale_shape)
-        self.bias = _float_param(out_features) if bias else None
-        self.activations, self.activation_group_size = activations, activation_group_size
-        self.input_scale = _float_param(1) if activations == "static" else None
-
-    def row_scales(self) -> torch.Tensor | None:
-        """[N, 1] per-row scales (tensor and channel strategies), None for blocks."""
-        if self.block is not None:
-            return None
-        return self.weight_scale.reshape(-1, 1).expand(self.out_features, 1)
-
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        compute = torch.promote_types(dtype, torch.float32)
-        w = self.weight.view(torch.float8_e4m3fn).to(compute)
-        scale = self.weight_scale.to(compute)
-        if self.block is not None:
-            rows, cols = self.block
-            scale = scale.repeat_interleave(rows, 0)[: self.out_features].repeat_interleave(cols, 1)[:, : self.in_features]
-        elif scale.dim() == 1:
-            scale = scale.reshape(1, 1)
-        return (w * scale).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if x.device.type == "cuda":
-            log.debug("FP8 linear on CUDA: dequantizing the whole weight per call (no fused FP8 kernel yet)")
-        if self.activations is not None:
-            x = fp8_round_activations(x, self.input_scale, self.activation_group_size)
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-
-    def same_quantization(self, other: nn.Module) -> bool:
-        # projections of one input usually share a static activation scale; when not, they run side by side
-        same_static = self.activations != "static" or torch.equal(self.input_scale, other.input_scale)
-        return (type(other) is Float8Linear and self.block is None and other.block is None
-                and self.activations == other.activations and same_static
-                and self.activation_group_size == other.activation_group_size
-                and self.in_features == other.in_features and (self.bias is None) == (other.bias is None))
-
-    @classmethod
-    def concat_rows(cls, layers: list["Float8Linear"]) -> "Float8Linear":
-        """Merged rows keep each layer's scale as per-row (channel) scales."""
-        first = layers[0]
-        merged = cls(first.in_features, sum(l.out_features for l in layers), (1, 1), None,
-                     bias=first.bias is not None, activations=first.activations,
-                     activation_group_size=first.activation_group_size)
-        merged.weight = torch.cat([l.weight for l in layers])
-        merged.weight_scale = nn.Parameter(torch.cat([l.row_scales() for l in layers]), requires_grad=False)
-        if first.input_scale is not None:
-            merged.input_scale = first.input_scale
-        if first.bias is not None:
-            merged.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
-        return merged
-
-    def extra_repr(self) -> str:
-        strategy = f"block={self.block}" if self.block else f"scale={tuple(self.weight_scale.shape)}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {strategy}"
-
-
 class MLXAffineEmbedding(nn.Module):
     """An MLX-quantized embedding table [V, H]: looks up only the rows it needs and decodes them.
     `as_linear()` gives the tied lm_head over the same tensors."""
@@ -293,8 +200,8 @@ class MLXAffineEmbedding(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.register_buffer("weight", torch.empty(num_embeddings, packed_words(embedding_dim, bits), dtype=torch.int32))
         num_groups = embedding_dim // group_size
-        self.scales = _float_param(num_embeddings, num_groups)
-        self.biases = _float_param(num_embeddings, num_groups)
+        self.scales = float_param(num_embeddings, num_groups)
+        self.biases = float_param(num_embeddings, num_groups)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         scales, biases = self.scales, self.biases
