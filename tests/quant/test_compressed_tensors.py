@@ -17,7 +17,7 @@ from verispec.loading.model_loader import load_model
 from verispec.models.layers.float_quant_linear import Float8Linear
 from verispec.models.layers.quant_linear import PackedIntLinear
 
-from tests.quant.conftest import PROMPT, TINY_SHAPE
+from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)")
 # transformers notes that the checkpoint's own quantization_config wins over run_compressed=False's; expected
@@ -30,71 +30,6 @@ SCHEMES = {
     "w8-channel-sym": dict(num_bits=8, symmetric=True, strategy="channel"),
     "w4-channel-asym": dict(num_bits=4, symmetric=False, strategy="channel"),
 }
-
-
-def ct_quantize(src: Path, out: Path, weights: dict | None = None, dtype=torch.float32, preset: str | None = None) -> Path:
-    """Round-to-nearest quantization with compressed-tensors' own qparams (integer `weights`
-    arguments, or a preset scheme such as FP8_DYNAMIC), compressed by its ModelCompressor and
-    saved as llm-compressor saves."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config, preset_name_to_scheme)
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
-
-    if out.exists():
-        return out
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
-    if preset is not None:
-        scheme = preset_name_to_scheme(preset, ["Linear"])
-    else:
-        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(type="int", **weights))
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    with torch.no_grad():
-        for module in model.modules():
-            if getattr(module, "quantization_scheme", None) is None:
-                continue
-            args = module.quantization_scheme.weights
-            low, high = weight_ranges(module.weight, args)
-            scale, zero = calculate_qparams(low, high, args)
-            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
-            if hasattr(module, "input_scale"):  # static activation scale (not used weights-only)
-                module.input_scale.fill_(0.05)
-    compressor = ModelCompressor.from_pretrained_model(model, None)
-    compressor.compress_model(model)
-    model.save_pretrained(str(out))
-    compressor.update_config(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
-    return out
-
-
-def weight_ranges(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-scale minimum and maximum of w [N, K] for the scheme's strategy."""
-    n, k = w.shape
-    if args.strategy == "tensor":
-        return w.amin().reshape(1), w.amax().reshape(1)
-    if args.strategy == "channel":
-        return w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    if args.strategy == "group":
-        grouped = w.view(n, -1, args.group_size)
-        return grouped.amin(-1), grouped.amax(-1)
-    rows, cols = args.block_structure  # edge blocks may be partial (k_proj is [64, 128] here)
-    starts = [(r, c) for r in range(0, n, rows) for c in range(0, k, cols)]
-    shape = (-(-n // rows), -(-k // cols))
-    low = torch.stack([w[r:r + rows, c:c + cols].amin() for r, c in starts]).view(shape)
-    high = torch.stack([w[r:r + rows, c:c + cols].amax() for r, c in starts]).view(shape)
-    return low, high
-
-
-def decompressed_by_library(path: Path, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                quantization_config=CompressedTensorsConfig(run_compressed=False))
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def read_config(model_dir: Path) -> dict:
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     from verispec.quant import loading as quant_loading
 
-    config = read_config(model_dir)
+    config = quant_loading.with_sidecar_config(read_config(model_dir), model_dir)
     cls = model_class(config.get("model_type"))
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
@@ -107,11 +107,11 @@ def _load_weights(model: CausalLM, files: list[Path], dtype: torch.dtype, device
 
 
 def _as_stored(ckpt_name: str, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float tensors in the model's dtype; quantized values keep their bits: uint32 words are held
-    as int32, FP8 values as uint8 (so casting the model to its dtype leaves them alone)."""
+    """Float tensors in the model's dtype. A quantized layer's integer buffers keep the stored bits
+    (uint32 words as int32, FP8 codes as uint8, float32 global scales as int32), so that casting
+    the model to its dtype leaves them alone."""
     if param.is_floating_point():
         return tensor.to(dtype=dtype)
-    fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if (tensor.is_floating_point() and not fp8) or tensor.element_size() != param.element_size():
+    if tensor.element_size() != param.element_size():
         raise VerispecError(f"weight {ckpt_name} is {tensor.dtype}, verispec expects {param.dtype} there")
     return tensor.view(param.dtype) if tensor.dtype != param.dtype else tensor

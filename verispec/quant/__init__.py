@@ -1,7 +1,9 @@
 """Quantized weight formats, loaded as they are stored (no conversion step).
 
 - `mlx_affine`: MLX affine group quantization (mlx-community checkpoints, `mlx_lm.convert -q`).
-- `compressed_tensors`: llm-compressor's `pack-quantized` integer weights (GPTQ / AWQ / RTN).
+- `compressed_tensors`: llm-compressor's `pack-quantized` integer weights (GPTQ / AWQ / RTN),
+  `float-quantized` FP8 and `nvfp4-pack-quantized` weights.
+- `nvfp4`: NVFP4 (modelopt's layout, and the E2M1 / E4M3 decoding both layouts share); modelopt FP8.
 - `convert`: `verispec quantize`, writing MLX checkpoints.
 
 `verispec/loading/model_loader.py` calls `quant.loading` to swap the model's linears and
@@ -17,9 +19,10 @@ from verispec.errors import UnsupportedModelError
 class QuantFormat(Enum):
     MLX_AFFINE = "mlx-affine"
     COMPRESSED_TENSORS = "compressed-tensors"
+    MODELOPT = "modelopt"
 
 
-SUPPORTED = "MLX affine (config 'quantization'), compressed-tensors pack-quantized"
+SUPPORTED = "MLX affine (config 'quantization'), compressed-tensors, modelopt"
 
 
 def detect_format(config: dict) -> QuantFormat | None:
@@ -36,5 +39,7 @@ def detect_format(config: dict) -> QuantFormat | None:
     method = qc.get("quant_method")
     if method == "compressed-tensors":
         return QuantFormat.COMPRESSED_TENSORS
+    if method == "modelopt":
+        return QuantFormat.MODELOPT
     raise UnsupportedModelError(
         f"quantization_config.quant_method '{method}' is not supported (supported: {SUPPORTED})")

@@ -27,7 +27,7 @@ from torch import nn
 from verispec.errors import UnsupportedModelError
 from verispec.quant.packing import packed_words
 
-SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized", "nvfp4-pack-quantized")
 FLOAT_STRATEGIES = ("tensor", "channel", "block")
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # those the fused kernel decodes
 SUPPORTED_STRATEGIES = ("group", "channel")
@@ -52,13 +52,16 @@ class Float8Spec:
     activation_group_size: int | None = None  # dynamic per token and group of columns
 
 
-def spec_from_args(path: str, fmt: str, args: dict | None, activations: dict | None) -> PackedIntSpec | Float8Spec:
+def spec_from_args(path: str, fmt: str, args: dict | None,
+                   activations: dict | None) -> PackedIntSpec | Float8Spec | NVFP4Spec:
     if fmt not in SUPPORTED_FORMATS:
         raise _scheme_error(path, f"format '{fmt}' is not supported (supported: {', '.join(SUPPORTED_FORMATS)})")
     if not args:
         raise _scheme_error(path, "no weight quantization arguments")
     if fmt == "float-quantized":
         return _float8_spec(path, args, activations)
+    if fmt == "nvfp4-pack-quantized":
+        return _nvfp4_spec(path, args, activations)
     if args.get("type", "int") != "int":
         raise _scheme_error(path, f"weight type '{args.get('type')}' is not supported (supported: int)")
     bits = int(args.get("num_bits", 8))
@@ -88,6 +91,21 @@ def _float8_spec(path: str, args: dict, activations: dict | None) -> Float8Spec:
     return Float8Spec(strategy, block, *_fp8_activations(path, activations))
 
 
+@dataclass(frozen=True)
+class NVFP4Spec:
+    """E2M1 values, E4M3 scales per 16 columns, a float32 global scale (quant/nvfp4.py)."""
+
+
+def _nvfp4_spec(path: str, args: dict, activations: dict | None) -> NVFP4Spec:
+    kind = (args.get("type"), int(args.get("num_bits", 4)), int(args.get("group_size") or 0))
+    if kind != ("float", 4, 16):
+        raise _scheme_error(path, f"nvfp4-pack-quantized weights {kind} (type, bits, group) are not supported "
+                                  "(supported: float 4-bit group 16)")
+    if activations:
+        raise _scheme_error(path, "FP4 activations (NVFP4 W4A4) are not supported (supported: NVFP4A16)")
+    return NVFP4Spec()
+
+
 def _fp8_activations(path: str, args: dict | None) -> tuple[str | None, int | None]:
     if not args:
         return None, None
@@ -112,7 +130,7 @@ def _matches(target: str, path: str, module: nn.Module) -> int:
     return 1 if target == type(module).__name__ else 0
 
 
-def layer_spec(quant_config: dict, path: str, module: nn.Module) -> PackedIntSpec | Float8Spec:
+def layer_spec(quant_config: dict, path: str, module: nn.Module) -> PackedIntSpec | Float8Spec | NVFP4Spec:
     """The scheme of checkpoint layer `path` from config_groups (the most specific target wins)."""
     best, best_rank = None, 0
     for group in (quant_config.get("config_groups") or {}).values():
@@ -166,13 +184,13 @@ def float8_scale_shape(spec: Float8Spec, out_features: int, in_features: int) ->
 def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
     """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear or a
     Float8Linear (see quant/loading.py)."""
-    from verispec.models.layers.float_quant_linear import Float8Linear
+    from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
     from verispec.models.layers.quant_linear import PackedIntLinear
     from verispec.quant.loading import layer_tensor_shapes, replace_module
 
     quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     check_config(quant_config)
-    names = ("weight", "input_scale", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    names = ("weight", "input_scale", "weight_global_scale", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
     for path in sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")):
         try:
             module = model.get_submodule(path)
@@ -185,6 +203,14 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
         spec = layer_spec(quant_config, ckpt_path, module)
         shapes = layer_tensor_shapes(tensors, path, names)
         n, k = module.out_features, module.in_features
+        if isinstance(spec, NVFP4Spec):
+            expected = {"weight_packed": (n, k // 2), "weight_scale": (n, k // 16), "weight_global_scale": (1,)}
+            for name, shape in expected.items():
+                if tuple(shapes.get(name, ())) != shape:
+                    raise UnsupportedModelError(f"{ckpt_path}.{name} has shape {tuple(shapes.get(name, ()))}, "
+                                                f"expected {shape} for NVFP4 over [{n}, {k}]")
+            replace_module(model, path, NVFP4Linear(k, n, layout="compressed-tensors", bias=module.bias is not None))
+            continue
         if isinstance(spec, Float8Spec):
             expected = {"weight": (n, k), "weight_scale": float8_scale_shape(spec, n, k)}
             if spec.activations == "static":

@@ -8,12 +8,14 @@ needs. Models stay format-agnostic: they only ever see modules that map [..., K]
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from verispec.errors import UnsupportedModelError
+from verispec.errors import UnsupportedModelError, VerispecError
 from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear, QuantizedLinear
 from verispec.quant import QuantFormat, detect_format
 
@@ -33,7 +35,23 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict[str, CheckpointT
     elif fmt is QuantFormat.COMPRESSED_TENSORS:
         from verispec.quant.compressed_tensors import prepare_model as prepare_ct
         prepare_ct(model, config, tensors)
+    elif fmt is QuantFormat.MODELOPT:
+        from verispec.quant.nvfp4 import prepare_modelopt
+        prepare_modelopt(model, config["quantization_config"], tensors)
     return fmt
+
+
+def with_sidecar_config(config: dict, model_dir: Path) -> dict:
+    """config.json, plus the quantization section modelopt writes to hf_quant_config.json
+    instead of config.json (as quantization_config, quant_method "modelopt")."""
+    sidecar = model_dir / "hf_quant_config.json"
+    if "quantization_config" in config or "quantization" in config or not sidecar.is_file():
+        return config
+    try:
+        section = json.loads(sidecar.read_text()).get("quantization", {})
+    except (OSError, json.JSONDecodeError) as exc:
+        raise VerispecError(f"could not read {sidecar}: {exc}") from exc
+    return dict(config, quantization_config=dict(section, quant_method="modelopt"))
 
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -47,14 +47,14 @@ class Float8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, scale_shape: tuple[int, ...],
                  block: tuple[int, int] | None, bias: bool = False, activations: str | None = None,
-                 activation_group_size: int | None = None):
+                 activation_group_size: int | None = None, input_scale_shape: tuple[int, ...] = (1,)):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.uint8))
         self.weight_scale = float_param(*scale_shape)
         self.bias = float_param(out_features) if bias else None
         self.activations, self.activation_group_size = activations, activation_group_size
-        self.input_scale = float_param(1) if activations == "static" else None
+        self.input_scale = float_param(*input_scale_shape) if activations == "static" else None
 
     def row_scales(self) -> torch.Tensor | None:
         """[N, 1] per-row scales (tensor and channel strategies), None for blocks."""
@@ -69,8 +69,8 @@ class Float8Linear(nn.Module):
         if self.block is not None:
             rows, cols = self.block
             scale = scale.repeat_interleave(rows, 0)[: self.out_features].repeat_interleave(cols, 1)[:, : self.in_features]
-        elif scale.dim() == 1:
-            scale = scale.reshape(1, 1)
+        elif scale.dim() <= 1:
+            scale = scale.reshape(1, 1)  # one scale for the tensor ([1] or [])
         return (w * scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -106,3 +106,43 @@ class Float8Linear(nn.Module):
     def extra_repr(self) -> str:
         strategy = f"block={self.block}" if self.block else f"scale={tuple(self.weight_scale.shape)}"
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {strategy}"
+
+
+class NVFP4Linear(nn.Module):
+    """NVFP4 weights (verispec/quant/nvfp4.py) in one of two layouts:
+    modelopt: weight uint8 [N, K/2], weight_scale E4M3 [N, K/16], weight_scale_2 float32 [];
+    compressed-tensors: weight_packed, weight_scale, weight_global_scale float32 [1].
+    w = e2m1 * weight_scale * weight_scale_2 (modelopt) or e2m1 * (weight_scale / global)."""
+
+    LAYOUTS = {"modelopt": ("weight", "weight_scale_2", ()),
+               "compressed-tensors": ("weight_packed", "weight_global_scale", (1,))}
+
+    def __init__(self, in_features: int, out_features: int, layout: str, bias: bool = False):
+        super().__init__()
+        if layout not in self.LAYOUTS:
+            raise ValueError(f"NVFP4 layout '{layout}' (known: {', '.join(self.LAYOUTS)})")
+        self.in_features, self.out_features, self.layout = in_features, out_features, layout
+        self.values_name, self.global_name, global_shape = self.LAYOUTS[layout]
+        self.checkpoint_buffers = (self.values_name, "weight_scale", self.global_name)
+        self.register_buffer(self.values_name, torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.empty(out_features, in_features // 16, dtype=torch.uint8))
+        self.register_buffer(self.global_name, torch.empty(global_shape, dtype=torch.int32))  # float32 bits
+        self.bias = float_param(out_features) if bias else None
+
+    def global_scale(self) -> torch.Tensor:
+        return getattr(self, self.global_name).view(torch.float32)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        from verispec.quant.nvfp4 import dequantize
+
+        w = dequantize(getattr(self, self.values_name), self.weight_scale, self.global_scale(),
+                       divide_by_global=self.layout == "compressed-tensors")
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if x.device.type == "cuda":
+            log.debug("NVFP4 linear on CUDA: dequantizing the whole weight per call (no fused FP4 kernel yet)")
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 ({self.layout})"

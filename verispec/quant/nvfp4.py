@@ -1,0 +1,112 @@
+"""NVFP4 weights: FP4 E2M1 values, one FP8 E4M3 scale per 16 consecutive input columns, and one
+float32 scale per tensor.
+
+Two checkpoint layouts carry it:
+- NVIDIA modelopt (`hf_quant_config.json` or `quantization_config.quant_method: modelopt`,
+  `quant_algo: NVFP4`): `P.weight` uint8 [N, K/2], `P.weight_scale` float8_e4m3fn [N, K/16],
+  `P.weight_scale_2` float32 [] and `P.input_scale`; w = e2m1 * weight_scale * weight_scale_2.
+- compressed-tensors `nvfp4-pack-quantized`: `P.weight_packed` uint8 [N, K/2], `P.weight_scale`
+  float8_e4m3fn [N, K/16], `P.weight_global_scale` float32 [1]; w = e2m1 * (weight_scale / global).
+Two values per byte, the first in the low nibble; E2M1 nibble = sign | exponent (2) | mantissa (1).
+
+Activations are not rounded to FP4 here: weights-only (W4A16), as engines run NVFP4 on GPUs
+without FP4 tensor cores (everything before Blackwell). modelopt's `FP8` algorithm (per-tensor
+FP8 weights and static FP8 activations) is read by the same loader (Float8Linear).
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from verispec.errors import UnsupportedModelError
+
+GROUP_SIZE = 16
+SUPPORTED_ALGOS = ("NVFP4", "FP8")
+# the 16 E2M1 codes: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """packed [..., K/2] uint8 -> values [..., K] float32 (low nibble first)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    low = (packed & 0x0F).long()
+    high = (packed >> 4).long()
+    return table[torch.stack([low, high], dim=-1).flatten(-2)]
+
+
+def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
+               divide_by_global: bool) -> torch.Tensor:
+    """packed [N, K/2] uint8; block_scales [N, K/16] (float8_e4m3fn, or its uint8 bits);
+    global_scale float32 (one element) -> weight [N, K] float32. modelopt multiplies by its
+    weight_scale_2; compressed-tensors divides the block scales by its global scale."""
+    if block_scales.dtype == torch.uint8:
+        block_scales = block_scales.view(torch.float8_e4m3fn)
+    scales = block_scales.to(torch.float32)
+    g = global_scale.to(torch.float32).reshape(())
+    scales = scales / g if divide_by_global else scales * g
+    values = unpack_e2m1(packed)
+    n, k = values.shape
+    return (values.view(n, k // GROUP_SIZE, GROUP_SIZE) * scales.unsqueeze(-1)).view(n, k)
+
+
+def modelopt_config(config: dict, hf_quant_config: dict | None) -> dict | None:
+    """The modelopt quantization section, from config.json's quantization_config
+    (quant_method: modelopt) or the hf_quant_config.json modelopt writes beside it."""
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") == "modelopt":
+        return qc
+    if hf_quant_config is not None:
+        return dict(hf_quant_config.get("quantization", {}), quant_method="modelopt")
+    return None
+
+
+def check_modelopt(quant: dict) -> str:
+    algo = quant.get("quant_algo")
+    if algo not in SUPPORTED_ALGOS:
+        raise UnsupportedModelError(
+            f"modelopt quant_algo '{algo}' is not supported (supported: {', '.join(SUPPORTED_ALGOS)})")
+    if algo == "NVFP4" and int(quant.get("group_size", GROUP_SIZE)) != GROUP_SIZE:
+        raise UnsupportedModelError(f"modelopt NVFP4 group_size {quant.get('group_size')} is not supported "
+                                    f"(supported: {GROUP_SIZE})")
+    return algo
+
+
+def excluded(quant: dict, path: str) -> bool:
+    """modelopt's exclude_modules (or ignore) patterns use shell wildcards."""
+    patterns = quant.get("exclude_modules") or quant.get("ignore") or []
+    return any(fnmatch.fnmatch(path, p) for p in patterns)
+
+
+def prepare_modelopt(model: nn.Module, quant: dict, tensors: dict) -> None:
+    """Swap modelopt-quantized linears in (see quant/loading.py)."""
+    from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
+    from verispec.quant.loading import layer_tensor_shapes, replace_module
+
+    algo = check_modelopt(quant)
+    for path in sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")):
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue  # not part of this model; the loader ignores its tensors too
+        ckpt_path = tensors[f"{path}.weight_scale"].name[: -len(".weight_scale")]
+        if not isinstance(module, nn.Linear):
+            raise UnsupportedModelError(f"{ckpt_path} is quantized but verispec's {type(module).__name__} there "
+                                        "has no quantized version yet (supported: linear layers)")
+        n, k = module.out_features, module.in_features
+        shapes = layer_tensor_shapes(tensors, path, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+        if algo == "NVFP4":
+            expected = {"weight": (n, k // 2), "weight_scale": (n, k // GROUP_SIZE), "weight_scale_2": ()}
+            new = NVFP4Linear(k, n, layout="modelopt", bias=module.bias is not None)
+        else:
+            expected = {"weight": (n, k), "weight_scale": (), "input_scale": ()}
+            new = Float8Linear(k, n, (), None, bias=module.bias is not None, activations="static",
+                               input_scale_shape=())
+        if k % GROUP_SIZE and algo == "NVFP4":
+            raise UnsupportedModelError(f"{ckpt_path}: {k} input features are not a multiple of {GROUP_SIZE}")
+        for name, shape in expected.items():
+            if tuple(shapes.get(name, (-1,))) != shape:
+                raise UnsupportedModelError(f"{ckpt_path}.{name} has shape {tuple(shapes.get(name, ()))}, expected "
+                                            f"{shape} for modelopt {algo} over [{n}, {k}]")
+        replace_module(model, path, new)
