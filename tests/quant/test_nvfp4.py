@@ -54,12 +54,14 @@ def nvfp4_checkpoints(tiny_models, tmp_path_factory) -> dict[str, Path]:
     return {"compressed-tensors": ct, "modelopt": as_modelopt(ct, root / "modelopt")}
 
 
-def as_modelopt(ct_dir: Path, out: Path) -> Path:
+def as_modelopt(ct_dir: Path, out: Path, algo: str = "NVFP4") -> Path:
     """The compressed-tensors checkpoint under modelopt's names and hf_quant_config.json."""
     out.mkdir()
     tensors = {}
     for name, t in load_file(str(ct_dir / "model.safetensors")).items():
-        if name.endswith(".weight_packed"):
+        if algo == "FP8" and name.endswith((".weight_scale", ".input_scale")):
+            tensors[name] = t.reshape(())  # modelopt keeps per-tensor scales as scalars
+        elif name.endswith(".weight_packed"):
             tensors[name.replace(".weight_packed", ".weight")] = t
         elif name.endswith(".weight_global_scale"):
             tensors[name.replace(".weight_global_scale", ".weight_scale_2")] = (1.0 / t).reshape(())
@@ -72,7 +74,7 @@ def as_modelopt(ct_dir: Path, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config))
     (out / "hf_quant_config.json").write_text(json.dumps({
         "producer": {"name": "modelopt"},
-        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+        "quantization": {"quant_algo": algo, "group_size": 16, "exclude_modules": ["lm_head"]}}))
     for f in ct_dir.iterdir():
         if f.name.startswith(("tokenizer", "generation_config", "chat_template")):
             (out / f.name).write_bytes(f.read_bytes())
@@ -109,6 +111,25 @@ def test_greedy_equals_transformers_on_decompressed(nvfp4_checkpoints, layout):
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     engine = load_engine(str(nvfp4_checkpoints[layout]), dtype="float32", device="cpu", prefill_step_size=16)
     assert engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids == expected
+
+
+def test_modelopt_fp8(tiny_models, tmp_path):
+    """modelopt FP8: per-tensor FP8 weights and static FP8 activations, the compressed-tensors FP8
+    scheme under modelopt's names; outputs equal the library's model (activations rounded too)."""
+    src = tiny_models.get("quant-qwen3", "qwen3", head_dim=32, **TINY_SHAPE)
+    ct = ct_quantize(src, tmp_path / "ct-fp8", preset="FP8")
+    path = as_modelopt(ct, tmp_path / "modelopt-fp8", algo="FP8")
+    ours = load_model(path, torch.float32, torch.device("cpu"))
+    theirs = decompressed_by_library(ct)
+    layer = ours.model.layers[1].self_attn.k_proj
+    assert layer.activations == "static" and layer.input_scale.shape == ()
+    torch.testing.assert_close(layer.dequantized_weight(torch.float32), theirs.model.layers[1].self_attn.k_proj.weight,
+                               rtol=0, atol=0)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        got = ours.logits(ours(ids, torch.arange(len(PROMPT))[None], ours.make_cache(16)).hidden)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_modelopt_algorithms_are_named(nvfp4_checkpoints, tmp_path):

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import log
-from verispec.kernels import quant_matmul
 from verispec.errors import UnsupportedModelError
+from verispec.kernels import quant_matmul
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
 def float_param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+    """An uninitialised float parameter (filled by the loader); no shape gives a scalar."""
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
 
 
 class QuantizedLinear(nn.Module):
