@@ -61,3 +61,35 @@ def test_rejects_bad_operands():
         kernel.dequant_matmul(torch.zeros(17, 64, device=DEVICE), packed, scales, offsets, 4, 32)
     with pytest.raises(ValueError, match="group_size"):
         kernel.dequant_matmul(torch.zeros(1, 96, device=DEVICE), packed, scales, offsets, 4, 32)
+
+
+def random_layers():
+    """An MLX affine layer with a bias and an asymmetric compressed-tensors layer, filled at random."""
+    from verispec.models.layers.quant_linear import MLXAffineLinear, PackedIntLinear
+
+    gen = torch.Generator().manual_seed(5)
+    mlx = MLXAffineLinear(128, 48, bits=3, group_size=32, bias=True)
+    mlx.weight = pack_rows(torch.randint(0, 8, (48, 128), generator=gen), 3)
+    mlx.scales.data = torch.rand(48, 4, generator=gen) * 0.1
+    mlx.biases.data = torch.randn(48, 4, generator=gen) * 0.1
+    mlx.bias.data = torch.randn(48, generator=gen)
+    ct = PackedIntLinear(128, 40, bits=4, group_size=64, symmetric=False)
+    ct.weight_packed = pack_rows(torch.randint(0, 16, (40, 128), generator=gen), 4)
+    ct.weight_scale.data = torch.rand(40, 2, generator=gen) * 0.1
+    ct.weight_zero_point = pack_rows(torch.randint(0, 16, (40, 2), generator=gen).T, 4).T.contiguous()
+    ct.weight_shape = torch.tensor([40, 128])
+    ct.finish_loading()
+    return [mlx.to(DEVICE), ct.to(DEVICE)]
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_layer_forward_through_kernel_equals_dequantized_path(monkeypatch, rows):
+    """The layers hand the kernel the right operands (offset form, zero points, bias, shapes)."""
+    for layer in random_layers():
+        x = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        monkeypatch.setattr(kernel, "available", lambda device: False)
+        expected = layer(x)
+        monkeypatch.setattr(kernel, "available", lambda device: True)  # the interpreter on CPU
+        got = layer(x)
+        assert got.shape == (1, rows, layer.out_features)
+        assert float((got - expected).norm() / expected.norm()) < 1e-6
