@@ -1,13 +1,16 @@
 """Lossless on quantized targets: speculative greedy == plain greedy, token for token, with an
-MLX 4-bit target (quantized embedding and head) and EAGLE3 / oracle proposers."""
+MLX 4-bit target (quantized embedding and head) and EAGLE3 / oracle proposers, and a quantized
+Qwen3.5 target speculating with its own (float) MTP head."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from verispec.demo.tiny import write_random_eagle3
+from verispec.cli import main
+from verispec.demo.tiny import build_tiny_qwen3_5, random_mtp_head, write_mtp_sidecar, write_random_eagle3
 from verispec.engine.engine import load_engine
+from verispec.spec.mtp import MtpProposer, load_mtp_head
 
 from tests.quant.conftest import mlx_convert, quantized_modules
 from tests.spec.conftest import TARGET_SHAPE, PROMPTS, ReplayProposer, eagle3_proposer, greedy, spec_engine
@@ -49,3 +52,22 @@ def test_eagle3_drafter_on_quantized_target(quantized_target, tmp_path):
         spec = spec_engine(engine, proposer, k)
         for ids, cont in zip(prompts, plain):
             assert spec.generate_all(ids, greedy(NEW_TOKENS)).token_ids == cont, f"k={k}"
+
+
+def test_mtp_head_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
+    """`verispec quantize` copies the MTP sidecar as it is; the float head drafts for the 4-bit target."""
+    src = tmp_path / "float"
+    build_tiny_qwen3_5(src, seed=21, tokenizer_dir=tokenizer_dir)
+    write_mtp_sidecar(src / "mtp.safetensors", random_mtp_head(json.loads((src / "config.json").read_text()), seed=5))
+    assert main(["quantize", "-m", str(src), "--format", "mlx-4bit", "--group-size", "32",
+                 "--out", str(tmp_path / "q4")]) == 0
+    engine = load_engine(str(tmp_path / "q4"), dtype="float64", device="cpu", prefill_step_size=16)
+    assert "model.layers.0.mlp.down_proj" in quantized_modules(engine.model)
+    head = load_mtp_head(tmp_path / "q4", engine.model)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for k in (1, 3):
+        spec = spec_engine(engine, MtpProposer(head), k)
+        for ids in prompts:
+            expected = engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids
+            result = spec.generate_all(ids, greedy(NEW_TOKENS))
+            assert result.token_ids == expected and result.stats.method == "mtp", f"k={k}"
