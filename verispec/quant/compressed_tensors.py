@@ -152,9 +152,8 @@ def check_config(quant_config: dict) -> None:
         raise UnsupportedModelError("compressed-tensors sparsity_config is not supported")
 
 
-def check_shapes(path: str, spec: PackedIntSpec, out_features: int, in_features: int,
-                 shapes: dict[str, tuple]) -> int:
-    """Checks the layer's tensor shapes; returns its group size (in_features for "channel")."""
+def packed_int_shapes(path: str, spec: PackedIntSpec, out_features: int, in_features: int) -> tuple[int, dict]:
+    """The layer's group size (in_features for "channel") and its tensors' shapes."""
     group = spec.group_size or in_features
     if in_features % group:
         raise UnsupportedModelError(f"{path}: {in_features} input features are not a multiple of group_size {group}")
@@ -163,13 +162,7 @@ def check_shapes(path: str, spec: PackedIntSpec, out_features: int, in_features:
                 "weight_scale": (out_features, num_groups), "weight_shape": (2,)}
     if not spec.symmetric:
         expected["weight_zero_point"] = (packed_words(out_features, spec.bits), num_groups)
-    for name, shape in expected.items():
-        if tuple(shapes.get(name, ())) != shape:
-            raise UnsupportedModelError(f"{path}.{name} has shape {tuple(shapes.get(name, ()))}, expected {shape} "
-                                        f"for {spec.bits}-bit group {group} over [{out_features}, {in_features}]")
-    if "weight_g_idx" in shapes:
-        raise UnsupportedModelError(f"{path}.weight_g_idx: activation-ordered groups are not supported yet")
-    return group
+    return group, expected
 
 
 def float8_scale_shape(spec: Float8Spec, out_features: int, in_features: int) -> tuple[int, ...]:
@@ -182,47 +175,35 @@ def float8_scale_shape(spec: Float8Spec, out_features: int, in_features: int) ->
 
 
 def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
-    """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear or a
-    Float8Linear (see quant/loading.py)."""
+    """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear, a Float8Linear
+    or an NVFP4Linear (see quant/loading.py)."""
     from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
     from verispec.models.layers.quant_linear import PackedIntLinear
-    from verispec.quant.loading import layer_tensor_shapes, replace_module
+    from verispec.quant.loading import expect_shapes, quantized_sites, replace_module
 
     quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     check_config(quant_config)
-    names = ("weight", "input_scale", "weight_global_scale", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-    for path in sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")):
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            continue  # not part of this model; the loader ignores its tensors too
-        ckpt_path = tensors[f"{path}.weight_scale"].name[: -len(".weight_scale")]
-        if not isinstance(module, nn.Linear):
-            raise UnsupportedModelError(f"{ckpt_path} is quantized but verispec's {type(module).__name__} there "
-                                        "has no quantized version yet (supported: linear layers)")
-        spec = layer_spec(quant_config, ckpt_path, module)
-        shapes = layer_tensor_shapes(tensors, path, names)
-        n, k = module.out_features, module.in_features
+    for site in quantized_sites(model, tensors, "weight_scale"):
+        spec = layer_spec(quant_config, site.checkpoint_path, site.module)
+        n, k, bias = site.module.out_features, site.module.in_features, site.module.bias is not None
         if isinstance(spec, NVFP4Spec):
-            expected = {"weight_packed": (n, k // 2), "weight_scale": (n, k // 16), "weight_global_scale": (1,)}
-            for name, shape in expected.items():
-                if tuple(shapes.get(name, ())) != shape:
-                    raise UnsupportedModelError(f"{ckpt_path}.{name} has shape {tuple(shapes.get(name, ()))}, "
-                                                f"expected {shape} for NVFP4 over [{n}, {k}]")
-            replace_module(model, path, NVFP4Linear(k, n, layout="compressed-tensors", bias=module.bias is not None))
-            continue
-        if isinstance(spec, Float8Spec):
+            if k % 16:
+                raise UnsupportedModelError(f"{site.checkpoint_path}: {k} input features are not a multiple of 16")
+            expect_shapes(site, {"weight_packed": (n, k // 2), "weight_scale": (n, k // 16),
+                                 "weight_global_scale": (1,)}, f"NVFP4 over [{n}, {k}]")
+            new = NVFP4Linear(k, n, layout="compressed-tensors", bias=bias)
+        elif isinstance(spec, Float8Spec):
             expected = {"weight": (n, k), "weight_scale": float8_scale_shape(spec, n, k)}
             if spec.activations == "static":
                 expected["input_scale"] = (1,)
-            for name, shape in expected.items():
-                if tuple(shapes.get(name, ())) != shape:
-                    raise UnsupportedModelError(f"{ckpt_path}.{name} has shape {tuple(shapes.get(name, ()))}, "
-                                                f"expected {shape} for FP8 {spec.strategy} over [{n}, {k}]")
-            replace_module(model, path, Float8Linear(k, n, expected["weight_scale"], spec.block,
-                                                     bias=module.bias is not None, activations=spec.activations,
-                                                     activation_group_size=spec.activation_group_size))
-            continue
-        group = check_shapes(ckpt_path, spec, n, k, shapes)
-        replace_module(model, path, PackedIntLinear(k, n, spec.bits, group, spec.symmetric,
-                                                    bias=module.bias is not None))
+            expect_shapes(site, expected, f"FP8 {spec.strategy} over [{n}, {k}]")
+            new = Float8Linear(k, n, expected["weight_scale"], spec.block, bias=bias, activations=spec.activations,
+                               activation_group_size=spec.activation_group_size)
+        else:
+            group, expected = packed_int_shapes(site.checkpoint_path, spec, n, k)
+            expect_shapes(site, expected, f"{spec.bits}-bit group {group} over [{n}, {k}]")
+            if "weight_g_idx" in site.shapes:
+                raise UnsupportedModelError(
+                    f"{site.checkpoint_path}.weight_g_idx: activation-ordered groups are not supported yet")
+            new = PackedIntLinear(k, n, spec.bits, group, spec.symmetric, bias=bias)
+        replace_module(model, site.path, new)

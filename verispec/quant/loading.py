@@ -60,36 +60,67 @@ def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def layer_tensor_shapes(tensors: dict[str, CheckpointTensor], prefix: str, names: tuple[str, ...]) -> dict[str, tuple]:
-    return {n: tensors[f"{prefix}.{n}"].shape for n in names if f"{prefix}.{n}" in tensors}
+@dataclass(frozen=True)
+class QuantizedSite:
+    """One module of the model whose checkpoint tensors are quantized."""
+
+    path: str  # our module path
+    checkpoint_path: str  # the checkpoint's name for it (config entries use these)
+    module: nn.Module  # the float module it replaces
+    shapes: dict[str, tuple]  # its checkpoint tensors' shapes by local name (weight, scales, ...)
+
+
+def quantized_sites(model: nn.Module, tensors: dict[str, CheckpointTensor], marker: str,
+                    kinds: tuple[type, ...] = (nn.Linear,)) -> list[QuantizedSite]:
+    """The modules with a `<path>.<marker>` tensor (a tensor only quantized layers have). Paths
+    this model does not have are skipped (the loader ignores their tensors too, e.g. a vision
+    tower); a quantized module of another kind is an error naming the kinds supported."""
+    by_layer: dict[str, dict[str, tuple]] = {}  # layer path -> {local tensor name: shape}
+    for name, t in tensors.items():
+        layer, _, local = name.rpartition(".")
+        by_layer.setdefault(layer, {})[local] = t.shape
+    sites = []
+    for path in sorted(layer for layer, local in by_layer.items() if marker in local):
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        checkpoint_path = tensors[f"{path}.{marker}"].name[: -len(marker) - 1]
+        if not isinstance(module, kinds):
+            supported = " and ".join(k.__name__ for k in kinds)
+            raise UnsupportedModelError(f"{checkpoint_path} is quantized but verispec's {type(module).__name__} "
+                                        f"there has no quantized version yet (supported: {supported})")
+        sites.append(QuantizedSite(path, checkpoint_path, module, by_layer[path]))
+    return sites
+
+
+def expect_shapes(site: QuantizedSite, expected: dict[str, tuple], what: str) -> None:
+    """Each named tensor of the layer has the shape its format implies (a missing one too)."""
+    for name, shape in expected.items():
+        found = site.shapes.get(name)
+        if found is None or tuple(found) != tuple(shape):
+            raise UnsupportedModelError(f"{site.checkpoint_path}.{name} has shape {found}, expected {tuple(shape)} "
+                                        f"for {what}")
 
 
 def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, CheckpointTensor]) -> None:
     from verispec.quant import mlx_affine
 
     mlx_affine.mode_of(quantization, "affine")
-    layers = sorted(name[: -len(".scales")] for name in tensors if name.endswith(".scales"))
-    for path in layers:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            continue  # a part of the checkpoint this model does not use; the loader skips it too
-        shapes = layer_tensor_shapes(tensors, path, mlx_affine.TENSOR_NAMES)
-        ckpt_path = tensors[f"{path}.scales"].name[: -len(".scales")]
-        if isinstance(module, nn.Linear):
-            spec = mlx_affine.layer_spec(ckpt_path, quantization, module.in_features, shapes)
-            spec.check_shapes(ckpt_path, module.out_features, module.in_features, shapes)
-            replace_module(model, path, MLXAffineLinear(module.in_features, module.out_features, spec.bits,
-                                                  spec.group_size, bias=module.bias is not None))
-        elif isinstance(module, nn.Embedding):
-            spec = mlx_affine.layer_spec(ckpt_path, quantization, module.embedding_dim, shapes)
-            spec.check_shapes(ckpt_path, module.num_embeddings, module.embedding_dim, shapes)
-            replace_module(model, path, MLXAffineEmbedding(module.num_embeddings, module.embedding_dim,
-                                                     spec.bits, spec.group_size))
+    for site in quantized_sites(model, tensors, "scales", (nn.Linear, nn.Embedding)):
+        m = site.module
+        if isinstance(m, nn.Linear):
+            out_features, in_features = m.out_features, m.in_features
         else:
-            raise UnsupportedModelError(
-                f"{ckpt_path} is quantized but verispec's {type(module).__name__} there has no quantized "
-                "version yet (supported: linear layers and embeddings)")
+            out_features, in_features = m.num_embeddings, m.embedding_dim
+        spec = mlx_affine.layer_spec(site.checkpoint_path, quantization, in_features, site.shapes)
+        expect_shapes(site, spec.tensor_shapes(out_features, in_features),
+                      f"{spec.bits}-bit group {spec.group_size} over [{out_features}, {in_features}]")
+        if isinstance(m, nn.Linear):
+            new = MLXAffineLinear(in_features, out_features, spec.bits, spec.group_size, bias=m.bias is not None)
+        else:
+            new = MLXAffineEmbedding(out_features, in_features, spec.bits, spec.group_size)
+        replace_module(model, site.path, new)
     _tie_quantized_head(model)
 
 

@@ -39,19 +39,13 @@ class AffineSpec:
                 f"MLX affine group_size={self.group_size} is not supported "
                 f"(supported: {', '.join(map(str, SUPPORTED_GROUP_SIZES))})")
 
-    def check_shapes(self, name: str, out_features: int, in_features: int, shapes: dict[str, tuple]) -> None:
-        """`shapes`: this layer's checkpoint tensor shapes by local name (weight, scales, biases)."""
+    def tensor_shapes(self, out_features: int, in_features: int) -> dict[str, tuple]:
+        """The checkpoint shapes of a layer [out_features, in_features] quantized this way."""
         if in_features % self.group_size:
             raise UnsupportedModelError(
-                f"{name}: {in_features} input features are not a multiple of group_size {self.group_size}")
-        expected = {"weight": (out_features, packed_words(in_features, self.bits)),
-                    "scales": (out_features, in_features // self.group_size),
-                    "biases": (out_features, in_features // self.group_size)}
-        for local, shape in expected.items():
-            if tuple(shapes.get(local, ())) != shape:
-                raise UnsupportedModelError(
-                    f"{name}.{local} has shape {tuple(shapes.get(local, ()))}, expected {shape} for "
-                    f"{self.bits}-bit group {self.group_size} over [{out_features}, {in_features}]")
+                f"{in_features} input features are not a multiple of group_size {self.group_size}")
+        groups = (out_features, in_features // self.group_size)
+        return {"weight": (out_features, packed_words(in_features, self.bits)), "scales": groups, "biases": groups}
 
 
 def mode_of(entry: dict, default: str) -> str:

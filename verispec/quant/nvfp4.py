@@ -15,8 +15,6 @@ FP8 weights and static FP8 activations) is read by the same loader (Float8Linear
 """
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 
@@ -73,40 +71,22 @@ def check_modelopt(quant: dict) -> str:
     return algo
 
 
-def excluded(quant: dict, path: str) -> bool:
-    """modelopt's exclude_modules (or ignore) patterns use shell wildcards."""
-    patterns = quant.get("exclude_modules") or quant.get("ignore") or []
-    return any(fnmatch.fnmatch(path, p) for p in patterns)
-
-
 def prepare_modelopt(model: nn.Module, quant: dict, tensors: dict) -> None:
     """Swap modelopt-quantized linears in (see quant/loading.py)."""
     from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
-    from verispec.quant.loading import layer_tensor_shapes, replace_module
+    from verispec.quant.loading import expect_shapes, quantized_sites, replace_module
 
     algo = check_modelopt(quant)
-    for path in sorted(n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")):
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            continue  # not part of this model; the loader ignores its tensors too
-        ckpt_path = tensors[f"{path}.weight_scale"].name[: -len(".weight_scale")]
-        if not isinstance(module, nn.Linear):
-            raise UnsupportedModelError(f"{ckpt_path} is quantized but verispec's {type(module).__name__} there "
-                                        "has no quantized version yet (supported: linear layers)")
-        n, k = module.out_features, module.in_features
-        shapes = layer_tensor_shapes(tensors, path, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+    for site in quantized_sites(model, tensors, "weight_scale"):
+        n, k, bias = site.module.out_features, site.module.in_features, site.module.bias is not None
         if algo == "NVFP4":
+            if k % GROUP_SIZE:
+                raise UnsupportedModelError(f"{site.checkpoint_path}: {k} input features are not a multiple of "
+                                            f"{GROUP_SIZE}")
             expected = {"weight": (n, k // 2), "weight_scale": (n, k // GROUP_SIZE), "weight_scale_2": ()}
-            new = NVFP4Linear(k, n, layout="modelopt", bias=module.bias is not None)
+            new = NVFP4Linear(k, n, layout="modelopt", bias=bias)
         else:
             expected = {"weight": (n, k), "weight_scale": (), "input_scale": ()}
-            new = Float8Linear(k, n, (), None, bias=module.bias is not None, activations="static",
-                               input_scale_shape=())
-        if k % GROUP_SIZE and algo == "NVFP4":
-            raise UnsupportedModelError(f"{ckpt_path}: {k} input features are not a multiple of {GROUP_SIZE}")
-        for name, shape in expected.items():
-            if tuple(shapes.get(name, (-1,))) != shape:
-                raise UnsupportedModelError(f"{ckpt_path}.{name} has shape {tuple(shapes.get(name, ()))}, expected "
-                                            f"{shape} for modelopt {algo} over [{n}, {k}]")
-        replace_module(model, path, new)
+            new = Float8Linear(k, n, (), None, bias=bias, activations="static", input_scale_shape=())
+        expect_shapes(site, expected, f"modelopt {algo} over [{n}, {k}]")
+        replace_module(model, site.path, new)
