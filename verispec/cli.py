@@ -98,12 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_quantize_parser(sub) -> None:
     from verispec.quant.convert import OUTPUT_FORMATS
 
-    q = sub.add_parser("quantize", help="write a quantized copy of a checkpoint (MLX affine, read by mlx-lm too)")
+    q = sub.add_parser("quantize",
+                       help="write a quantized copy of a checkpoint (MLX affine, or compressed-tensors FP8 / NVFP4)")
     q.add_argument("-m", "--model", required=True, help="the float checkpoint: local directory or hub id")
     q.add_argument("--format", required=True, help=f"output format: {' | '.join(OUTPUT_FORMATS)}")
     q.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
     q.add_argument("--group-size", type=int, default=None,
-                   help="columns per scale/bias group: 32, 64 or 128 (default 64, as mlx-lm)")
+                   help="MLX formats: columns per scale/bias group, 32, 64 or 128 (default 64, as mlx-lm)")
 
 
 def _add_train_drafter_parser(sub) -> None:

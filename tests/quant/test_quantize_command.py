@@ -12,8 +12,10 @@ from verispec.engine.engine import load_engine
 from verispec.engine.params import SamplingParams
 from verispec.loading.model_loader import load_model
 
-from tests.quant.conftest import (PROMPT, TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors,
-                                  quantized_modules, to_torch)
+from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
+
+from tests.quant.conftest import (PROMPT, TINY_SHAPE, decompressed_by_library, import_mlx, mlx_convert, mlx_greedy,
+                                  mlx_tensors, quantized_modules, to_torch)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,24 @@ def test_same_weights_as_mlx_lm_convert_up_to_rounding(float_models, tmp_path):
         assert our_error <= 1.05 * their_error, path
 
 
+@pytest.mark.parametrize("fmt,layer_type,max_error", [("fp8", Float8Linear, 0.04), ("nvfp4", NVFP4Linear, 0.15)])
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
+def test_compressed_tensors_reads_what_we_write(float_models, tmp_path, fmt, layer_type, max_error):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)")
+    out = tmp_path / fmt
+    assert main(["quantize", "-m", str(float_models["qwen3"]), "--format", fmt, "--out", str(out)]) == 0
+    ours = load_model(out, torch.float32, torch.device("cpu"))
+    reference = load_model(float_models["qwen3"], torch.float32, torch.device("cpu"))
+    theirs = decompressed_by_library(out)
+    layers = {p: m for p, m in ours.named_modules() if isinstance(m, layer_type)}
+    assert len(layers) == 7 * TINY_SHAPE["num_hidden_layers"] and isinstance(ours.lm_head, torch.nn.Linear)
+    for path, layer in layers.items():
+        expected = theirs.get_submodule(path).weight  # NVFP4: compressed-tensors decodes into bf16
+        assert torch.equal(layer.dequantized_weight(expected.dtype), expected), path
+        w = reference.get_submodule(path).weight
+        assert float((layer.dequantized_weight(torch.float32) - w).norm() / w.norm()) < max_error, path
+
+
 def test_refuses_bad_input(float_models, tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["quantize", "-m", str(float_models["qwen3"]), "--format", "gguf-q4", "--out", str(out)]) == 2
@@ -73,3 +93,6 @@ def test_refuses_bad_input(float_models, tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err
     assert main(["quantize", "-m", str(out), "--format", "mlx-8bit", "--out", str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err
+    assert main(["quantize", "-m", str(float_models["qwen3"]), "--format", "fp8", "--group-size", "64",
+                 "--out", str(tmp_path / "fp8")]) == 2
+    assert "--group-size does not apply to --format fp8" in capsys.readouterr().err

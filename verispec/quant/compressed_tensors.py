@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from verispec.errors import UnsupportedModelError
@@ -207,3 +208,27 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
                     f"{site.checkpoint_path}.weight_g_idx: activation-ordered groups are not supported yet")
             new = PackedIntLinear(k, n, spec.bits, group, spec.symmetric, bias=bias)
         replace_module(model, site.path, new)
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], scale [N, 1] in weight's dtype): symmetric
+    round-to-nearest with one scale per output channel, the scale as compressed-tensors computes
+    it (the row's largest magnitude / 448; an all-zero row gets the dtype's eps)."""
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).to(weight.dtype)
+    scale = torch.where(scale == 0, torch.finfo(weight.dtype).eps, scale)
+    q = (w / scale.to(torch.float32)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def scheme_config(fmt: str, weights: dict, targets: list[str]) -> dict:
+    """The quantization_config compressed-tensors reads back: one weight-only config group
+    naming the quantized layers exactly (so nothing else, such as a vision tower, is matched)."""
+    group = {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
+             "format": fmt}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": [], "kv_cache_scheme": None, "sparsity_config": {},
+            "transform_config": {}, "global_compression_ratio": None}

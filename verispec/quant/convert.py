@@ -1,17 +1,21 @@
 """`verispec quantize`: a float checkpoint -> a quantized one that the format's own library reads.
 
-MLX affine (`mlx-4bit`, `mlx-8bit`, also `mlx-3bit` / `mlx-6bit`): the layout `mlx_lm.convert -q`
-writes (verispec/quant/mlx_affine.py), readable by mlx-lm and by verispec. Which tensors are
-quantized is decided as mlx-lm does: the weights of linear layers and embeddings (found through
-verispec's own model of the architecture) whose input width is a multiple of the group size;
-everything else is copied unchanged. Tokenizer, chat template and other sidecar files are copied.
+- `mlx-4bit`, `mlx-8bit` (also `mlx-3bit` / `mlx-6bit`): MLX affine, the layout `mlx_lm.convert -q`
+  writes (verispec/quant/mlx_affine.py); readable by mlx-lm. Linear and embedding weights whose
+  input width is a multiple of the group size are quantized, as mlx-lm does.
+- `fp8`: compressed-tensors float-quantized FP8 E4M3 with per-channel scales, weights only
+  (W8A16); readable by compressed-tensors (and so transformers / vLLM).
+- `nvfp4`: compressed-tensors nvfp4-pack-quantized, weights only (NVFP4A16).
+For the compressed-tensors formats linear weights are quantized and lm_head is kept in float,
+as llm-compressor's recipes do. Layers are found through verispec's own model of the
+architecture; everything else is copied unchanged, with the tokenizer and other sidecar files.
 """
 from __future__ import annotations
 
 import json
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,20 +24,83 @@ from torch import nn
 
 from verispec import log
 from verispec.errors import VerispecError
-from verispec.quant import detect_format, mlx_affine
+from verispec.quant import compressed_tensors, detect_format, mlx_affine, nvfp4
 
 SHARD_BYTES = 5 * 2 ** 30  # mlx-lm's default shard size
+
+
+class MLXAffineWriter:
+    """Linear and embedding weights -> weight (uint32) / scales / biases; config 'quantization'."""
+
+    def __init__(self, bits: int, group_size: int | None):
+        self.spec = mlx_affine.AffineSpec(bits, group_size or 64)  # 64: mlx-lm's default
+
+    def skip_reason(self, our_name: str, kind: str, shape: tuple[int, ...]) -> str | None:
+        if shape[-1] % self.spec.group_size:
+            return f"width {shape[-1]} is not a multiple of group size {self.spec.group_size}"
+        return None
+
+    def quantize(self, prefix: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, scales, biases = mlx_affine.quantize(weight, self.spec)
+        return {f"{prefix}.weight": packed.view(torch.uint32), f"{prefix}.scales": scales,
+                f"{prefix}.biases": biases}
+
+    def config_update(self, quantized: list[str]) -> dict:
+        quantization = {"group_size": self.spec.group_size, "bits": self.spec.bits, "mode": "affine"}
+        return {"quantization": quantization, "quantization_config": dict(quantization)}
+
+
+class CompressedTensorsWriter:
+    """Linear weights (not lm_head) -> FP8 (weight, weight_scale) or NVFP4 (weight_packed,
+    weight_scale, weight_global_scale); config 'quantization_config' naming those layers."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def skip_reason(self, our_name: str, kind: str, shape: tuple[int, ...]) -> str | None:
+        if kind != "linear":
+            return "compressed-tensors quantizes linear layers only"
+        if our_name == "lm_head.weight":
+            return "lm_head stays in float (as llm-compressor's recipes keep it)"
+        if self.kind == "nvfp4" and shape[-1] % nvfp4.GROUP_SIZE:
+            return f"width {shape[-1]} is not a multiple of {nvfp4.GROUP_SIZE}"
+        return None
+
+    def quantize(self, prefix: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.kind == "fp8":
+            q, scale = compressed_tensors.quantize_fp8_channel(weight)
+            return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale}
+        packed, block_scales, global_scale = nvfp4.quantize(weight)
+        return {f"{prefix}.weight_packed": packed, f"{prefix}.weight_scale": block_scales,
+                f"{prefix}.weight_global_scale": global_scale}
+
+    def config_update(self, quantized: list[str]) -> dict:
+        if self.kind == "fp8":
+            weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                       "strategy": "channel", "dynamic": False}
+            fmt = "float-quantized"
+        else:
+            weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": nvfp4.GROUP_SIZE,
+                       "strategy": "tensor_group", "dynamic": False}
+            fmt = "nvfp4-pack-quantized"
+        return {"quantization_config": compressed_tensors.scheme_config(fmt, weights, quantized)}
 
 
 @dataclass(frozen=True)
 class OutputFormat:
     name: str
-    bits: int
-    default_group_size: int
+    make_writer: object = field(repr=False)  # group_size -> writer
+    takes_group_size: bool = True
 
 
-OUTPUT_FORMATS = {f.name: f for f in (OutputFormat("mlx-4bit", 4, 64), OutputFormat("mlx-8bit", 8, 64),
-                                      OutputFormat("mlx-3bit", 3, 64), OutputFormat("mlx-6bit", 6, 64))}
+OUTPUT_FORMATS = {f.name: f for f in (
+    OutputFormat("mlx-4bit", lambda g: MLXAffineWriter(4, g)),
+    OutputFormat("mlx-8bit", lambda g: MLXAffineWriter(8, g)),
+    OutputFormat("mlx-3bit", lambda g: MLXAffineWriter(3, g)),
+    OutputFormat("mlx-6bit", lambda g: MLXAffineWriter(6, g)),
+    OutputFormat("fp8", lambda g: CompressedTensorsWriter("fp8"), takes_group_size=False),
+    OutputFormat("nvfp4", lambda g: CompressedTensorsWriter("nvfp4"), takes_group_size=False),
+)}
 
 
 @dataclass
@@ -52,15 +119,18 @@ def parse_format(name: str) -> OutputFormat:
     return OUTPUT_FORMATS[name]
 
 
-def quantizable_weights(config: dict) -> tuple[set[str], dict[str, str]]:
-    """Our names of the linear / embedding weights of this architecture, and the model's
-    checkpoint prefix map (checkpoint name prefix -> ours)."""
+def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """Our names of this architecture's linear / embedding weights -> "linear" | "embedding",
+    and the model's checkpoint prefix map (checkpoint name prefix -> ours)."""
     from verispec.models.registry import model_class
 
     with torch.device("meta"):
         model = model_class(config.get("model_type"))(config)
-    names = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-    return names, dict(model.checkpoint_prefix_map)
+    kinds = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            kinds[f"{path}.weight"] = "linear" if isinstance(m, nn.Linear) else "embedding"
+    return kinds, dict(model.checkpoint_prefix_map)
 
 
 def _our_name(prefix_map: dict[str, str], name: str) -> str:
@@ -77,7 +147,10 @@ def quantize_checkpoint(model: str, format_name: str, out: str | Path, group_siz
     from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
 
     fmt = parse_format(format_name)
-    spec = mlx_affine.AffineSpec(fmt.bits, group_size or fmt.default_group_size)
+    if group_size is not None and not fmt.takes_group_size:
+        raise VerispecError(f"--group-size does not apply to --format {fmt.name} (its groups are fixed)",
+                            param="group_size")
+    writer = fmt.make_writer(group_size)
     src = resolve_model(model)
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -86,14 +159,15 @@ def quantize_checkpoint(model: str, format_name: str, out: str | Path, group_siz
     if detect_format(config) is not None:
         raise VerispecError(f"{src} is already quantized (config.json declares its quantization)")
     files = checkpoint_files(src)
-    targets, prefix_map = quantizable_weights(config)
+    kinds, prefix_map = quantizable_weights(config)
     tied = bool(config.get("tie_word_embeddings", False) or
                 (config.get("text_config") or {}).get("tie_word_embeddings", False))
     num_tensors = len(tensor_shapes(files))
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(out_dir)
+    shards = _ShardWriter(out_dir)
     summary = QuantizeSummary(out_dir, 0, 0, 0, 0)
+    quantized_layers = []
     bar = _progress_bar(num_tensors, f"quantizing to {fmt.name}", progress)
     for name, tensor in iter_tensors(files):
         bar.update(1)
@@ -101,23 +175,23 @@ def quantize_checkpoint(model: str, format_name: str, out: str | Path, group_siz
         ours = _our_name(prefix_map, name)
         if tied and ours == "lm_head.weight":
             continue  # the tied head is the embedding; mlx-lm drops this copy too
-        if ours in targets and tensor.ndim == 2 and tensor.shape[-1] % spec.group_size == 0:
-            packed, scales, biases = mlx_affine.quantize(tensor, spec)
+        reason = "not a linear or embedding weight"
+        if ours in kinds and tensor.ndim == 2 and tensor.is_floating_point():
+            reason = writer.skip_reason(ours, kinds[ours], tuple(tensor.shape))
+        if reason is None:
             prefix = name[: -len(".weight")]
-            writer.add(f"{prefix}.weight", packed.view(torch.uint32))
-            writer.add(f"{prefix}.scales", scales)
-            writer.add(f"{prefix}.biases", biases)
+            for out_name, out_tensor in writer.quantize(prefix, tensor).items():
+                shards.add(out_name, out_tensor)
+            quantized_layers.append(prefix)
             summary.quantized += 1
         else:
-            if ours in targets:
-                log.debug("kept %s %s in float: width %d is not a multiple of group size %d", name,
-                          tuple(tensor.shape), tensor.shape[-1], spec.group_size)
-            writer.add(name, tensor)
+            if ours in kinds:
+                log.debug("kept %s %s in float: %s", name, tuple(tensor.shape), reason)
+            shards.add(name, tensor)
             summary.kept += 1
     bar.close()
-    summary.bytes_out = writer.finish()
-    quantization = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
-    config.update(quantization=quantization, quantization_config=dict(quantization))
+    summary.bytes_out = shards.finish()
+    config.update(writer.config_update(quantized_layers))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _copy_sidecars(src, out_dir, skip={f.name for f in files})
     return summary

@@ -90,3 +90,37 @@ def prepare_modelopt(model: nn.Module, quant: dict, tensors: dict) -> None:
             new = Float8Linear(k, n, (), None, bias=bias, activations="static", input_scale_shape=())
         expect_shapes(site, expected, f"modelopt {algo} over [{n}, {k}]")
         replace_module(model, site.path, new)
+
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """x (float32, already scaled into [-6, 6]) -> the nearest E2M1 code (uint8; ties to the even
+    code, as IEEE rounding does)."""
+    magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=x.device)
+    distance = (x.abs().clamp(max=E2M1_MAX).unsqueeze(-1) - magnitudes).abs()  # [..., 8]
+    # argmin takes the first minimum; among two equally near codes prefer the even one
+    ties_to_even = distance + (torch.arange(8, device=x.device) % 2) * 1e-7
+    code = ties_to_even.argmin(-1).to(torch.uint8)
+    return torch.where(x < 0, code | 8, code)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (packed uint8 [N, K/2], block scales float8_e4m3fn [N, K/16], global
+    scale float32 [1]) in compressed-tensors' convention (w ~ e2m1 * block / global): the global
+    scale maps the tensor's largest magnitude to 448 * 6, each block's scale its own to 6."""
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise UnsupportedModelError(f"NVFP4: {k} input features are not a multiple of {GROUP_SIZE}")
+    w = weight.to(torch.float32)
+    amax = w.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    global_scale = (E4M3_MAX * E2M1_MAX / amax).reshape(1)
+    blocks = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
+    block_scale = (blocks.abs().amax(-1) / E2M1_MAX * global_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    effective = block_scale.to(torch.float32) / global_scale  # [N, K/16]
+    effective = torch.where(effective == 0, torch.ones_like(effective), effective)  # all-zero blocks
+    codes = round_to_e2m1(blocks / effective.unsqueeze(-1)).view(n, k)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, block_scale, global_scale

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec import log
-from verispec.models.layers.quant_linear import float_param
+from verispec.models.layers.quant_linear import debug_once, float_param
 
 FP8_E4M3_MAX = 448.0
 
@@ -75,7 +74,7 @@ class Float8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if x.device.type == "cuda":
-            log.debug("FP8 linear on CUDA: dequantizing the whole weight per call (no fused FP8 kernel yet)")
+            debug_once(self, "on CUDA: dequantizing the whole weight per call (no fused FP8 kernel yet)")
         if self.activations is not None:
             x = fp8_round_activations(x, self.input_scale, self.activation_group_size)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
@@ -141,7 +140,7 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if x.device.type == "cuda":
-            log.debug("NVFP4 linear on CUDA: dequantizing the whole weight per call (no fused FP4 kernel yet)")
+            debug_once(self, "on CUDA: dequantizing the whole weight per call (no fused FP4 kernel yet)")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

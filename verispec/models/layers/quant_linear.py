@@ -22,6 +22,13 @@ from verispec.kernels import quant_matmul
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
+def debug_once(module: nn.Module, message: str) -> None:
+    """A fallback's reason under VERISPEC_DEBUG=1, once per layer (not once per token)."""
+    if not getattr(module, "_fallback_logged", False):
+        module._fallback_logged = True
+        log.debug("%s: %s", type(module).__name__, message)
+
+
 def float_param(*shape: int) -> nn.Parameter:
     """An uninitialised float parameter (filled by the loader); no shape gives a scalar."""
     return nn.Parameter(torch.empty(shape), requires_grad=False)
@@ -71,12 +78,13 @@ class QuantizedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows <= quant_matmul.MAX_KERNEL_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
             y = quant_matmul.dequant_matmul(x.reshape(rows, self.in_features), self.packed_values(),
-                                            self.group_scales(), self.group_offsets(), self.bits, self.group_size, self.zero_point)
+                                            self.group_scales(), self.group_offsets(), self.bits,
+                                            self.group_size, self.zero_point)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if x.device.type == "cuda" and rows <= quant_matmul.MAX_KERNEL_ROWS:
-            log.debug("quantized linear on CUDA without the fused kernel (Triton missing or float64): "
-                      "dequantizing the whole weight per call")
+            debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
+                             "dequantizing the whole weight per call")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def same_quantization(self, other: "QuantizedLinear") -> bool:
