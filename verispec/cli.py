@@ -168,6 +168,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
+    bench.add_argument("--quant", default=None, metavar="FORMAT",
+                       help="offline: quantize the target's weights first: mlx-4bit | mlx-8bit | mlx-3bit | mlx-6bit "
+                            "(group 64, the layers `verispec quantize` writes)")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -296,7 +299,8 @@ def cmd_bench(args) -> int:
     from verispec.bench.options import BenchOptions, Endpoint, parse_contexts, parse_methods, parse_peers
 
     http = bool(args.url or args.serve)
-    for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3)):
+    for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3),
+                        ("--quant", args.quant)):
         if http and value is not None:
             raise VerispecError(f"{flag} is for offline runs (-m / --shape); over HTTP the server's flags pick it")
     kwargs = {}
@@ -311,7 +315,7 @@ def cmd_bench(args) -> int:
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
         dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
         cuda_graphs=not args.no_cuda_graphs, out=Path(args.out) if args.out else None,
-        bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters,
+        bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
         seed=args.seed, **kwargs)
     run_bench(opts)

@@ -111,6 +111,7 @@ class BenchOptions:
     serve_timeout_s: float = 900.0
     request_timeout_s: float = 900.0
     seed: int = 0
+    quant: str | None = None  # offline: quantize the target's weights first (verispec/quant/in_memory.py)
 
     @property
     def http(self) -> bool:
