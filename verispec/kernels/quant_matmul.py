@@ -14,6 +14,8 @@ TF32 for half-precision ones). Longer passes (prefill) dequantize the whole matr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from verispec.quant.packing import unpack_rows
@@ -55,11 +57,12 @@ if triton is not None:
 
     @triton.jit
     def _dequant_matmul_kernel(X, WQ, S, O, Y, M, N,
-                               stride_xm, stride_wn, stride_sn, stride_ym, K: tl.constexpr,
-                               BITS: tl.constexpr, GROUP: tl.constexpr, ZERO_POINT: tl.constexpr,
-                               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr):
+                               stride_xm, stride_wn, stride_sn, stride_ys, stride_ym, K: tl.constexpr,
+                               K_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                               ZERO_POINT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)  # which slice of K (split-K); each writes its own partial sums
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
@@ -67,8 +70,8 @@ if triton is not None:
         rows_w = WQ + offs_n[:, None].to(tl.int64) * stride_wn
         rows_s = offs_n[:, None].to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            k = pid_k * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
             mask_k = k < K
             x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -98,15 +101,32 @@ if triton is not None:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="tf32")
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+        tl.store(Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, block_k: int = 64) -> int:
+    """Slices of K per output tile, so that a matrix with few output tiles still spreads over
+    every multiprocessor (about two programs each); a power of two. It depends on the weight's
+    shape and the device only, never on M: decode and verify passes sum in the same order."""
+    if device.type != "cuda":
+        return 1
+    tiles = -(-n // block_n)
+    want = max(1, min(k // block_k, (2 * _multiprocessors(device.index or 0)) // tiles))
+    return 1 << (want.bit_length() - 1)
 
 
 def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                    bits: int, group_size: int, zero_point: bool = False, block_n: int = 64,
-                   block_k: int = 64) -> torch.Tensor:
+                   block_k: int = 64, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16; float32, float16 or bfloat16); packed [N, W] int32; scales, offsets
-    [N, K/group_size] -> y [M, N] in x's dtype, accumulated in float32."""
+    [N, K/group_size] -> y [M, N] in x's dtype, accumulated in float32. With split_k > 1 (default:
+    `default_split_k`) each slice of K writes float32 partial sums, added in a fixed order."""
     m, k = x.shape
     n, num_groups = scales.shape
     if bits not in SUPPORTED_BITS:
@@ -119,11 +139,14 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     if packed.dtype != torch.int32:
         packed = packed.view(torch.int32)
     x, packed, scales, offsets = x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n),)
+    split_k = split_k or default_split_k(n, k, x.device, block_n, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty slices
+    y = torch.empty(split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), split_k)
     _dequant_matmul_kernel[grid](x, packed, scales, offsets, y, m, n,
-                                 x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), K=k,
-                                 BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
+                                 x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
+                                 K=k, K_PER_SPLIT=k_per_split, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
                                  IEEE=x.dtype == torch.float32, BLOCK_M=MAX_KERNEL_ROWS,
                                  BLOCK_N=block_n, BLOCK_K=block_k)
-    return y
+    return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
