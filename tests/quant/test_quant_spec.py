@@ -1,6 +1,7 @@
 """Lossless on quantized targets: speculative greedy == plain greedy, token for token, with an
-MLX 4-bit target (quantized embedding and head) and EAGLE3 / oracle proposers, and a quantized
-Qwen3.5 target speculating with its own (float) MTP head."""
+MLX 4-bit target (quantized embedding and head) and EAGLE3 / oracle proposers, a quantized
+Qwen3.5 target speculating with its own (float) MTP head, and a quantized Gemma 4 target with
+its (float) assistant drafter reading the target's cache and quantized embedding."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,10 @@ import json
 import pytest
 
 from verispec.cli import main
-from verispec.demo.tiny import build_tiny_qwen3_5, random_mtp_head, write_mtp_sidecar, write_random_eagle3
+from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
+                                write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import load_engine
+from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
 from verispec.spec.mtp import MtpProposer, load_mtp_head
 
 from tests.quant.conftest import mlx_convert, quantized_modules
@@ -71,3 +74,22 @@ def test_mtp_head_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
             expected = engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids
             result = spec.generate_all(ids, greedy(NEW_TOKENS))
             assert result.token_ids == expected and result.stats.method == "mtp", f"k={k}"
+
+
+def test_gemma4_assistant_on_quantized_gemma4(tmp_path, tokenizer_dir):
+    src = tmp_path / "float"
+    build_tiny_gemma4(src, seed=41, tokenizer_dir=tokenizer_dir)
+    build_tiny_gemma4_assistant(tmp_path / "assistant", json.loads((src / "config.json").read_text()), seed=42)
+    assert main(["quantize", "-m", str(src), "--format", "mlx-4bit", "--group-size", "32",
+                 "--out", str(tmp_path / "q4")]) == 0
+    engine = load_engine(str(tmp_path / "q4"), dtype="float64", device="cpu", prefill_step_size=16)
+    assert "model.embed_tokens" in quantized_modules(engine.model)
+    drafter = load_assistant(tmp_path / "assistant", engine.model)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for k in (1, 2):
+        spec = spec_engine(engine, AssistantProposer(drafter, engine.model, engine.num_real_tokens), k)
+        for ids in prompts:
+            expected = engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids
+            result = spec.generate_all(ids, greedy(NEW_TOKENS))
+            assert result.token_ids == expected and result.stats.method == "assistant", f"k={k}"
+            assert result.stats.drafted > 0
