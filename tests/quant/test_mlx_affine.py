@@ -158,9 +158,10 @@ def test_unsupported_quantization_is_named(tmp_path, mlx_checkpoints):
         return out
 
     cases = [
-        (lambda c: c["quantization"].update(mode="mxfp4"), "mode 'mxfp4' is not supported"),
+        (lambda c: c["quantization"].update(mode="int2"),
+         r"mode 'int2' is not supported \(supported: affine, nvfp4, mxfp4, mxfp8\)"),
         (lambda c: c["quantization"].update({"model.layers.0.mlp.up_proj": {"bits": 8, "group_size": 64}}),
-         "declares 8-bit group 64, its tensors hold 4-bit group 64"),
+         "declares affine 8-bit group 64, its tensors hold affine 4-bit group 64"),
         (lambda c: c["quantization"].update({"model.layers.0.mlp.up_proj": False}), "marks it unquantized"),
         (lambda c: (c.pop("quantization"), c.update(quantization_config={"quant_method": "gptq", "bits": 4})),
          "quant_method 'gptq' is not supported"),

@@ -1,10 +1,12 @@
 """Quantized weight formats, loaded as they are stored (no conversion step).
 
-- `mlx_affine`: MLX affine group quantization (mlx-community checkpoints, `mlx_lm.convert -q`).
+- `mlx_affine`: MLX affine group quantization (mlx-community checkpoints, `mlx_lm.convert -q`),
+  and the MLX config; `mlx_float`: MLX's nvfp4 / mxfp4 / mxfp8 modes.
 - `compressed_tensors`: llm-compressor's `pack-quantized` integer weights (GPTQ / AWQ / RTN),
   `float-quantized` FP8 and `nvfp4-pack-quantized` weights.
 - `nvfp4`: NVFP4 (modelopt's layout, and the E2M1 / E4M3 decoding both layouts share); modelopt FP8.
-- `convert`: `verispec quantize`, writing MLX checkpoints.
+- `convert`: `verispec quantize` (MLX affine, compressed-tensors FP8 / NVFP4 checkpoints);
+  `in_memory`: quantizing a loaded model in place (`verispec bench --quant`).
 
 `verispec/loading/model_loader.py` calls `quant.loading` to swap the model's linears and
 embeddings for quantized ones (models/layers/quant_linear.py) before weights are copied in.

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from verispec.errors import UnsupportedModelError, VerispecError
+from verispec.models.layers.float_quant_linear import MLXFloatEmbedding, MLXFloatLinear
 from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear, QuantizedLinear
 from verispec.quant import QuantFormat, detect_format
 
@@ -106,7 +107,7 @@ def expect_shapes(site: QuantizedSite, expected: dict[str, tuple], what: str) ->
 def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, CheckpointTensor]) -> None:
     from verispec.quant import mlx_affine
 
-    mlx_affine.mode_of(quantization, "affine")
+    mlx_affine.mode_of(None, quantization.get("mode", "affine"))
     for site in quantized_sites(model, tensors, "scales", (nn.Linear, nn.Embedding)):
         m = site.module
         if isinstance(m, nn.Linear):
@@ -116,10 +117,13 @@ def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, Checkp
         spec = mlx_affine.layer_spec(site.checkpoint_path, quantization, in_features, site.shapes)
         expect_shapes(site, spec.tensor_shapes(out_features, in_features),
                       f"{spec.bits}-bit group {spec.group_size} over [{out_features}, {in_features}]")
+        affine = isinstance(spec, mlx_affine.AffineSpec)
         if isinstance(m, nn.Linear):
-            new = MLXAffineLinear(in_features, out_features, spec.bits, spec.group_size, bias=m.bias is not None)
+            new = (MLXAffineLinear(in_features, out_features, spec.bits, spec.group_size, bias=m.bias is not None)
+                   if affine else MLXFloatLinear(in_features, out_features, spec, bias=m.bias is not None))
         else:
-            new = MLXAffineEmbedding(out_features, in_features, spec.bits, spec.group_size)
+            new = (MLXAffineEmbedding(out_features, in_features, spec.bits, spec.group_size)
+                   if affine else MLXFloatEmbedding(out_features, in_features, spec))
         replace_module(model, site.path, new)
     _tie_quantized_head(model)
 
@@ -130,7 +134,7 @@ def _tie_quantized_head(model: nn.Module) -> None:
     if not getattr(settings, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
         return
     embedding = model.input_embeddings()
-    if isinstance(embedding, MLXAffineEmbedding):
+    if isinstance(embedding, (MLXAffineEmbedding, MLXFloatEmbedding)):
         model.lm_head = embedding.as_linear()
 
 
@@ -150,7 +154,7 @@ def finish_loading(model: nn.Module) -> None:
     settings = getattr(model, "settings", None)
     if getattr(settings, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         embedding = model.input_embeddings()
-        if isinstance(embedding, MLXAffineEmbedding):
+        if isinstance(embedding, (MLXAffineEmbedding, MLXFloatEmbedding)):
             model.lm_head = embedding.as_linear()  # the loaded tensors, shared
     for module in model.modules():
         if isinstance(module, QuantizedLinear):

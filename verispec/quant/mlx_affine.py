@@ -19,7 +19,7 @@ from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-SUPPORTED_MODES = ("affine",)
+SUPPORTED_MODES = ("affine", "nvfp4", "mxfp4", "mxfp8")  # the float modes: quant/mlx_float.py
 TENSOR_NAMES = ("weight", "scales", "biases")
 
 
@@ -48,7 +48,7 @@ class AffineSpec:
         return {"weight": (out_features, packed_words(in_features, self.bits)), "scales": groups, "biases": groups}
 
 
-def mode_of(entry: dict, default: str) -> str:
+def mode_of(entry: dict | None, default: str) -> str:
     mode = entry.get("mode", default) if isinstance(entry, dict) else default
     if mode not in SUPPORTED_MODES:
         raise UnsupportedModelError(
@@ -56,25 +56,38 @@ def mode_of(entry: dict, default: str) -> str:
     return mode
 
 
-def layer_spec(path: str, quantization: dict, in_features: int, shapes: dict[str, tuple]) -> AffineSpec:
-    """The spec of checkpoint layer `path`: its per-layer entry when config names it, else
-    inferred from the tensor shapes as mlx-lm does (the top-level default may not apply to it)."""
-    default_mode = quantization.get("mode", "affine")
+def layer_spec(path: str, quantization: dict, in_features: int,
+               shapes: dict[str, tuple]) -> "AffineSpec | MLXFloatSpec":
+    """The spec of checkpoint layer `path`, inferred from its tensors as mlx-lm does (the
+    top-level default need not apply to every layer): affine layers have biases, and each float
+    mode has its own bits and group size. A per-layer entry in config.json must agree with it."""
+    from verispec.quant.mlx_float import MODES, MLXFloatSpec
+
     entry = quantization.get(path)
     if entry is False:
         raise UnsupportedModelError(f"{path} has quantized tensors but config.json marks it unquantized (false)")
-    mode_of(entry if isinstance(entry, dict) else {}, default_mode)
+    declared_mode = mode_of(entry, quantization.get("mode", "affine"))
     num_groups = shapes["scales"][-1]
     if in_features % num_groups:
         raise UnsupportedModelError(f"{path}.scales has {num_groups} groups for {in_features} input features")
-    inferred = AffineSpec(bits=shapes["weight"][-1] * 32 // in_features, group_size=in_features // num_groups)
-    if isinstance(entry, dict):
-        declared = AffineSpec(bits=int(entry["bits"]), group_size=int(entry["group_size"]))
-        if declared != inferred:
+    bits, group = shapes["weight"][-1] * 32 // in_features, in_features // num_groups
+    if "biases" in shapes:
+        spec, mode = AffineSpec(bits=bits, group_size=group), "affine"
+    else:
+        matching = [m for m in MODES.values() if (m.bits, m.group_size) == (bits, group)]
+        if not matching:
             raise UnsupportedModelError(
-                f"{path}: config.json declares {declared.bits}-bit group {declared.group_size}, "
-                f"its tensors hold {inferred.bits}-bit group {inferred.group_size}")
-    return inferred
+                f"{path}: {bits}-bit group {group} without biases matches no MLX mode (supported: "
+                + ", ".join(f"{m.mode} {m.bits}-bit group {m.group_size}" for m in MODES.values()) + ")")
+        spec = matching[0]
+        mode = spec.mode
+    if isinstance(entry, dict):
+        declared = (declared_mode, int(entry.get("bits", bits)), int(entry.get("group_size", group)))
+        if declared != (mode, bits, group):
+            raise UnsupportedModelError(
+                f"{path}: config.json declares {declared[0]} {declared[1]}-bit group {declared[2]}, "
+                f"its tensors hold {mode} {bits}-bit group {group}")
+    return spec
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, spec: AffineSpec,

@@ -145,3 +145,65 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 ({self.layout})"
+
+
+class MLXFloatLinear(nn.Module):
+    """MLX nvfp4 / mxfp4 / mxfp8 weights (verispec/quant/mlx_float.py): weight [N, K*bits/32]
+    (uint32 words, held as int32) and scales [N, K/group] (uint8 codes); w = value * scale."""
+
+    checkpoint_buffers = ("weight", "scales")
+
+    def __init__(self, in_features: int, out_features: int, spec, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.register_buffer("weight", torch.empty(out_features, in_features * spec.bits // 32, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(out_features, in_features // spec.group_size, dtype=torch.uint8))
+        self.bias = float_param(out_features) if bias else None
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        from verispec.quant.mlx_float import dequantize
+
+        return dequantize(self.weight, self.scales, self.spec).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if x.device.type == "cuda":
+            debug_once(self, f"on CUDA: dequantizing the whole weight per call (no fused {self.spec.mode} kernel yet)")
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mlx {self.spec.mode}"
+
+
+class MLXFloatEmbedding(nn.Module):
+    """An embedding table [V, H] in an MLX float mode: decodes only the rows it looks up.
+    `as_linear()` gives the tied lm_head over the same tensors."""
+
+    checkpoint_buffers = ("weight", "scales")
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, spec):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.spec = num_embeddings, embedding_dim, spec
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim * spec.bits // 32, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // spec.group_size, dtype=torch.uint8))
+        # the dtype rows come out in: the model's (the table's codes are integers)
+        self.register_buffer("dtype_marker", torch.empty(0), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        from verispec.quant.mlx_float import dequantize
+
+        rows = input_ids.reshape(-1)
+        w = dequantize(self.weight[rows], self.scales[rows], self.spec)
+        return w.view(*input_ids.shape, self.embedding_dim).to(self.dtype_marker.dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        from verispec.quant.mlx_float import dequantize
+
+        return dequantize(self.weight, self.scales, self.spec).to(dtype)
+
+    def as_linear(self) -> MLXFloatLinear:
+        head = MLXFloatLinear(self.embedding_dim, self.num_embeddings, self.spec)
+        head.weight, head.scales = self.weight, self.scales
+        return head
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, mlx {self.spec.mode}"
