@@ -32,13 +32,14 @@ def quantize_model_(model: nn.Module, format_name: str, group_size: int = 64) ->
     for path, module in list(model.named_modules()):
         if tied and path == "lm_head":
             continue
-        if type(module) is nn.Linear:
-            new = MLXAffineLinear(module.in_features, module.out_features, spec.bits, spec.group_size,
-                                  bias=module.bias is not None)
-        elif isinstance(module, nn.Embedding):
-            new = MLXAffineEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size)
-        else:
-            continue
+        with torch.device("meta"):  # _fill replaces every tensor
+            if type(module) is nn.Linear:
+                new = MLXAffineLinear(module.in_features, module.out_features, spec.bits, spec.group_size,
+                                      bias=module.bias is not None)
+            elif isinstance(module, nn.Embedding):
+                new = MLXAffineEmbedding(module.num_embeddings, module.embedding_dim, spec.bits, spec.group_size)
+            else:
+                continue
         if module.weight.shape[-1] % spec.group_size:
             log.debug("quantize_model_: kept %s in float (width %d, group %d)", path, module.weight.shape[-1],
                       spec.group_size)

@@ -91,9 +91,10 @@ class Float8Linear(nn.Module):
     def concat_rows(cls, layers: list["Float8Linear"]) -> "Float8Linear":
         """Merged rows keep each layer's scale as per-row (channel) scales."""
         first = layers[0]
-        merged = cls(first.in_features, sum(l.out_features for l in layers), (1, 1), None,
-                     bias=first.bias is not None, activations=first.activations,
-                     activation_group_size=first.activation_group_size)
+        with torch.device("meta"):  # every tensor is replaced below
+            merged = cls(first.in_features, sum(l.out_features for l in layers), (1, 1), None,
+                         bias=first.bias is not None, activations=first.activations,
+                         activation_group_size=first.activation_group_size)
         merged.weight = torch.cat([l.weight for l in layers])
         merged.weight_scale = nn.Parameter(torch.cat([l.row_scales() for l in layers]), requires_grad=False)
         if first.input_scale is not None:
@@ -201,7 +202,8 @@ class MLXFloatEmbedding(nn.Module):
         return dequantize(self.weight, self.scales, self.spec).to(dtype)
 
     def as_linear(self) -> MLXFloatLinear:
-        head = MLXFloatLinear(self.embedding_dim, self.num_embeddings, self.spec)
+        with torch.device("meta"):  # its tensors are the table's
+            head = MLXFloatLinear(self.embedding_dim, self.num_embeddings, self.spec)
         head.weight, head.scales = self.weight, self.scales
         return head
 

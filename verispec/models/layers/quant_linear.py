@@ -123,8 +123,9 @@ class MLXAffineLinear(QuantizedLinear):
     def concat_rows(cls, layers: list["MLXAffineLinear"]) -> "MLXAffineLinear":
         """One layer computing several that read the same input (outputs concatenated)."""
         first = layers[0]
-        merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
-                     bias=first.bias is not None)
+        with torch.device("meta"):  # every tensor is replaced below
+            merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
+                         bias=first.bias is not None)
         merged.weight = torch.cat([l.weight for l in layers])
         merged.scales = nn.Parameter(torch.cat([l.scales for l in layers]), requires_grad=False)
         merged.biases = nn.Parameter(torch.cat([l.biases for l in layers]), requires_grad=False)
@@ -184,8 +185,9 @@ class PackedIntLinear(QuantizedLinear):
         """One layer computing several that read the same input (outputs concatenated)."""
         first = layers[0]
         symmetric = all(l.symmetric for l in layers)
-        merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
-                     symmetric, bias=first.bias is not None)
+        with torch.device("meta"):  # every tensor is replaced below
+            merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
+                         symmetric, bias=first.bias is not None)
         merged.weight_packed = torch.cat([l.weight_packed for l in layers])
         merged.weight_scale = nn.Parameter(torch.cat([l.weight_scale for l in layers]), requires_grad=False)
         merged.weight_shape = torch.tensor([merged.out_features, merged.in_features], device=first.weight_shape.device)
@@ -227,7 +229,8 @@ class MLXAffineEmbedding(nn.Module):
 
     def as_linear(self) -> MLXAffineLinear:
         """An lm_head sharing this table's tensors (tie_word_embeddings)."""
-        head = MLXAffineLinear(self.embedding_dim, self.num_embeddings, self.bits, self.group_size)
+        with torch.device("meta"):  # its tensors are the table's
+            head = MLXAffineLinear(self.embedding_dim, self.num_embeddings, self.bits, self.group_size)
         head.weight = self.weight
         head.scales, head.biases = self.scales, self.biases
         return head
