@@ -1,5 +1,6 @@
 """Fused dequantize + matrix product for group-quantized weights, for short passes (decode and
-verify: M = 1..16 rows): y[M, N] = x[M, K] @ dequant(W)[N, K]^T, reading the packed weights once.
+verify: M = 1..16 rows, and batches of them): y[M, N] = x[M, K] @ dequant(W)[N, K]^T, reading the
+packed weights once per 16 rows.
 
 W is a little-endian bitstream of b-bit unsigned values per row (verispec/quant/packing.py),
 b in {2, 3, 4, 5, 6, 8}; each group of `group_size` consecutive columns has a scale s and an
@@ -7,8 +8,10 @@ offset o, and decodes as
   affine (MLX):              w = q * s + o      (o = the group's bias)
   zero point (compressed-tensors): w = (q - o) * s  (o = the group's unsigned zero point)
 Values are decoded in float32 and multiplied as float32 (IEEE products for float32 activations,
-TF32 for half-precision ones). Longer passes (prefill) dequantize the whole matrix into one GEMM instead
-(QuantizedLinear.forward).
+TF32 for half-precision ones). Rows are computed in tiles of 16 whatever M is, and K is split by
+the weight's shape only, so each row's sum runs in the same order in a decode step, a verify
+pass or a batch of them. Passes longer than FUSED_MAX_ROWS (prefill) dequantize the whole matrix
+into one GEMM instead (QuantizedLinear.forward).
 
 `dequant_matmul_reference` is the plain-torch definition the kernel is tested against.
 """
@@ -27,7 +30,8 @@ except ImportError:  # CPU-only installs: the layers dequantize with torch inste
     triton = None
     tl = None
 
-MAX_KERNEL_ROWS = 16  # decode and verify widths; tl.dot's smallest tile is 16 rows
+BLOCK_M = 16  # rows per tile: tl.dot's smallest, and a decode or verify pass fits in one
+FUSED_MAX_ROWS = 128  # passes up to this many rows take the kernel (a guess until measured on GPU)
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
 
@@ -63,7 +67,8 @@ if triton is not None:
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)  # which slice of K (split-K); each writes its own partial sums
-        offs_m = tl.arange(0, BLOCK_M)
+        pid_m = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
@@ -124,15 +129,13 @@ def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, blo
 def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                    bits: int, group_size: int, zero_point: bool = False, block_n: int = 64,
                    block_k: int = 64, split_k: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16; float32, float16 or bfloat16); packed [N, W] int32; scales, offsets
+    """x [M, K] (float32, float16 or bfloat16); packed [N, W] int32; scales, offsets
     [N, K/group_size] -> y [M, N] in x's dtype, accumulated in float32. With split_k > 1 (default:
     `default_split_k`) each slice of K writes float32 partial sums, added in a fixed order."""
     m, k = x.shape
     n, num_groups = scales.shape
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"dequant_matmul: bits={bits} (supported: {', '.join(map(str, SUPPORTED_BITS))})")
-    if m > MAX_KERNEL_ROWS:
-        raise ValueError(f"dequant_matmul: {m} rows (the kernel serves at most {MAX_KERNEL_ROWS})")
     if num_groups * group_size != k or offsets.shape != scales.shape or packed.shape[0] != n:
         raise ValueError(f"dequant_matmul: x [{m}, {k}], packed {tuple(packed.shape)}, scales {tuple(scales.shape)}, "
                          f"offsets {tuple(offsets.shape)} do not fit group_size {group_size}")
@@ -143,10 +146,10 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
     y = torch.empty(split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), split_k)
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, BLOCK_M))
     _dequant_matmul_kernel[grid](x, packed, scales, offsets, y, m, n,
                                  x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
                                  K=k, K_PER_SPLIT=k_per_split, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
-                                 IEEE=x.dtype == torch.float32, BLOCK_M=MAX_KERNEL_ROWS,
+                                 IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
                                  BLOCK_N=block_n, BLOCK_K=block_k)
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)

@@ -3,8 +3,9 @@ under the checkpoint's own names (so loading is a copy, no conversion step).
 
 Packed values are int32 buffers (the uint32 bits of the file); scales and offsets are float
 parameters, so `next(model.parameters())` still gives the model's dtype. Forward:
-- CUDA with Triton, at most 16 rows (decode / verify): the fused dequant-matmul kernel, which
-  reads the packed weight once;
+- CUDA with Triton, at most FUSED_MAX_ROWS rows (decode / verify, and batches of them): the
+  fused dequant-matmul kernel, which reads the packed weight once per 16 rows and sums each row
+  in the same order whatever the pass's width (speculative verify == plain decode, row by row);
 - otherwise (CPU, prefill): the weight is dequantized on the fly into the activations' dtype and
   multiplied by torch (one GEMM over the pass's rows).
 Each format names its tensors itself (`MLXAffineLinear`: weight / scales / biases;
@@ -76,13 +77,13 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         rows = x.numel() // self.in_features
-        if rows <= quant_matmul.MAX_KERNEL_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
+        if rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
             y = quant_matmul.dequant_matmul(x.reshape(rows, self.in_features), self.packed_values(),
                                             self.group_scales(), self.group_offsets(), self.bits,
                                             self.group_size, self.zero_point)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        if x.device.type == "cuda" and rows <= quant_matmul.MAX_KERNEL_ROWS:
+        if x.device.type == "cuda" and rows <= quant_matmul.FUSED_MAX_ROWS:
             debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
                              "dequantizing the whole weight per call")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
