@@ -1,4 +1,5 @@
-"""Command line: `verispec serve`, `verispec generate`, `verispec bench` and `verispec train-drafter`.
+"""Command line: `verispec serve`, `verispec generate`, `verispec bench`, `verispec train-drafter` and
+`verispec quantize`.
 
 A bad flag or model path prints one readable line on stderr and exits non-zero.
 """
@@ -101,7 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen, temperature_default=0.0)
     _add_bench_parser(sub)
     _add_train_drafter_parser(sub)
+    _add_quantize_parser(sub)
     return parser
+
+
+def _add_quantize_parser(sub) -> None:
+    from verispec.quant.convert import OUTPUT_FORMATS
+
+    q = sub.add_parser("quantize",
+                       help="write a quantized copy of a checkpoint (MLX affine, or compressed-tensors FP8 / NVFP4)")
+    q.add_argument("-m", "--model", required=True, help="the float checkpoint: local directory or hub id")
+    q.add_argument("--format", required=True, help=f"output format: {' | '.join(OUTPUT_FORMATS)}")
+    q.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    q.add_argument("--group-size", type=int, default=None,
+                   help="MLX formats: columns per scale/bias group, 32, 64 or 128 (default 64, as mlx-lm)")
 
 
 def _add_train_drafter_parser(sub) -> None:
@@ -168,6 +182,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
+    bench.add_argument("--quant", default=None, metavar="FORMAT",
+                       help="offline: quantize the target's weights first: mlx-4bit | mlx-8bit | mlx-3bit | mlx-6bit "
+                            "(group 64, the layers `verispec quantize` writes)")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -304,7 +321,8 @@ def cmd_bench(args) -> int:
                                         parse_peers)
 
     http = bool(args.url or args.serve)
-    for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3)):
+    for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3),
+                        ("--quant", args.quant)):
         if http and value is not None:
             raise VerispecError(f"{flag} is for offline runs (-m / --shape); over HTTP the server's flags pick it")
     kwargs = {}
@@ -321,7 +339,7 @@ def cmd_bench(args) -> int:
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
         dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
         cuda_graphs=not args.no_cuda_graphs, out=Path(args.out) if args.out else None,
-        bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters,
+        bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
         seed=args.seed, **kwargs)
     run_bench(opts)
@@ -357,7 +375,17 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "train-drafter": cmd_train_drafter}
+def cmd_quantize(args) -> int:
+    from verispec.quant.convert import quantize_checkpoint
+
+    s = quantize_checkpoint(args.model, args.format, args.out, group_size=args.group_size)
+    print(f"{args.format}: {s.quantized} tensors quantized, {s.kept} kept as they were; "
+          f"{s.bytes_in / 2 ** 20:.1f} MiB -> {s.bytes_out / 2 ** 20:.1f} MiB in {s.out_dir}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "train-drafter": cmd_train_drafter,
+            "quantize": cmd_quantize}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,12 @@ def run_offline(opts: BenchOptions) -> BenchReport:
     bandwidth, source = _bandwidth(opts, device)
     target = (random_target(shape.name, shape.config, device, dtype, opts.seed) if shape is not None
               else load_target(opts.model, device, dtype))
+    if opts.quant:
+        from verispec.quant.in_memory import quantize_model_
+
+        quantize_model_(target.model, opts.quant)
+        target.name = f"{target.name} ({opts.quant})"
+        _free(device)
     _check_contexts(opts, target.model.max_position_embeddings)
     setup = Setup(opts, target, device, dtype, bandwidth, source)
     runs_per_context = 1 + opts.repeats

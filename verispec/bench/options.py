@@ -126,6 +126,7 @@ class BenchOptions:
     request_timeout_s: float = 900.0
     seed: int = 0
     concurrency: tuple[int, ...] = ()  # offline: batches of N sequences at once; HTTP: N concurrent clients
+    quant: str | None = None  # offline: quantize the target's weights first (verispec/quant/in_memory.py)
 
     @property
     def http(self) -> bool:

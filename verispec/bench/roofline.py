@@ -27,13 +27,16 @@ class TokenBytes:
 def weight_bytes(model: CausalLM) -> int:
     """Parameters and buffers, each counted once (a tied lm_head is the embedding's own Parameter,
     which parameters() yields once), the untied input embedding replaced by one of its rows."""
-    embedding = model.input_embeddings().weight
+    table = model.input_embeddings()
+    embedding = table.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     total -= inactive_expert_bytes(model)
     if head is not embedding:
-        total -= embedding.numel() * embedding.element_size()
-        total += embedding.shape[-1] * embedding.element_size()
+        # the table's own tensors (a quantized table has scales and biases beside its packed rows)
+        table_bytes = sum(t.numel() * t.element_size() for t in list(table.parameters()) + list(table.buffers()))
+        total -= table_bytes
+        total += table_bytes // embedding.shape[0]
     return total
 
 

@@ -10,7 +10,7 @@ import torch
 from verispec import log
 from verispec.errors import VerispecError
 from verispec.loading.gguf import GGUFCheckpoint, is_gguf
-from verispec.loading.weights import checkpoint_files, iter_tensors
+from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
 from verispec.models.base import CausalLM
 from verispec.models.registry import model_class
 
@@ -52,36 +52,54 @@ def read_config(model_dir: Path) -> dict:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """A checkpoint directory (config.json + safetensors) or a GGUF file (see resolve_model)."""
+    """A checkpoint directory (config.json + safetensors; quantized formats load as stored) or a
+    GGUF file (see resolve_model; its weights arrive dequantized)."""
+    from verispec.quant import loading as quant_loading
+
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         log.debug("%s", gguf.describe())
-        config, tensors = gguf.config, gguf.tensors()
+        config, tensors, shapes_of = gguf.config, gguf.tensors(), None
     else:
-        config, tensors = read_config(model_dir), iter_tensors(checkpoint_files(model_dir))
+        config = quant_loading.with_sidecar_config(read_config(model_dir), model_dir)
+        files = checkpoint_files(model_dir)
+        tensors, shapes_of = iter_tensors(files), files
     cls = model_class(config.get("model_type"))
     with torch.device("meta"):
         model = cls(config)
+        quantized = False
+        if shapes_of is not None:  # quantized checkpoints: their linears / embeddings become quantized layers
+            shapes = {_our_name(model, name): quant_loading.CheckpointTensor(name, shape)
+                      for name, shape in tensor_shapes(shapes_of).items()}
+            quantized = quant_loading.prepare_model(model, config, shapes) is not None
     model.to_empty(device=device)
     model.to(dtype)
     _load_weights(model, tensors, dtype, device)
     model.tie_weights()
+    if quantized:
+        quant_loading.finish_loading(model)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
+def _our_name(model: CausalLM, ckpt_name: str) -> str:
+    for src, dst in model.checkpoint_prefix_map.items():
+        if ckpt_name.startswith(src):
+            return dst + ckpt_name[len(src):]
+    return ckpt_name
+
+
 def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                   device: torch.device) -> None:
+    from verispec.quant.loading import loadable_tensors
+
     params = dict(model.named_parameters())
+    params.update(loadable_tensors(model))  # quantized layers' packed integer buffers
     loaded: set[str] = set()
     ignored: list[str] = []
     for ckpt_name, tensor in tensors:
-        name = ckpt_name
-        for src, dst in model.checkpoint_prefix_map.items():
-            if name.startswith(src):
-                name = dst + name[len(src):]
-                break
+        name = _our_name(model, ckpt_name)
         if name not in params:
             ignored.append(ckpt_name)
             continue
@@ -90,9 +108,10 @@ def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
             raise VerispecError(
                 f"weight {ckpt_name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(tensor.to(device=device, dtype=dtype))
+            param.copy_(_as_stored(ckpt_name, tensor, param, dtype).to(device=device))
         loaded.add(name)
-    tied = {"lm_head.weight"} if getattr(getattr(model, "settings", None), "tie_word_embeddings", False) else set()
+    tied_names = {n for n in params if n.startswith("lm_head.")}  # a quantized head has several tensors
+    tied = tied_names if getattr(getattr(model, "settings", None), "tie_word_embeddings", False) else set()
     missing = sorted(set(params) - loaded - tied)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
@@ -100,3 +119,14 @@ def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
     if ignored:
         log.debug("ignored %d checkpoint tensors not used by %s (e.g. %s)", len(ignored),
                   type(model).__name__, ", ".join(ignored[:3]))
+
+
+def _as_stored(ckpt_name: str, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float tensors in the model's dtype. A quantized layer's integer buffers keep the stored bits
+    (uint32 words as int32, FP8 codes as uint8, float32 global scales as int32), so that casting
+    the model to its dtype leaves them alone."""
+    if param.is_floating_point():
+        return tensor.to(dtype=dtype)
+    if tensor.element_size() != param.element_size():
+        raise VerispecError(f"weight {ckpt_name} is {tensor.dtype}, verispec expects {param.dtype} there")
+    return tensor.view(param.dtype) if tensor.dtype != param.dtype else tensor

@@ -37,3 +37,13 @@ def iter_tensors(files: list[Path], device: str | torch.device = "cpu") -> Itera
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, read from the safetensors headers (no tensor data)."""
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    return shapes

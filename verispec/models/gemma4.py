@@ -221,8 +221,10 @@ class Gemma4RMSNorm(nn.Module):
 
 def scaled_embedding(table: nn.Embedding, ids: torch.Tensor, scale: float) -> torch.Tensor:
     """Gemma's scaled embedding: the scale is a float32 value rounded to the table's dtype first
-    (bf16: sqrt(5376) -> 73.5). A Python number, not a tensor: no host-to-device copy per step."""
-    return table(ids) * _rounded(scale, table.weight.dtype)
+    (bf16: sqrt(5376) -> 73.5). A Python number, not a tensor: no host-to-device copy per step.
+    The rows' dtype, not the table's: a quantized table holds packed integers."""
+    rows = table(ids)
+    return rows * _rounded(scale, rows.dtype)
 
 
 @functools.cache

@@ -83,10 +83,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def merged_linear(*linears: torch.nn.Linear) -> torch.nn.Linear:
+def merged_linear(*linears: torch.nn.Module) -> torch.nn.Module:
     """One Linear computing several that read the same input (outputs concatenated): one GEMM
-    instead of several smaller ones, which read the weights closer to full bandwidth."""
+    instead of several smaller ones, which read the weights closer to full bandwidth. Quantized
+    linears merge their packed rows instead (models/layers/quant_linear.merge_quantized)."""
     first = linears[0]
+    if not all(type(lin) is torch.nn.Linear for lin in linears):
+        from verispec.models.layers.quant_linear import merge_quantized
+        return merge_quantized(list(linears))
     has_bias = first.bias is not None
     out_features = sum(lin.out_features for lin in linears)
     merged = torch.nn.utils.skip_init(torch.nn.Linear, first.in_features, out_features, bias=has_bias,

@@ -1,0 +1,263 @@
+"""Linear and embedding layers over group-quantized weights, holding the checkpoint's tensors
+under the checkpoint's own names (so loading is a copy, no conversion step).
+
+Packed values are int32 buffers (the uint32 bits of the file); scales and offsets are float
+parameters, so `next(model.parameters())` still gives the model's dtype. Forward:
+- CUDA with Triton, at most FUSED_MAX_ROWS rows (decode / verify, and batches of them): the
+  fused dequant-matmul kernel, which reads the packed weight once per 16 rows and sums each row
+  in the same order whatever the pass's width (speculative verify == plain decode, row by row);
+- otherwise (CPU, prefill): the weight is dequantized on the fly into the activations' dtype and
+  multiplied by torch (one GEMM over the pass's rows).
+Each format names its tensors itself (`MLXAffineLinear`: weight / scales / biases;
+`PackedIntLinear`: compressed-tensors' weight_packed / weight_scale / weight_zero_point).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec import log
+from verispec.errors import UnsupportedModelError
+from verispec.kernels import quant_matmul
+from verispec.quant.packing import pack_rows, packed_words, unpack_rows
+
+
+def debug_once(module: nn.Module, message: str) -> None:
+    """A fallback's reason under VERISPEC_DEBUG=1, once per layer (not once per token)."""
+    if not getattr(module, "_fallback_logged", False):
+        module._fallback_logged = True
+        log.debug("%s: %s", type(module).__name__, message)
+
+
+def float_param(*shape: int) -> nn.Parameter:
+    """An uninitialised float parameter (filled by the loader); no shape gives a scalar."""
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(W)^T + bias for W [out_features, in_features] stored as b-bit groups.
+
+    Subclasses provide `group_scales()` and `group_offsets()` ([N, K/group_size]),
+    `packed_values()` ([N, W] int32) and `zero_point` (False: w = q*s + o; True: w = (q - o)*s)."""
+
+    bits: int
+    group_size: int
+    zero_point: bool = False
+    checkpoint_buffers: tuple[str, ...] = ()  # integer tensors the loader copies in like parameters
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = float_param(out_features) if bias else None
+
+    # the tensors of one format; overridden per format
+    def packed_values(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def group_scales(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def group_offsets(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish_loading(self) -> None:
+        """Checks and derived tensors once the checkpoint's tensors are in place."""
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model)."""
+        compute = torch.promote_types(dtype, torch.float32)
+        scales, offsets = self.group_scales(), self.group_offsets()
+        n, num_groups = scales.shape
+        q = unpack_rows(self.packed_values(), self.bits, num_groups * self.group_size)
+        q = q.view(n, num_groups, self.group_size).to(compute)
+        s, o = scales.to(compute).unsqueeze(-1), offsets.to(compute).unsqueeze(-1)
+        w = (q - o) * s if self.zero_point else q * s + o
+        return w.view(n, -1).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
+        rows = x.numel() // self.in_features
+        if rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
+            y = quant_matmul.dequant_matmul(x.reshape(rows, self.in_features), self.packed_values(),
+                                            self.group_scales(), self.group_offsets(), self.bits,
+                                            self.group_size, self.zero_point)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        if x.device.type == "cuda" and rows <= quant_matmul.FUSED_MAX_ROWS:
+            debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
+                             "dequantizing the whole weight per call")
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def same_quantization(self, other: "QuantizedLinear") -> bool:
+        return (type(self) is type(other) and self.bits == other.bits and self.group_size == other.group_size
+                and self.in_features == other.in_features and (self.bias is None) == (other.bias is None))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+class MLXAffineLinear(QuantizedLinear):
+    """MLX affine layout (verispec/quant/mlx_affine.py): weight [N, K*bits/32] packed,
+    scales and biases [N, K/group_size]; w = scales * q + biases."""
+
+    checkpoint_buffers = ("weight",)
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("weight", torch.empty(out_features, packed_words(in_features, bits), dtype=torch.int32))
+        num_groups = in_features // group_size
+        self.scales = float_param(out_features, num_groups)
+        self.biases = float_param(out_features, num_groups)
+
+    def packed_values(self) -> torch.Tensor:
+        return self.weight
+
+    def group_scales(self) -> torch.Tensor:
+        return self.scales
+
+    def group_offsets(self) -> torch.Tensor:
+        return self.biases
+
+    @classmethod
+    def concat_rows(cls, layers: list["MLXAffineLinear"]) -> "MLXAffineLinear":
+        """One layer computing several that read the same input (outputs concatenated)."""
+        first = layers[0]
+        with torch.device("meta"):  # every tensor is replaced below
+            merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
+                         bias=first.bias is not None)
+        merged.weight = torch.cat([l.weight for l in layers])
+        merged.scales = nn.Parameter(torch.cat([l.scales for l in layers]), requires_grad=False)
+        merged.biases = nn.Parameter(torch.cat([l.biases for l in layers]), requires_grad=False)
+        if first.bias is not None:
+            merged.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
+        return merged
+
+
+class PackedIntLinear(QuantizedLinear):
+    """compressed-tensors pack-quantized layout (verispec/quant/compressed_tensors.py):
+    weight_packed [N, ceil(K*bits/32)], weight_scale [N, K/group_size], weight_zero_point
+    [ceil(N*bits/32), K/group_size] packed along N (asymmetric only), weight_shape [2];
+    w = (u - u_z) * scale on the unsigned values u (u_z = 2**(bits-1) when symmetric)."""
+
+    zero_point = True
+    checkpoint_buffers = ("weight_packed", "weight_zero_point", "weight_shape")
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, symmetric: bool,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        num_groups = in_features // group_size
+        self.register_buffer("weight_packed",
+                             torch.empty(out_features, packed_words(in_features, bits), dtype=torch.int32))
+        self.weight_scale = float_param(out_features, num_groups)
+        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
+        if not symmetric:
+            self.register_buffer("weight_zero_point",
+                                 torch.empty(packed_words(out_features, bits), num_groups, dtype=torch.int32))
+        # unsigned zero points [N, G] in the scales' dtype (exact: integers below 256), derived once loaded
+        self.register_buffer("zeros", torch.empty(out_features, num_groups), persistent=False)
+
+    def packed_values(self) -> torch.Tensor:
+        return self.weight_packed
+
+    def group_scales(self) -> torch.Tensor:
+        return self.weight_scale
+
+    def group_offsets(self) -> torch.Tensor:
+        return self.zeros
+
+    def finish_loading(self) -> None:
+        shape = tuple(int(v) for v in self.weight_shape.tolist())
+        if shape != (self.out_features, self.in_features):
+            raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors layer does not match its "
+                                        f"[{self.out_features}, {self.in_features}]")
+        scale = self.weight_scale
+        if self.symmetric:
+            zeros = torch.full_like(scale, float(1 << (self.bits - 1)))
+        else:
+            # packed along N: unpack each group's column of zero points
+            zeros = unpack_rows(self.weight_zero_point.T.contiguous(), self.bits, self.out_features).T
+        self.zeros = zeros.to(device=scale.device, dtype=scale.dtype).contiguous()
+
+    @classmethod
+    def concat_rows(cls, layers: list["PackedIntLinear"]) -> "PackedIntLinear":
+        """One layer computing several that read the same input (outputs concatenated)."""
+        first = layers[0]
+        symmetric = all(l.symmetric for l in layers)
+        with torch.device("meta"):  # every tensor is replaced below
+            merged = cls(first.in_features, sum(l.out_features for l in layers), first.bits, first.group_size,
+                         symmetric, bias=first.bias is not None)
+        merged.weight_packed = torch.cat([l.weight_packed for l in layers])
+        merged.weight_scale = nn.Parameter(torch.cat([l.weight_scale for l in layers]), requires_grad=False)
+        merged.weight_shape = torch.tensor([merged.out_features, merged.in_features], device=first.weight_shape.device)
+        merged.zeros = torch.cat([l.zeros for l in layers])
+        if not symmetric:
+            merged.weight_zero_point = pack_rows(merged.zeros.T.to(torch.int64), first.bits).T.contiguous()
+        if first.bias is not None:
+            merged.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
+        return merged
+
+
+class MLXAffineEmbedding(nn.Module):
+    """An MLX-quantized embedding table [V, H]: looks up only the rows it needs and decodes them.
+    `as_linear()` gives the tied lm_head over the same tensors."""
+
+    checkpoint_buffers = ("weight",)
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("weight", torch.empty(num_embeddings, packed_words(embedding_dim, bits), dtype=torch.int32))
+        num_groups = embedding_dim // group_size
+        self.scales = float_param(num_embeddings, num_groups)
+        self.biases = float_param(num_embeddings, num_groups)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        scales, biases = self.scales, self.biases
+        rows = input_ids.reshape(-1)
+        compute = torch.promote_types(scales.dtype, torch.float32)
+        q = unpack_rows(self.weight[rows], self.bits, self.embedding_dim)
+        q = q.view(rows.numel(), -1, self.group_size).to(compute)
+        w = q * scales[rows].to(compute).unsqueeze(-1) + biases[rows].to(compute).unsqueeze(-1)
+        return w.view(*input_ids.shape, self.embedding_dim).to(scales.dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole table [V, H] in `dtype`."""
+        return self(torch.arange(self.num_embeddings, device=self.weight.device)).to(dtype)
+
+    def as_linear(self) -> MLXAffineLinear:
+        """An lm_head sharing this table's tensors (tie_word_embeddings)."""
+        with torch.device("meta"):  # its tensors are the table's
+            head = MLXAffineLinear(self.embedding_dim, self.num_embeddings, self.bits, self.group_size)
+        head.weight = self.weight
+        head.scales, head.biases = self.scales, self.biases
+        return head
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"
+
+
+class ConcatLinear(nn.Module):
+    """Several linears reading the same input, outputs concatenated: what merged projections
+    become when their quantization differs (mlx-lm per-layer overrides), so no single packed
+    matrix can hold them."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., sum N]
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def merge_quantized(layers: list[nn.Module]) -> nn.Module:
+    """The merged projection of quantized `layers` (see models/layers/fused.merged_linear)."""
+    first = layers[0]
+    if hasattr(type(first), "concat_rows") and all(first.same_quantization(l) for l in layers[1:]):
+        return type(first).concat_rows(layers)
+    log.debug("merging %s projections with different quantization: running them side by side",
+              ", ".join(type(l).__name__ for l in layers))
+    return ConcatLinear(layers)

@@ -1,0 +1,66 @@
+"""Dense little-endian bit packing of b-bit unsigned integers into 32-bit words.
+
+Both MLX (affine mode) and compressed-tensors (pack-quantized) store a row of K b-bit values as
+one bitstream: value i occupies bits [i*b, (i+1)*b) counted from bit 0 of word 0, so with b in
+{2, 4, 8} no value crosses a word and with b in {3, 5, 6} some do. Packed tensors are kept as
+int32 (torch's shifts and Triton both handle it; the bits are the checkpoint's uint32 bits).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+POWER_OF_TWO_BITS = (1, 2, 4, 8)
+
+
+def packed_words(num_values: int, bits: int) -> int:
+    """32-bit words holding `num_values` b-bit values."""
+    return math.ceil(num_values * bits / 32)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, num_values: int) -> torch.Tensor:
+    """packed [..., W] int32 (or uint32) -> values [..., num_values] uint8 in [0, 2**bits)."""
+    packed = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
+    mask = (1 << bits) - 1
+    if bits in POWER_OF_TWO_BITS:
+        # no value straddles a word: shift each word by every slot's offset at once
+        per_word = 32 // bits
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [per_word]
+        # an arithmetic shift of int32 copies the sign bit in from the left; the mask removes it
+        values = (packed.unsqueeze(-1) >> shifts) & mask  # [..., W, per_word]
+        return values.flatten(-2)[..., :num_values].to(torch.uint8)
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # [..., W] as unsigned
+    bit_start = torch.arange(num_values, device=packed.device, dtype=torch.int64) * bits
+    word = bit_start // 32
+    shift = bit_start % 32
+    low = words[..., word] >> shift
+    # the high part of a value that crosses into the next word (shift + bits > 32)
+    next_word = torch.clamp(word + 1, max=words.shape[-1] - 1)
+    high = words[..., next_word] << (32 - shift)
+    crosses = (shift + bits) > 32
+    values = torch.where(crosses, low | high, low) & mask
+    return values.to(torch.uint8)
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """values [..., K] integers in [0, 2**bits) -> packed [..., ceil(K*bits/32)] int32."""
+    if int(values.min()) < 0 or int(values.max()) >= (1 << bits):
+        raise ValueError(f"pack_rows: values must lie in [0, {1 << bits}) for {bits} bits")
+    k = values.shape[-1]
+    num_words = packed_words(k, bits)
+    v = values.to(torch.int64)
+    bit_start = torch.arange(k, device=values.device, dtype=torch.int64) * bits
+    word = bit_start // 32
+    shift = bit_start % 32
+    out = torch.zeros(*values.shape[:-1], num_words + 1, dtype=torch.int64, device=values.device)
+    # disjoint bit fields, so adding them is OR-ing them; the overflow word absorbs the parts
+    # of values that cross a word boundary
+    out.index_add_(-1, word, (v << shift) & 0xFFFFFFFF)
+    crosses = (shift + bits) > 32
+    if bool(crosses.any()):
+        idx = crosses.nonzero().squeeze(-1)
+        out.index_add_(-1, word[idx] + 1, v[..., idx] >> (32 - shift[idx]))
+    out = out[..., :num_words]
+    # reinterpret the unsigned 32-bit pattern as int32 (two's complement)
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
