@@ -480,7 +480,9 @@ class Engine:
             stats.rounds += 1
             stats.drafted += len(draft.token_ids)
             stats.accepted += accepted
-            chunks.append(seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n]))
+            chunk = seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n])
+            chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
+            chunks.append(chunk)
             if seq.proposer is not None:  # also after the last token: the drafter's state stays the committed one
                 observed.append((seq, TargetStep(inputs[b][:n], position, out.hidden[b, :n],
                                                  [a[b, :n] for a in out.aux], token,

@@ -65,6 +65,9 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None  # set on the final chunk only
+    # how many of token_ids (from the start) were drafts the target accepted; the rest are the
+    # target's own choices (the bonus token, or the only token of a plain step)
+    num_drafted: int = 0
 
 
 @dataclass
