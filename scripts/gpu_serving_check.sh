@@ -15,14 +15,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests,identity,bench8,spec8}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 if has tests; then
-  timeout 300 python3 -m pytest -o addopts="" -q -x tests/kernels/test_decode_attention.py tests/engine 2>&1 | tail -4
+  timeout 300 python3 -m pytest -o addopts="" -q -x tests/kernels/test_decode_attention.py tests/kernels/test_quant_matmul.py tests/engine 2>&1 | tail -4
 fi
 if has identity; then
   timeout 300 python3 scripts/gpu_batch_identity.py --out "$OUT" 2>&1 | grep -vE "Loading|Writing" | tail -12
 fi
 if has bench8; then
   timeout 400 python3 -m verispec bench --shape qwen3-8b --methods ar --contexts 512 --gen-tokens 128 --repeats 1 \
-      --concurrency ${CONC:-1,8,32,64} --out "$OUT/q8batch" 2>&1 | grep -E "^\||error|Error" | head -12
+      --concurrency ${CONC:-1,8,32,64} --out "$OUT/q8batch" 2>&1 | grep -E "^\||error|Error|round ms" | head -16
 fi
 if has spec8; then
   timeout 300 python3 -m verispec bench --shape qwen3-8b --methods ar,eagle3 --draft-block 3 --contexts 512 \

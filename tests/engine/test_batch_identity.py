@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -133,7 +134,10 @@ def proposers(engine: Engine, prompts: list[list[int]]) -> dict[str, Proposer]:
 
 
 def spec(engine: Engine, proposer: Proposer, k: int) -> Engine:
-    return Engine(engine.model, engine.tokenizer, engine.config, engine.model_dir, proposer=proposer, num_drafts=k)
+    # k drafts at every batch size: a sampling request draws its random numbers per draft, so its
+    # tokens (not its distribution) depend on how many drafts each round had
+    config = replace(engine.config, draft_schedule=f"1:{k}")
+    return Engine(engine.model, engine.tokenizer, config, engine.model_dir, proposer=proposer, num_drafts=k)
 
 
 def prompts_for(engine: Engine) -> list[list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -71,12 +72,13 @@ def compare(engine: Engine, make_proposer) -> None:
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     continuations = {tuple(ids): engine.generate_all(ids, greedy).token_ids for ids in prompts}
     v = engine.model.vocab_size
+    config = replace(engine.config, draft_schedule=f"1:{K}")  # K drafts whatever the batch size
     single = make_proposer().setup(continuations, v, batched=False)
-    per_seq = Engine(engine.model, engine.tokenizer, engine.config, engine.model_dir, proposer=single, num_drafts=K)
+    per_seq = Engine(engine.model, engine.tokenizer, config, engine.model_dir, proposer=single, num_drafts=K)
     for ids in prompts:  # one at a time, each with its own contiguous drafter cache
         assert per_seq.generate_all(ids, greedy).token_ids == continuations[tuple(ids)]
     many = make_proposer().setup(continuations, v, batched=True)
-    batched = Engine(engine.model, engine.tokenizer, engine.config, engine.model_dir, proposer=many, num_drafts=K)
+    batched = Engine(engine.model, engine.tokenizer, config, engine.model_dir, proposer=many, num_drafts=K)
     results = batched.generate_batch(prompts, greedy)
     assert [r.token_ids for r in results] == [continuations[tuple(ids)] for ids in prompts]
     assert all(0 < r.stats.accepted < r.stats.drafted for r in results)  # partial commits happened

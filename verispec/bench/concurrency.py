@@ -46,6 +46,7 @@ def run_batch(engine, prompts: list[list[int]], gen_tokens: int) -> dict:
                 done.release()
         return sink
 
+    engine.round_timings.clear()
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.submit(ids, params, sink_for(i))
@@ -65,7 +66,13 @@ def run_batch(engine, prompts: list[list[int]], gen_tokens: int) -> dict:
     drafted = sum(s.drafted for s in stats)
     accepted = sum(s.accepted for s in stats)
     ttft = [(t - start) * 1000 for t in first]
+    full = [t for t in engine.round_timings if t[0] == n]  # rounds with every sequence decoding
+    timing = {}
+    if full:
+        for i, key in enumerate(("round_draft_ms", "round_launch_ms", "round_device_ms", "round_host_after_ms"), 2):
+            timing[key] = statistics.median(t[i] for t in full)
     return {
+        **timing,
         "concurrency": n,
         "aggregate_tok_s": total / (end - start),
         "decode_tok_s": in_window / (window_end - window_start) if window_end > window_start else None,

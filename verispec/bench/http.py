@@ -268,7 +268,7 @@ def _tail(path: str, num_lines: int = 3) -> str:
 
 def run_http(opts: BenchOptions) -> BenchReport:
     configs = [(opts.url, None)] if opts.url else [(s, s) for s in opts.serve]
-    total = len(configs) * (1 + len(opts.contexts) * opts.repeats)
+    total = len(configs) * (1 + len(opts.contexts) * opts.repeats * max(1, len(opts.concurrency)))
     progress = Progress(total)
     rows: list[dict] = []
     models = []
@@ -310,6 +310,12 @@ def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, p
     # prompt tokens per word (tag and template included): the first estimate of prompt sizes
     tokens_per_word = (result.prompt_tokens or WARMUP_WORDS) / len(warm.split())
     rows = []
+    if opts.concurrency:
+        rows = _measure_clients(client, label, index, opts, progress, tag, tokens_per_word)
+        for row in rows:
+            row.update({"server_ready_s": ready_s, "first_request_ttft_ms": result.ttft_ms,
+                        "peak_memory_gib": client.peak_memory_gib()})
+        return rows
     for context in opts.contexts:
         words = max(1, round(context / tokens_per_word) - 6)
         before = client.spec_counters()
@@ -346,4 +352,51 @@ def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, p
     peak = client.peak_memory_gib()
     for row in rows:
         row["peak_memory_gib"] = peak
+    return rows
+
+
+def _measure_clients(client: ServerClient, label: str, index: int, opts: BenchOptions, progress: Progress,
+                     tag: str, tokens_per_word: float) -> list[dict]:
+    """--concurrency over HTTP: N clients at once, each streaming its own prompt; aggregate tok/s
+    is every completion token over the wall time of the whole group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verispec.bench.concurrency import _percentile
+
+    rows = []
+    for context in opts.contexts:
+        words = max(1, round(context / tokens_per_word) - 6)
+        for n in opts.concurrency:
+            groups = []
+            for repeat in range(opts.repeats):
+                prompts = [text_prompt(tag, context, 1000 * n + 100 * repeat + i, words) for i in range(n)]
+                before = client.spec_counters()
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=n) as pool:
+                    results = list(pool.map(lambda p: client.stream(p, opts.gen_tokens), prompts))
+                wall = time.perf_counter() - t0
+                after = client.spec_counters()
+                acceptance = None
+                if before is not None and after is not None and after[0] > before[0]:
+                    acceptance = (after[1] - before[1]) / (after[0] - before[0])
+                total = sum(r.completion_tokens for r in results)
+                ttft = [r.ttft_ms for r in results if r.ttft_ms is not None]
+                groups.append({"aggregate_tok_s": total / wall, "wall_s": wall, "acceptance": acceptance,
+                               "per_request_tok_s": _median([r.decode_tok_s for r in results]),
+                               "ttft_p50_ms": _percentile(ttft, 0.5) if ttft else None,
+                               "ttft_p99_ms": _percentile(ttft, 0.99) if ttft else None,
+                               "completion_tokens": total, "prompt_tokens": _median([r.prompt_tokens for r in results]),
+                               "requests": [r.as_dict() for r in results]})
+                progress.step(f"{label} ctx {context} x{n} run {repeat + 1}/{opts.repeats}")
+            best = sorted(groups, key=lambda g: g["aggregate_tok_s"])[len(groups) // 2]
+            row = {"config": label, "config_index": index, "model": client.model_id, "context": context,
+                   "concurrency": n, "ttft_ms": best["ttft_p50_ms"], "decode_tok_s": best["per_request_tok_s"],
+                   "prefill_tok_s": None, "repeats": len(groups), **best}
+            rows.append(row)
+            progress.note(f"{label} ctx {context} x{n}: {best['aggregate_tok_s']:.1f} tok/s aggregate, "
+                          f"{best['per_request_tok_s'] or 0:.1f} per request, TTFT p50 {best['ttft_p50_ms'] or 0:.0f} ms")
+        one = next((r for r in rows if r["context"] == context and r["concurrency"] == 1), None)
+        for r in rows:
+            if r["context"] == context and one:
+                r["speedup_vs_one_client"] = r["aggregate_tok_s"] / one["aggregate_tok_s"]
     return rows

@@ -282,7 +282,9 @@ def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: 
             row.update(costs.as_dict())
         rows.append(row)
         progress.note(f"{label}: decode {best['decode_tok_s'] or 0:.1f} tok/s aggregate over {n} sequences, "
-                      f"{best['per_request_tok_s'] or 0:.1f} per request, TTFT p50 {best['ttft_p50_ms']:.0f} ms")
+                      f"{best['per_request_tok_s'] or 0:.1f} per request, TTFT p50 {best['ttft_p50_ms']:.0f} ms; "
+                      f"round ms: draft {best.get('round_draft_ms', 0):.2f}, launch {best.get('round_launch_ms', 0):.2f}, "
+                      f"device {best.get('round_device_ms', 0):.2f}, host after {best.get('round_host_after_ms', 0):.2f}")
     base = next((r for r in rows if r["concurrency"] == 1), None)
     for r in rows:
         r["speedup_vs_batch1"] = r["decode_tok_s"] / base["decode_tok_s"] if base and r["decode_tok_s"] else None

@@ -123,6 +123,10 @@ OFFLINE_COLUMNS = [
 HTTP_COLUMNS = [
     ("config", "config", str, True),
     ("context", "context", str, True),
+    ("concurrency", "clients", str, False),
+    ("aggregate_tok_s", "aggregate tok/s", _num, False),
+    ("ttft_p99_ms", "TTFT p99 ms", _num, False),
+    ("speedup_vs_one_client", "vs 1 client", lambda v: "" if v is None else f"{v:.2f}x", False),
     ("prompt_tokens", "prompt tokens", lambda v: "n/a" if v is None else str(round(v)), True),
     ("ttft_ms", "TTFT ms", _num, True),
     ("prefill_tok_s", "prefill tok/s", _num, True),

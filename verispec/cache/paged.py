@@ -102,14 +102,19 @@ class PagedPools:
         self.dtype = dtype
         self.device = torch.device(device)
         slots = num_blocks * block_size
+        # On the CPU the pools are left unwritten (the OS maps pages on first touch, so only blocks in
+        # use take memory) and each block is zeroed when handed out (zero_blocks): rows nobody wrote
+        # must be finite, since masked attention still multiplies them by a zero weight.
+        self.lazy = self.device.type == "cpu"
+        alloc = torch.empty if self.lazy else torch.zeros
         self.keys: list[torch.Tensor | None] = []  # per layer [slots, Hkv, D]
         self.values: list[torch.Tensor | None] = []
         self.conv_states: dict[int, torch.Tensor] = {}  # [state slots, conv_dim, kernel - 1]
         self.ssm_states: dict[int, torch.Tensor] = {}  # [state slots, H, Dk, Dv] float32
         for i, spec in enumerate(specs):
             if isinstance(spec, LayerCacheSpec):
-                self.keys.append(torch.zeros(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
-                self.values.append(torch.zeros(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+                self.keys.append(alloc(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
+                self.values.append(alloc(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
                 continue
             self.keys.append(None)
             self.values.append(None)
@@ -118,6 +123,19 @@ class PagedPools:
                                                   dtype=dtype, device=device)
                 self.ssm_states[i] = torch.zeros(num_state_slots, spec.num_heads, spec.key_dim, spec.value_dim,
                                                  dtype=torch.float32, device=device)
+
+        if self.lazy:
+            self.zero_blocks([SCRATCH])
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero newly handed-out blocks of lazily allocated (CPU) pools; a no-op otherwise."""
+        if not self.lazy or not blocks:
+            return
+        size = self.block_size
+        for pool in self.keys + self.values:
+            if pool is not None:
+                for block in blocks:
+                    pool[block * size:(block + 1) * size].zero_()
 
     @property
     def recurrent_layers(self) -> list[int]:

@@ -16,12 +16,12 @@ class DraftSchedule:
         self.max_drafts = max_drafts
 
     @classmethod
-    def parse(cls, text: str | None, max_drafts: int) -> "DraftSchedule":
+    def parse(cls, text: str | None, max_drafts: int, device_type: str = "cuda") -> "DraftSchedule":
         """`text` from --draft-schedule; None: the measured default for `max_drafts` drafts."""
         if max_drafts <= 0:
             return cls([(1, 0)], 0)
         if not text:
-            return cls.default(max_drafts)
+            return cls.default(max_drafts, device_type)
         steps = []
         for part in text.split(","):
             try:
@@ -37,7 +37,12 @@ class DraftSchedule:
         return cls(steps, max_drafts)
 
     @classmethod
-    def default(cls, max_drafts: int) -> "DraftSchedule":
+    def default(cls, max_drafts: int, device_type: str = "cuda") -> "DraftSchedule":
+        if device_type != "cuda":
+            # a CPU's matrix products are compute-bound after a few rows, so k+1 rows per sequence
+            # cost ~k+1 times one: measured with the demo model over HTTP (docs/benchmarks.md), 8
+            # clients got 107 tok/s plain vs 71 with 4 drafts each
+            return cls([(1, max_drafts), (2, min(max_drafts, 1)), (4, 0)], max_drafts)
         # the verify pass stays near one decode step up to ~8 sequences x 4 tokens (measured on the
         # H200, docs/benchmarks.md); past that one draft, and none from 32 sequences
         return cls([(1, max_drafts), (9, min(max_drafts, 1)), (32, 0)], max_drafts)

@@ -10,6 +10,7 @@ once at start, sized from the memory budget.
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
 import queue
 import threading
@@ -87,7 +88,7 @@ class Engine:
         self.num_drafts = num_drafts if proposer is not None else 0
         if proposer is not None and num_drafts < 1:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
-        self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts)
+        self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts, self.device.type)
         # a batched proposer drafts for every sequence in one pass per chained step (spec/batched.py);
         # others get one instance per sequence (Proposer.fork)
         self.batched_drafting = bool(getattr(proposer, "batched", False))
@@ -104,6 +105,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._worker_lock = threading.Lock()
         self.last_num_drafts = 0  # drafts per sequence chosen for the last decode step (/metrics)
+        # per round: (sequences, tokens per sequence, draft+inputs ms, launch ms, device wait ms, host after ms)
+        self.round_timings: collections.deque = collections.deque(maxlen=4096)
 
     # ---- the paged cache --------------------------------------------------------------------------
     def _setup_cache(self) -> None:
@@ -141,7 +144,7 @@ class Engine:
         slots = SlotAllocator(num_slots) if num_slots else None
         batched = cfg.max_num_batched_tokens or max(2048, cfg.prefill_step_size)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
-                                   self._on_release)
+                                   self._on_release, self._on_allocate)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device))
         if self.batched_drafting:
@@ -149,6 +152,11 @@ class Engine:
         log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once",
                  num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
                  f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs)
+
+    def _on_allocate(self, blocks: list[int]) -> None:
+        self.pools.zero_blocks(blocks)
+        if self.batched_drafting:
+            self.proposer.pools.zero_blocks(blocks)
 
     def _on_release(self, seq: Sequence) -> None:
         """A sequence's blocks went back (finished or preempted): so does its drafter state."""
@@ -456,10 +464,13 @@ class Engine:
             _sync(self.device)
             t_drafted = time.perf_counter()
         capture = self.proposer.capture_layers if self.proposer is not None else ()
+        t_launch = time.perf_counter()
         out = self.runner.verify(seqs, inputs, capture)
+        t_launched = time.perf_counter()
         greedy_choices = None
         if any(s.params.greedy and not s.params.has_penalties for s in seqs):
             greedy_choices = out.logits.argmax(-1).tolist()  # one device sync for the whole batch
+        t_synced = time.perf_counter()
         results = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts)):
             n = len(draft.token_ids) + 1
@@ -494,6 +505,11 @@ class Engine:
                 seq.proposer.observe(step)
         for seq, chunk in zip(seqs, chunks):
             self._emit(seq, chunk)
+        # where a round's time goes (bench --concurrency reports medians): drafting and building the
+        # inputs, launching the target pass, waiting for the device, and the per-sequence host work after
+        now = time.perf_counter()
+        self.round_timings.append((len(seqs), width, (t_launch - t0) * 1000, (t_launched - t_launch) * 1000,
+                                   (t_synced - t_launched) * 1000, (now - t_synced) * 1000))
 
     def _propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         """Each sequence's drafts (counts[b] of them; 0 = none this round)."""

@@ -32,13 +32,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockAllocator, slots: SlotAllocator | None, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefill_chunk: int, on_free: Callable[[Sequence], None]):
+                 max_num_batched_tokens: int, prefill_chunk: int, on_free: Callable[[Sequence], None],
+                 on_allocate: Callable[[list[int]], None] = lambda blocks: None):
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.on_free = on_free  # called when a sequence's resources go back (finish or preemption)
+        self.on_allocate = on_allocate  # called with newly handed-out block ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,7 +60,9 @@ class Scheduler:
             return True
         if need > self.blocks.num_free:
             return False
-        seq.block_table.extend(self.blocks.allocate(need))
+        new_blocks = self.blocks.allocate(need)
+        self.on_allocate(new_blocks)
+        seq.block_table.extend(new_blocks)
         return True
 
     def release(self, seq: Sequence) -> None:

@@ -1,0 +1,47 @@
+"""The server over the batched engine: concurrent clients are served together, and /metrics
+shows the scheduler (running / waiting / KV blocks / preemptions / drafts per round)."""
+from __future__ import annotations
+
+import threading
+
+from verispec.engine.params import SamplingParams
+
+
+def test_concurrent_requests_run_in_one_batch_and_match_alone(engine, client):
+    prompts = [f"def function_{i}(x):" for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = [engine.generate_all(engine.tokenizer.encode(p), params).text for p in prompts]
+    sizes = []
+    real_round = engine._round
+
+    def recording_round(seqs, k):
+        sizes.append(len(seqs))
+        return real_round(seqs, k)
+
+    engine._round = recording_round
+    try:
+        got = [None] * len(prompts)
+
+        def ask(i):
+            r = client.completions.create(model=client.models.list().data[0].id, prompt=prompts[i], max_tokens=12,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+            got[i] = r.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        del engine._round
+    assert got == alone
+    assert max(sizes) > 1  # some steps decoded several clients' sequences together
+    assert engine.blocks.num_used == 0
+
+
+def test_metrics_show_the_scheduler(http, engine):
+    text = http.get("/metrics").text
+    for name in ("verispec_num_requests_running", "verispec_num_requests_waiting", "verispec_kv_cache_usage_ratio",
+                 "verispec_num_preemptions_total", "verispec_spec_drafts_per_round"):
+        assert name in text
+    assert f'verispec_kv_cache_blocks{{state="total"}} {float(engine.blocks.num_usable)}' in text

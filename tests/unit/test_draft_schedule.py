@@ -1,0 +1,36 @@
+"""--draft-schedule: drafts per round by batch size."""
+from __future__ import annotations
+
+import pytest
+
+from verispec.engine.draft_schedule import DraftSchedule
+from verispec.errors import VerispecError
+
+
+def test_parsed_steps_pick_the_largest_threshold_at_or_below_the_batch():
+    s = DraftSchedule.parse("1:3,8:1,32:0", 3)
+    assert [s.drafts_for(b) for b in (1, 7, 8, 31, 32, 100)] == [3, 3, 1, 1, 0, 0]
+    assert s.describe() == "1:3,8:1,32:0"
+
+
+def test_drafts_never_exceed_the_proposers_and_batch_one_is_implied():
+    s = DraftSchedule.parse("4:9", 2)
+    assert [s.drafts_for(b) for b in (1, 3, 4)] == [2, 2, 2]
+    assert DraftSchedule.parse("2:0", 3).drafts_for(1) == 3
+
+
+def test_without_a_proposer_nothing_is_drafted():
+    assert DraftSchedule.parse("1:3", 0).drafts_for(1) == 0
+
+
+def test_defaults_differ_by_device():
+    gpu, cpu = DraftSchedule.parse(None, 3, "cuda"), DraftSchedule.parse(None, 3, "cpu")
+    assert gpu.drafts_for(1) == cpu.drafts_for(1) == 3
+    assert gpu.drafts_for(8) == 3 and cpu.drafts_for(8) == 0
+    assert gpu.drafts_for(64) == 0
+
+
+@pytest.mark.parametrize("bad", ["x", "1:", "1:2:3", "0:1", "2:-1"])
+def test_bad_schedules_are_refused_naming_the_entry(bad):
+    with pytest.raises(VerispecError, match="--draft-schedule"):
+        DraftSchedule.parse(bad, 3)
