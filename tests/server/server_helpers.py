@@ -105,7 +105,24 @@ class GenerationSpy:
         monkeypatch.setattr(engine, "generate", self.generate)
         if self.real_step is not None:
             monkeypatch.setattr(engine, "step", self.step)
+        self.real_submit = getattr(engine, "submit", None)
+        if self.real_submit is not None:  # the server hands requests to submit()
+            monkeypatch.setattr(engine, "submit", self.submit)
         return self
+
+    def submit(self, prompt_ids, params, sink, cancel=None):
+        count = 0
+
+        def spied(item):
+            nonlocal count
+            if not isinstance(item, BaseException):
+                count += 1
+                if item.finish_reason is not None:
+                    self.finished.append(item)
+                    self.num_chunks.append(count)
+            sink(item)
+
+        return self.real_submit(prompt_ids, params, spied, cancel)
 
     def step(self):
         time.sleep(self.step_delay_s)

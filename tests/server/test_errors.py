@@ -107,15 +107,15 @@ def test_openai_client_sees_typed_errors(client):
 
 # ---- crashes inside the engine ----------------------------------------------------------------
 
-def crash_before_output(prompt_ids, params, cancel=None):
+def crash_before_output(seq, num_tokens, capture, keep_all_rows):
     raise RuntimeError("simulated engine crash")
-    yield  # a generator, like the real generate
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_crash_is_500_then_serving_goes_on(http, engine, monkeypatch, stream):
+    """A step that fails (here: the prompt's forward pass) fails its requests, and the engine goes on."""
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "generate", crash_before_output)
+        patch.setattr(engine.runner, "prefill", crash_before_output)
         error = assert_error(http.post("/v1/chat/completions", json={**CHAT, "stream": stream}), 500,
                              error_type="internal_error")
         assert "simulated engine crash" in error["message"]
@@ -123,21 +123,19 @@ def test_engine_crash_is_500_then_serving_goes_on(http, engine, monkeypatch, str
 
 
 def test_crash_mid_stream_sends_error_event_then_done(http, client, engine, monkeypatch):
-    real_generate = engine.generate
+    real_round = engine._round
+    rounds = 0
 
-    def crash_after_two_chunks(prompt_ids, params, cancel=None):
-        gen = real_generate(prompt_ids, params, cancel)
-        try:
-            for i, chunk in enumerate(gen):
-                if i == 2:
-                    raise RuntimeError("simulated crash mid-stream")
-                yield chunk
-        finally:
-            gen.close()  # releases the engine's lock, as a real failure would
+    def crash_at_third_round(seqs, num_drafts):
+        nonlocal rounds
+        rounds += 1
+        if rounds % 3 == 0:
+            raise RuntimeError("simulated crash mid-stream")
+        return real_round(seqs, num_drafts)
 
     body = {**CHAT, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "generate", crash_after_two_chunks)
+        patch.setattr(engine, "_round", crash_at_third_round)
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             payloads = sse_payloads(r.iter_lines())

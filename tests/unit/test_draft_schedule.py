@@ -34,3 +34,14 @@ def test_defaults_differ_by_device():
 def test_bad_schedules_are_refused_naming_the_entry(bad):
     with pytest.raises(VerispecError, match="--draft-schedule"):
         DraftSchedule.parse(bad, 3)
+
+
+def test_merged_chunks_say_what_both_said():
+    from verispec.engine.types import FinishReason, GenerationChunk, TokenLogprob, merge_chunks
+
+    a = GenerationChunk([1, 2], "ab", [TokenLogprob(1, -0.1), TokenLogprob(2, -0.2)], None, None, 1)
+    b = GenerationChunk([3], "c", [TokenLogprob(3, -0.3)], FinishReason.STOP, None, 0)
+    m = merge_chunks(a, b)
+    assert (m.token_ids, m.text, [lp.token_id for lp in m.logprobs], m.finish_reason, m.num_drafted) == \
+        ([1, 2, 3], "abc", [1, 2, 3], FinishReason.STOP, 1)
+    assert merge_chunks(GenerationChunk([1], "a"), GenerationChunk([2], "b")).logprobs is None

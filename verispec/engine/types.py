@@ -65,9 +65,17 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None  # set on the final chunk only
-    # how many of token_ids (from the start) were drafts the target accepted; the rest are the
-    # target's own choices (the bonus token, or the only token of a plain step)
+    # how many of token_ids were drafts the target accepted (in a single round's chunk, the first
+    # ones); the rest are the target's own choices (the bonus token, or a plain step's token)
     num_drafted: int = 0
+
+
+def merge_chunks(first: GenerationChunk, second: GenerationChunk) -> GenerationChunk:
+    """One chunk saying what two consecutive chunks of a generation say."""
+    logprobs = None if first.logprobs is None and second.logprobs is None else \
+        (first.logprobs or []) + (second.logprobs or [])
+    return GenerationChunk(first.token_ids + second.token_ids, first.text + second.text, logprobs,
+                           second.finish_reason, second.stats, first.num_drafted + second.num_drafted)
 
 
 @dataclass
