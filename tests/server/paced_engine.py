@@ -37,8 +37,11 @@ class PacedEngine(ScriptedEngine):
         self.dtype = torch.float32
         self.cancelled = threading.Event()  # set when a generation ended because its client left
         self.finished = threading.Event()
+        self.last_prompt_ids: list[int] = []
+        self.last_params = None
 
     def generate(self, prompt_ids, params, cancel=None):
+        self.last_prompt_ids, self.last_params = list(prompt_ids), params
         self.cancelled.clear()
         self.finished.clear()
         stats = GenerationStats(method=self.proposer.method if self.proposer else "ar",
