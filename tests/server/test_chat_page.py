@@ -122,3 +122,15 @@ def test_tally_reports_nothing_until_tokens_arrive():
     assert tally.take() is None
     tally.add(GenerationChunk([], "", stats=GenerationStats(method="eagle3", drafted=3, accepted=2, rounds=1)))
     assert tally.take()["stats"]["accepted"] == 2
+
+
+def test_browser_tests_skip_with_the_install_command_when_no_browser(monkeypatch):
+    import browser
+
+    monkeypatch.setattr(browser, "CHROMIUM_CANDIDATES", ["/nonexistent/chromium"])
+    monkeypatch.setattr(browser, "DRIVER_CANDIDATES", ["/nonexistent/chromedriver"])
+    monkeypatch.setattr(browser.shutil, "which", lambda name: None)
+    reason = browser.find_browser()
+    assert isinstance(reason, str) and "apt-get install -y chromium chromium-driver" in reason
+    with pytest.raises(pytest.skip.Exception, match="no headless Chromium"):
+        browser.chromium_or_skip()
