@@ -51,6 +51,7 @@ def chromium(browser: str, driver: str, width: int = 1100, height: int = 800) ->
     options.binary_location = browser
     for flag in CHROMIUM_FLAGS + [f"--user-data-dir={profile}", f"--window-size={width},{height}"]:
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console errors, CSP violations
     # The explicit driver path keeps selenium from looking for (downloading) one itself.
     web = webdriver.Chrome(service=Service(driver), options=options)
     try:
@@ -58,3 +59,8 @@ def chromium(browser: str, driver: str, width: int = 1100, height: int = 800) ->
     finally:
         web.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def console_errors(web) -> list[str]:
+    """The page's console errors since the last call (script errors, CSP violations, failed loads)."""
+    return [entry["message"] for entry in web.get_log("browser") if entry["level"] == "SEVERE"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from browser import chromium, chromium_or_skip
+from browser import chromium, chromium_or_skip, console_errors
 from paced_engine import PacedEngine, Piece, rounds_of
 from server_helpers import SERVED_NAME, live_server
 from verispec.loading.tokenizer import Tokenizer
@@ -83,6 +83,7 @@ def reply_text(web) -> str:
 
 
 def test_conversation_with_the_tiny_model_streams_and_survives_a_reload(web, server):
+    console_errors(web)
     open_fresh(web, server.url)
     header = web.find_element("id", "server-info").text
     assert SERVED_NAME in header and "plain decoding" in header and "cpu" in header
@@ -105,6 +106,7 @@ def test_conversation_with_the_tiny_model_streams_and_survives_a_reload(web, ser
     texts = web.execute_script("return [...document.querySelectorAll('.message .content')].map(e => e.textContent)")
     assert texts[0] == "Hello there" and texts[1] == first_reply and texts[2] == "And again"
     assert web.find_element("id", "max-tokens").get_attribute("value") == "24"  # settings kept too
+    assert console_errors(web) == []  # no script error, no CSP violation, nothing failed to load
 
 
 def test_text_appears_while_streaming_and_stop_cancels_on_the_server(web, paced_engine, paced_server):
@@ -137,6 +139,7 @@ def test_text_appears_while_streaming_and_stop_cancels_on_the_server(web, paced_
 def test_model_markup_renders_as_text(web, paced_engine, paced_server):
     paced_engine.delay_s = 0.0
     paced_engine.script = [Piece(HOSTILE[i:i + 7], 2, 1) for i in range(0, len(HOSTILE), 7)]
+    console_errors(web)
     open_fresh(web, paced_server.url)
     send(web, "Say something nasty")
     wait_reply_done(web)
@@ -148,6 +151,7 @@ def test_model_markup_renders_as_text(web, paced_engine, paced_server):
     web.refresh()  # and again when the stored conversation is rendered
     wait_for(web, "document.querySelectorAll('.message').length === 2")
     assert reply_text(web) == HOSTILE and web.execute_script("return window.__pwned") is None
+    assert console_errors(web) == []  # not even a blocked attempt: nothing was parsed as markup
 
 
 def test_reasoning_markdown_copy_and_draft_tint(web, paced_engine, paced_server):

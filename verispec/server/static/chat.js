@@ -316,9 +316,10 @@ async function send(text) {
     model: info ? info.model : undefined,
     messages: requestMessages(),
     stream: true,
-    temperature: Number(store.settings.temperature),
-    max_tokens: Number(store.settings.maxTokens),
   };
+  // an empty field means "the server's default", not 0
+  if (String(store.settings.temperature).trim() !== "") body.temperature = Number(store.settings.temperature);
+  if (Number(store.settings.maxTokens) > 0) body.max_tokens = Number(store.settings.maxTokens);
   const message = {
     role: "assistant", content: "", reasoning: "", contentDrafted: [], reasoningDrafted: [],
     state: "streaming", events: 0, spec: { tokens: 0, drafted: 0, rounds: 0 },

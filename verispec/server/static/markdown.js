@@ -39,8 +39,16 @@ class Renderer {
   // Appends source characters [start, end) to parent, drafted ones inside <span class="drafted">.
   appendText(parent, start, end) {
     let at = start;
-    for (const [a, b] of this.ranges) {
-      if (b <= at) continue;
+    // binary search for the first range ending after start: a long reply has thousands of ranges
+    let lo = 0;
+    let hi = this.ranges.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (this.ranges[mid][1] <= start) lo = mid + 1;
+      else hi = mid;
+    }
+    for (let k = lo; k < this.ranges.length; k++) {
+      const [a, b] = this.ranges[k];
       if (a >= end) break;
       if (a > at) parent.appendChild(document.createTextNode(this.text.slice(at, a)));
       const span = document.createElement("span");
