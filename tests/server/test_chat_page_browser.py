@@ -239,9 +239,12 @@ def test_fits_a_phone_screen(web, paced_engine, paced_server):
     paced_engine.delay_s = 0.0
     paced_engine.script = rounds_of("A long answer " * 20 + "\n\n```\n" + "x = 1  # " + "long code " * 30 + "\n```",
                                     [2, 0, 3])
-    web.set_window_size(390, 844)
+    # device emulation: a headless window cannot be made narrower than 500 px
+    web.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                        {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True})
     try:
         open_fresh(web, paced_server.url)
+        assert web.execute_script("return window.innerWidth") == 390
         send(web, "Hi from a phone")
         wait_reply_done(web)
         sizes = web.execute_script("const e = document.documentElement; return [e.scrollWidth, e.clientWidth]")
@@ -254,4 +257,61 @@ def test_fits_a_phone_screen(web, paced_engine, paced_server):
                                  "return [p.scrollWidth > p.clientWidth, getComputedStyle(p).overflowX]")
         assert pre == [True, "auto"]  # long code scrolls inside its block, not the page
     finally:
-        web.set_window_size(1100, 800)
+        web.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+MARKDOWN_FUZZ = r"""
+const done = arguments[arguments.length - 1];
+import("/static/markdown.js").then((md) => {
+  let seed = 20261123;
+  const rand = () => { seed = (seed * 1103515245 + 12345) % 2147483648; return seed / 2147483648; };
+  const atoms = ["<", ">", "&", '"', "'", "*", "**", "`", "```", "~~~", "[", "]", "(", ")", "](", "#", "# ",
+                 "- ", "1. ", "> ", "---", "\n", "\n\n", " ", "a", "b", "javascript:", "https://x.y/", "data:",
+                 "<script>", "</script>", "<img src=x onerror=alert(1)>", "_", "&lt;", "[a](https://x.y/)",
+                 "[a](javascript:alert(1))", "[b](https://x.y/\"onclick=\"alert(1))"];
+  const tags = new Set(["P", "BR", "STRONG", "EM", "CODE", "PRE", "A", "H3", "H4", "H5", "H6", "UL", "OL",
+                        "LI", "BLOCKQUOTE", "HR", "SPAN", "DIV", "BUTTON"]);
+  const attributes = new Set(["class", "href", "target", "rel", "type"]);
+  const problems = [];
+  for (let n = 0; n < 3000 && problems.length < 5; n++) {
+    let text = "";
+    const length = 1 + Math.floor(rand() * 30);
+    for (let i = 0; i < length; i++) text += atoms[Math.floor(rand() * atoms.length)];
+    const ranges = [];
+    for (let at = Math.floor(rand() * 4); at < text.length; ) {
+      const end = Math.min(text.length, at + 1 + Math.floor(rand() * 6));
+      ranges.push([at, end]);
+      at = end + 1 + Math.floor(rand() * 6);
+    }
+    const root = document.createElement("div");
+    root.appendChild(md.renderMarkdown(text, ranges, () => {}));
+    for (const el of root.querySelectorAll("*")) {
+      if (!tags.has(el.tagName)) problems.push([text, "tag " + el.tagName]);
+      for (const attr of el.attributes) if (!attributes.has(attr.name)) problems.push([text, "attribute " + attr.name]);
+      if (el.tagName === "A" && !/^https?:\/\/[^\s]+$/.test(el.getAttribute("href"))) problems.push([text, "href"]);
+    }
+    // nothing invented: the shown text is the source minus markup, in order (code labels aside)
+    root.querySelectorAll(".code-head").forEach((e) => e.remove());
+    let at = 0;
+    for (const ch of root.textContent) {
+      at = text.indexOf(ch, at);
+      if (at === -1) { problems.push([text, "text not from the source: " + root.textContent]); break; }
+      at++;
+    }
+    // tinting changes no text: the same source without ranges shows the same characters
+    const plain = document.createElement("div");
+    plain.appendChild(md.renderMarkdown(text, [], () => {}));
+    plain.querySelectorAll(".code-head").forEach((e) => e.remove());
+    if (plain.textContent !== root.textContent) problems.push([text, "tinting changed the text"]);
+  }
+  done(problems);
+}).catch((error) => done([["import failed", String(error)]]));
+"""
+
+
+def test_markdown_subset_never_turns_text_into_markup(web, paced_server):
+    """3,000 random strings of Markdown and HTML fragments: only the subset's own elements and
+    attributes appear, links are http(s) only, and every shown character comes from the source."""
+    open_fresh(web, paced_server.url)
+    web.set_script_timeout(60)
+    assert web.execute_async_script(MARKDOWN_FUZZ) == []

@@ -200,7 +200,8 @@ function fillMessage(element, message) {
   const notes = [];
   if (message.state === "stopped") notes.push("stopped");
   if (message.finishReason === "length") notes.push("hit max tokens");
-  const stats = describeSpeculation(message.spec, message.state === "streaming");
+  // while streaming the live numbers sit in the bar above the composer (visible however far you scroll)
+  const stats = message.state === "streaming" ? "" : describeSpeculation(message.spec, false);
   if (stats) notes.push(stats);
   meta.textContent = notes.join(" · ");
   if (message.error) {
