@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from paced_engine import PacedEngine, Piece
-from server_helpers import SERVED_NAME, USER_MESSAGES, extra, live_server, openai_client, sse_payloads
+from server_helpers import SERVED_NAME, USER_MESSAGES, extra, live_server, sse_payloads
 from verispec.engine.types import GenerationChunk, GenerationStats
 from verispec.loading.tokenizer import Tokenizer
 from verispec.server.app import create_app
