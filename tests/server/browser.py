@@ -12,8 +12,7 @@ import pytest
 
 CHROMIUM_CANDIDATES = ["/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"]
 DRIVER_CANDIDATES = ["/usr/bin/chromedriver"]
-INSTALL_HINT = ("apt-get install -y chromium chromium-driver (as .ci/run does) and "
-                "pip install -e '.[test]' for selenium")
+BROWSER_HINT = "make browser, i.e. apt-get install -y chromium chromium-driver (as .ci/run does)"
 # No network besides our server, no first-run UI, a throwaway profile: the page must work offline.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run",
@@ -25,11 +24,11 @@ def find_browser() -> tuple[str, str] | str:
     try:
         import selenium  # noqa: F401
     except ImportError:
-        return f"selenium is not installed ({INSTALL_HINT})"
+        return "selenium is not installed: pip install -e '.[test]'"
     browser = next((p for p in CHROMIUM_CANDIDATES if Path(p).exists()), shutil.which("chromium"))
     driver = next((p for p in DRIVER_CANDIDATES if Path(p).exists()), shutil.which("chromedriver"))
     if browser is None or driver is None:
-        return f"no headless Chromium here (chromium: {browser}, chromedriver: {driver}; {INSTALL_HINT})"
+        return f"no headless Chromium here (chromium: {browser}, chromedriver: {driver}): {BROWSER_HINT}"
     return browser, driver
 
 
