@@ -11,6 +11,7 @@ import pytest
 from browser import chromium, chromium_or_skip, console_errors
 from paced_engine import PacedEngine, Piece, rounds_of
 from server_helpers import SERVED_NAME, live_server
+from verispec.engine.types import FinishReason
 from verispec.loading.tokenizer import Tokenizer
 from verispec.server.app import create_app
 
@@ -107,6 +108,22 @@ def test_conversation_with_the_tiny_model_streams_and_survives_a_reload(web, ser
     assert texts[0] == "Hello there" and texts[1] == first_reply and texts[2] == "And again"
     assert web.find_element("id", "max-tokens").get_attribute("value") == "24"  # settings kept too
     assert console_errors(web) == []  # no script error, no CSP violation, nothing failed to load
+
+
+def test_stop_cancels_the_tiny_model_mid_reply(web, server, spy):
+    spy.step_delay_s = 0.03  # 600 slowed steps take 18 s or more: a reply that ends early was stopped
+    open_fresh(web, server.url)
+    web.find_element("id", "toggle-settings").click()
+    set_field(web, "max-tokens", "600")
+    set_field(web, "temperature", "0")
+    send(web, "Write a long essay")
+    wait_for(web, "document.querySelector('.message.assistant .content')?.textContent.length > 10",
+             what="streamed text")
+    web.find_element("id", "stop").click()
+    last = spy.wait_finished(timeout_s=5)
+    assert last.finish_reason is FinishReason.CANCELLED and last.stats.generated_tokens < 600
+    wait_for(web, "document.querySelector('.message.assistant').dataset.state === 'stopped'")
+    assert len(reply_text(web)) > 10
 
 
 def test_text_appears_while_streaming_and_stop_cancels_on_the_server(web, paced_engine, paced_server):
