@@ -88,6 +88,7 @@ def test_conversation_with_the_tiny_model_streams_and_survives_a_reload(web, ser
     open_fresh(web, server.url)
     header = web.find_element("id", "server-info").text
     assert SERVED_NAME in header and "plain decoding" in header and "cpu" in header
+    assert web.title == f"{SERVED_NAME} · verispec"
     web.find_element("id", "toggle-settings").click()
     set_field(web, "max-tokens", "24")
     set_field(web, "temperature", "0")
@@ -119,7 +120,9 @@ def test_stop_cancels_the_tiny_model_mid_reply(web, server, spy):
     send(web, "Write a long essay")
     wait_for(web, "document.querySelector('.message.assistant .content')?.textContent.length > 10",
              what="streamed text")
-    web.find_element("id", "stop").click()
+    from selenium.webdriver.common.keys import Keys  # here: without selenium the module must still import
+
+    web.find_element("tag name", "body").send_keys(Keys.ESCAPE)  # Esc stops too
     last = spy.wait_finished(timeout_s=5)
     assert last.finish_reason is FinishReason.CANCELLED and last.stats.generated_tokens < 600
     wait_for(web, "document.querySelector('.message.assistant').dataset.state === 'stopped'")

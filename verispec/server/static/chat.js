@@ -94,6 +94,7 @@ async function loadInfo() {
     span.textContent = text;
     $("server-info").appendChild(span);
   }
+  document.title = `${info.model} · verispec`;
   document.body.dataset.ready = "1";
 }
 
@@ -394,6 +395,7 @@ function bindComposer() {
     }
   });
   $("stop").addEventListener("click", stop);
+  document.addEventListener("keydown", (event) => { if (event.key === "Escape" && streaming) stop(); });
   $("new-chat").addEventListener("click", () => {
     stop();
     store.messages = [];
