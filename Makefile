@@ -15,7 +15,7 @@ DEMO_ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 9999
 
-.PHONY: venv venv-test serve test model demo-model clean
+.PHONY: venv venv-test serve test model demo-model browser clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,17 @@ serve: $(VENV)/.installed
 # DEMO_ARGS=--tiny builds a tiny CPU version (seconds) into the same place; see the script's --help.
 demo-model: $(VENV)/.installed
 	$(PY) scripts/train_demo_model.py --out $(DEMO_MODEL) $(DEMO_ARGS)
+
+# Headless Chromium for the chat page's browser tests (tests/server/test_chat_page_browser.py skips
+# without it): Debian's chromium + chromium-driver, through apt-get (sudo when not root).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "make browser: chromium and chromedriver are already installed"; \
+	else \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	fi
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest tests $(PYTEST_ARGS)

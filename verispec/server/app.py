@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from verispec import log
 from verispec.server.auth import ApiKeyMiddleware
 from verispec.server.bridge import EngineBridge
+from verispec.server.chat_page import build_page_router
 from verispec.server.errors import install_error_handlers
 from verispec.server.metrics import MetricsMiddleware
 from verispec.server.routes import build_router
@@ -30,6 +31,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     app.state.verispec = state
     install_error_handlers(app, request_field_names())
     app.include_router(build_router(state))
+    app.include_router(build_page_router(state))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts 401s too

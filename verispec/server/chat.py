@@ -11,6 +11,7 @@ from verispec.server.logprobs import chat_logprobs
 from verispec.server.prepare import check_model, prepare_chat
 from verispec.server.reasoning import ReasoningParser, split_reasoning
 from verispec.server.schema import ChatCompletionRequest
+from verispec.server.speculation import SpeculationTally
 from verispec.server.state import ServerState, usage
 from verispec.server.streaming import event_stream, sse_response
 
@@ -53,6 +54,7 @@ class ChatChoiceRenderer:
         self.tokenizer = tokenizer
         self.reasoning = reasoning
         self.with_logprobs = with_logprobs
+        self.speculation = SpeculationTally()
 
     def opening(self) -> list[dict]:
         return [_choice({"role": "assistant", "content": ""})]
@@ -66,6 +68,9 @@ class ChatChoiceRenderer:
             choices.append(_choice(delta, logprobs))
         if is_last:
             choices.append(_choice({}, finish_reason=chunk.finish_reason.value))
+        self.speculation.add(chunk)
+        if choices and (field := self.speculation.take()) is not None:
+            choices[0]["verispec"] = field  # see speculation.py: OpenAI clients ignore it
         return choices
 
     def _delta(self, text: str, is_last: bool) -> dict:
