@@ -60,7 +60,7 @@ class PacedEngine(ScriptedEngine):
             stats.decode_ms = max(stats.decode_ms, 1.0) + self.delay_s * 1000
             yield GenerationChunk([1] * piece.num_tokens, piece.text, None,
                                   FinishReason.STOP if last else None, stats if last else None,
-                                  num_drafted=piece.num_drafted)
+                                  num_drafted=piece.num_drafted, num_rounds=1 if i else 0)
             if not last:
                 time.sleep(self.delay_s)
         self.finished.set()

@@ -117,7 +117,7 @@ def test_tally_reports_nothing_until_tokens_arrive():
     tally = SpeculationTally()
     assert tally.take() is None
     tally.add(GenerationChunk([7], "x"))
-    tally.add(GenerationChunk([8, 9, 10], "", num_drafted=2))
+    tally.add(GenerationChunk([8, 9, 10], "", num_drafted=2, num_rounds=1))
     assert tally.take() == {"tokens": 4, "drafted_tokens": 2, "rounds": 1}
     assert tally.take() is None
     tally.add(GenerationChunk([], "", stats=GenerationStats(method="eagle3", drafted=3, accepted=2, rounds=1)))

@@ -493,6 +493,7 @@ class Engine:
             stats.accepted += accepted
             chunk = seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n])
             chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
+            chunk.num_rounds = 1
             chunks.append(chunk)
             if seq.proposer is not None:  # also after the last token: the drafter's state stays the committed one
                 observed.append((seq, TargetStep(inputs[b][:n], position, out.hidden[b, :n],

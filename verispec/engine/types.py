@@ -68,6 +68,7 @@ class GenerationChunk:
     # how many of token_ids were drafts the target accepted (in a single round's chunk, the first
     # ones); the rest are the target's own choices (the bonus token, or a plain step's token)
     num_drafted: int = 0
+    num_rounds: int = 0  # target passes after prefill that produced these tokens (merged chunks add up)
 
 
 def merge_chunks(first: GenerationChunk, second: GenerationChunk) -> GenerationChunk:
@@ -75,7 +76,8 @@ def merge_chunks(first: GenerationChunk, second: GenerationChunk) -> GenerationC
     logprobs = None if first.logprobs is None and second.logprobs is None else \
         (first.logprobs or []) + (second.logprobs or [])
     return GenerationChunk(first.token_ids + second.token_ids, first.text + second.text, logprobs,
-                           second.finish_reason, second.stats, first.num_drafted + second.num_drafted)
+                           second.finish_reason, second.stats, first.num_drafted + second.num_drafted,
+                           first.num_rounds + second.num_rounds)
 
 
 @dataclass

@@ -21,14 +21,9 @@ class SpeculationTally:
         self._drafted = 0
         self._rounds = 0
         self._stats: dict | None = None
-        self._seen_prefill_chunk = False
 
     def add(self, chunk: GenerationChunk) -> None:
-        if chunk.token_ids:
-            # the stream's first tokens come from prefill; every later chunk is one target pass
-            if self._seen_prefill_chunk:
-                self._rounds += 1
-            self._seen_prefill_chunk = True
+        self._rounds += chunk.num_rounds  # target passes after prefill (a merged chunk holds several)
         self._tokens += len(chunk.token_ids)
         self._drafted += chunk.num_drafted
         if chunk.stats is not None:
