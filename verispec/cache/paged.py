@@ -220,6 +220,21 @@ class BatchCache:
     def restore_pending_recurrent(self, snapshot: dict) -> None:
         self._pending_recurrent = dict(snapshot)
 
+    def commit_on_device(self, counts: torch.Tensor) -> None:
+        """commit() with the row counts already on the device (counts [B] long, each >= 1), with no
+        host work: what a captured commit graph replays. Rows whose state slot is the scratch
+        slot (padding) write there."""
+        if not self._pending_recurrent:
+            return
+        rows = torch.arange(counts.shape[0], device=counts.device)
+        for layer, p in self._pending_recurrent.items():
+            kernel = self.pools.specs[layer].conv_kernel
+            ssm = p.ssm_states[counts - 1, rows] if p.per_position else p.ssm_states[-1]
+            self.pools.ssm_states[layer].index_copy_(0, self.state_slots, ssm.to(torch.float32))
+            index = counts[:, None] + torch.arange(kernel - 1, device=counts.device)[None]  # [B, K-1]
+            conv = p.conv_window.gather(2, index[:, None, :].expand(-1, p.conv_window.shape[1], -1))
+            self.pools.conv_states[layer].index_copy_(0, self.state_slots, conv.to(self.pools.dtype))
+
     def commit(self, num_rows: list[int]) -> None:
         """Keep the first num_rows[b] rows of this pass for sequence b: its recurrent state becomes
         the one after that many positions (K/V need nothing: lengths live in the sequences)."""

@@ -127,6 +127,19 @@ class _CapturedBatchPass:
         self.call = GraphedCall(step, example, pool)
         self.cache = self.cache_box[0]  # the captured forward's cache: its pending states are static
         self.pending_recurrent = self.cache.pending_recurrent_snapshot()
+        # hybrid models: the per-row commit of recurrent states (a few small ops per layer) as one
+        # graph too, fed the accepted row counts; padded rows point at the scratch slot
+        self.commit_graph = None
+        if has_state:
+            self.counts = torch.ones(batch, dtype=torch.long, device=device)
+
+            def commit(counts):  # counts [bucket]: rows each sequence keeps (the graph's static input)
+                self.cache.restore_pending_recurrent(self.pending_recurrent)
+                self.cache.commit_on_device(counts)
+                return ()
+
+            self.commit_graph = GraphedCall(commit, [torch.ones(batch, dtype=torch.long, device=device)],
+                                            self.call.pool())
 
     def __call__(self, seqs, inputs: list[list[int]], starts: list[int]):
         from verispec.engine.runner import PassOutput
@@ -141,17 +154,23 @@ class _CapturedBatchPass:
         hidden, aux, pre_norm, logits = self.call(ids, positions, tables, slots)
         self.cache.restore_pending_recurrent(self.pending_recurrent)
         return PassOutput(hidden[:b], [a[:b] for a in aux], pre_norm[:b] if pre_norm is not None else None,
-                          logits[:b], _PaddedCommit(self.cache, self.batch))
+                          logits[:b], _PaddedCommit(self, self.batch))
 
 
 class _PaddedCommit:
-    """commit(rows per real sequence) on a graph's cache, padded rows keeping nothing."""
+    """commit(rows per real sequence) on a graph's cache: the captured commit graph when there is
+    one (padded rows count 1 and write the scratch slot), else the cache's own commit."""
 
-    def __init__(self, cache, batch: int):
-        self.cache, self.batch = cache, batch
+    def __init__(self, graphed: _CapturedBatchPass, batch: int):
+        self.graphed, self.batch = graphed, batch
 
     def commit(self, num_rows: list[int]) -> None:
-        self.cache.commit(list(num_rows) + [0] * (self.batch - len(num_rows)))
+        graphed = self.graphed
+        if graphed.commit_graph is not None and min(num_rows) >= 1:
+            graphed.commit_graph(torch.tensor(list(num_rows) + [1] * (self.batch - len(num_rows))))
+            return
+        graphed.cache.restore_pending_recurrent(graphed.pending_recurrent)
+        graphed.cache.commit(list(num_rows) + [0] * (self.batch - len(num_rows)))
 
 
 class BatchGraphs:
