@@ -125,13 +125,13 @@ def served_engine(qwen3_dir):
 
     engine = load_engine(str(qwen3_dir), dtype="float32", device="cpu")
     prompts: list[list[int]] = []
-    real_generate = engine.generate
+    real_submit = engine.submit
 
-    def recording_generate(prompt_ids, params, cancel=None):
+    def recording_submit(prompt_ids, params, sink, cancel=None):  # the server hands requests to submit()
         prompts.append(list(prompt_ids))
-        return real_generate(prompt_ids, params, cancel)
+        return real_submit(prompt_ids, params, sink, cancel)
 
-    engine.generate = recording_generate
+    engine.submit = recording_submit
     with live_server(create_app(engine, "tiny-bench")) as server:
         yield server, prompts
 

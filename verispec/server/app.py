@@ -1,6 +1,7 @@
 """The FastAPI app around one engine, and `run_server` for the CLI."""
 from __future__ import annotations
 
+import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -38,9 +39,15 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     return app
 
 
+SWITCH_INTERVAL_S = 0.001
+
+
 def run_server(engine, host: str, port: int, api_key: str | None, served_model_name: str | None,
                prewarm: bool) -> None:
     """Prewarm (so the first request pays no warm-up and /health means ready), then serve until stopped."""
+    # The engine's worker and the event loop share the GIL; a 1 ms switch interval (Python's default
+    # is 5 ms) lets the loop answer, stream and accept between the worker's steps
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if prewarm:
         seconds = engine.prewarm()
         log.info("prewarm took %.2fs", seconds)
