@@ -92,10 +92,13 @@ class BatchedDrafting:
             if n < n_max:
                 f = torch.cat([f, f[-1:].expand(n_max - n, -1)])
             feats.append(f)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
-        pos_t = torch.tensor(positions, device=device)
-        last = torch.tensor([len(s.token_ids) - 1 for s in steps], device=device)
+        # one host-to-device copy for ids, positions and row indices
+        packed = torch.tensor([i + p + [len(step.token_ids) - 1] for i, p, step in zip(ids, positions, steps)],
+                              dtype=torch.long).to(device, non_blocking=True)
+        ids_t, pos_t, last = packed[:, :n_max], packed[:, n_max:2 * n_max], packed[:, -1]
         num_keys = max(s.start_position + n_max for s in steps)
+        if self._batch_graphs is not None:
+            self._batch_graphs.new_round()
         out, logits = self._batch_pass(seqs, ids_t, torch.stack(feats).to(self.pools.dtype), pos_t, last, num_keys)
         for b, (seq, step) in enumerate(rows):
             self._states[seq.id] = _RowState(out[b].clone(), logits[b].clone(),
@@ -109,6 +112,9 @@ class BatchedDrafting:
         logits = torch.stack([st.last_logits for st in states])
         out = torch.stack([st.last_out for st in states])  # [B, 1, F]
         base = [st.next_position for st in states]
+        base_t = torch.tensor(base, dtype=torch.long).to(self.device, non_blocking=True)[:, None]  # [B, 1]
+        if self._batch_graphs is not None:
+            self._batch_graphs.new_round()
         chosen: list[torch.Tensor] = []
         probs: list[list[torch.Tensor | None]] = []
         zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
@@ -120,8 +126,7 @@ class BatchedDrafting:
             probs.append(q)
             if i + 1 == k:
                 break
-            positions = torch.tensor([[p + i] for p in base], device=self.device)
-            out, logits = self._batch_pass(seqs, tokens[:, None], out, positions, zero, max(base) + i + 1)
+            out, logits = self._batch_pass(seqs, tokens[:, None], out, base_t + i, zero, max(base) + i + 1)
         table = torch.stack(chosen, dim=1).tolist()  # [B, k]: one device sync per round
         drafts = []
         for b, n in enumerate(num_drafts):
@@ -172,6 +177,7 @@ class DrafterGraphs:
             return drafter._rows(ids, features, positions, cache, last)
 
         self.table_rows = table_rows
+        self._last_tables = None
         pool = None
         for b in sorted(batch_sizes, reverse=True):  # largest first, so the shared pool fits the rest
             for t in range(max_tokens, 0, -1):
@@ -184,18 +190,27 @@ class DrafterGraphs:
                 pool = call.pool()
                 self.calls[(b, t)] = call
 
+    def new_round(self) -> None:
+        """Forget the cached tables: blocks may have changed since (a preempted sequence gets new ones)."""
+        self._last_tables = None
+
+    def _tables(self, seqs, width: int, pad: int) -> torch.Tensor:
+        """Host block tables for the graph's buffer; a round's chained passes reuse the first's
+        (within one propose_rows call, see new_round)."""
+        key = (width, pad, tuple((s.id, len(s.block_table)) for s in seqs))
+        if self._last_tables is None or self._last_tables[0] != key:
+            self._last_tables = (key, self.table_rows(seqs, width, pad))
+        return self._last_tables[1]
+
     def get(self, batch: int, num_tokens: int):
         bucket = next((b for b in self.batch_sizes if b >= batch), None)
         call = self.calls.get((bucket, num_tokens)) if bucket is not None else None
         if call is None:
             return None
 
-        table_rows = self.table_rows
-
         def replay(seqs, ids, features, positions, last):
             pad = bucket - len(seqs)
-            width = call.inputs[3].shape[1]
-            tables = table_rows(seqs, width, pad)
+            tables = self._tables(seqs, call.inputs[3].shape[1], pad)
             if pad:
                 t = ids.shape[1]
                 ids = torch.cat([ids, ids.new_zeros(pad, t)])
