@@ -10,7 +10,9 @@ from verispec import log
 from verispec.server.auth import ApiKeyMiddleware
 from verispec.server.bridge import EngineBridge
 from verispec.server.errors import install_error_handlers
+from verispec.server.input_checks import max_prompt_chars
 from verispec.server.metrics import MetricsMiddleware
+from verispec.server.openapi import install_openapi
 from verispec.server.routes import build_router
 from verispec.server.schema import request_field_names
 from verispec.server.state import ServerState
@@ -18,7 +20,8 @@ from verispec.server.state import ServerState
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as model `served_model_name` (default: engine.model_name)."""
-    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine))
+    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine),
+                        max_prompt_chars(engine.tokenizer, engine.max_model_len))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -30,6 +33,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     app.state.verispec = state
     install_error_handlers(app, request_field_names())
     app.include_router(build_router(state))
+    install_openapi(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts 401s too

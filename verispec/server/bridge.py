@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 
@@ -20,6 +20,10 @@ from verispec.engine.params import SamplingParams
 from verispec.engine.types import GenerationChunk
 
 DISCONNECT_POLL_S = 0.2
+# Rendering templates and tokenizing run here: a long prompt takes seconds, which must not stall
+# the event loop (/health, other clients' streams). Few threads: this is CPU work.
+PREPARE_THREADS = 2
+T = TypeVar("T")
 
 
 class _Failed:
@@ -30,16 +34,45 @@ class _Failed:
 _FINISHED = object()
 
 
+class _ChoiceCancel(threading.Event):
+    """One choice's cancel event, also set while its request's is: the engine sets a generation's
+    event when that generation ends, which must not stop the request's other choices, while a client
+    leaving must stop them all. The engine polls `is_set` each step."""
+
+    def __init__(self, request_cancel: threading.Event):
+        super().__init__()
+        self.request_cancel = request_cancel
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.request_cancel.is_set()
+
+
 class EngineBridge:
     def __init__(self, engine, max_in_flight: int = 1024):
         self.engine = engine
         # one waiting thread per request in flight; past this many, requests queue here first
         self._executor = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="verispec-request")
         self._running: set[threading.Event] = set()  # cancel events of queued/running generations
+        self._prepare_executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS,
+                                                    thread_name_prefix="verispec-prepare")
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on a preparation thread (template rendering, tokenizing), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_executor, fn, *args)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        cancel: threading.Event | None = None) -> AsyncIterator[GenerationChunk]:
         """Chunks of one generation as the engine makes them; closing this iterator stops it."""
+        async for _, chunk in self.generate_choices(prompt_ids, [params], cancel):
+            yield chunk
+
+    async def generate_choices(self, prompt_ids: list[int], params: list[SamplingParams],
+                               cancel: threading.Event | None = None
+                               ) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """(choice index, chunk) pairs of one generation per entry of `params`, all sharing the
+        prompt and running in the engine's batch at once, in the order the chunks arrive. Ends
+        when every choice has finished; one failure ends them all (its exception is raised), as
+        does closing this iterator or setting `cancel`."""
         cancel = cancel or threading.Event()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -50,28 +83,31 @@ class EngineBridge:
             except RuntimeError:  # the loop closed (server shutdown): nobody is listening
                 cancel.set()
 
-        def work() -> None:
+        def work(index: int, choice_params: SamplingParams) -> None:
             try:
                 if not cancel.is_set():
-                    for chunk in self.engine.generate(prompt_ids, params, cancel):
-                        put(chunk)
+                    for chunk in self.engine.generate(prompt_ids, choice_params, _ChoiceCancel(cancel)):
+                        put((index, chunk))
             except BaseException as exc:  # handed to the request's task, which decides the response
                 put(_Failed(exc))
             finally:
                 put(_FINISHED)
 
         self._running.add(cancel)
-        loop.run_in_executor(self._executor, work)
+        for index, choice_params in enumerate(params):
+            loop.run_in_executor(self._executor, work, index, choice_params)
+        num_running = len(params)
         try:
-            while True:
+            while num_running:
                 item = await queue.get()
                 if item is _FINISHED:
-                    return
-                if isinstance(item, _Failed):
+                    num_running -= 1
+                elif isinstance(item, _Failed):
                     raise item.exc
-                yield item
+                else:
+                    yield item
         finally:
-            # A no-op after a normal finish; stops the engine when the consumer left early.
+            # A no-op after a normal finish; stops every choice when the consumer left early.
             cancel.set()
             self._running.discard(cancel)
 
@@ -79,6 +115,7 @@ class EngineBridge:
         for cancel in list(self._running):
             cancel.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._prepare_executor.shutdown(wait=False, cancel_futures=True)
         stop = getattr(self.engine, "shutdown", None)
         if stop is not None:
             stop()

@@ -7,6 +7,8 @@ from fastapi.responses import JSONResponse, Response
 from verispec.server.chat import chat_completion
 from verispec.server.completions import completion
 from verispec.server.errors import as_api_error
+from verispec.server.input_checks import reject_unpaired_surrogates
+from verispec.server.openapi import GENERATION_RESPONSES, MODEL_RESPONSES, ModelCard, ModelList
 from verispec.server.prepare import check_model
 from verispec.server.schema import ChatCompletionRequest, CompletionRequest
 from verispec.server.state import ServerState
@@ -15,27 +17,30 @@ from verispec.server.state import ServerState
 def build_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         try:
+            reject_unpaired_surrogates(body.model_dump())
             return await chat_completion(state, request, body)
         except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
             return as_api_error(exc, " on /v1/chat/completions").response()
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
         try:
+            reject_unpaired_surrogates(body.model_dump())
             return await completion(state, request, body)
         except Exception as exc:
             return as_api_error(exc, " on /v1/completions").response()
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=ModelList, responses=_only(MODEL_RESPONSES, 401))
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(state)]}
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=MODEL_RESPONSES)
     async def retrieve_model(model_id: str) -> Response:
         try:
+            reject_unpaired_surrogates(model_id, "model")
             check_model(model_id, state.served_model_name)
         except Exception as exc:
             return as_api_error(exc).response()
@@ -54,6 +59,10 @@ def build_router(state: ServerState) -> APIRouter:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router
+
+
+def _only(responses: dict, *statuses: int) -> dict:
+    return {status: responses[status] for status in statuses}
 
 
 def _model_card(state: ServerState) -> dict:
