@@ -17,6 +17,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+# NaN and Infinity are not JSON, but Python's parser reads them; no sampling parameter means anything there.
+FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class ContentPart(BaseModel):
@@ -44,13 +46,13 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
     top_k: StrictInt | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    min_p: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
