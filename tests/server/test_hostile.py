@@ -162,3 +162,18 @@ def test_max_request_bytes_is_configurable(engine):
             big = {**COMPLETION, "prompt": "x" * 1000}
             error = assert_error(c.post(COMPLETION_PATH, json=big), 413, None, "request_too_large")
             assert "1000 bytes" in error["message"]
+
+
+def test_openapi_documents_what_the_server_answers(http):
+    schema = http.get("/openapi.json").json()
+    for path in (CHAT_PATH, COMPLETION_PATH):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413"} <= responses.keys() and "422" not in responses
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        assert "text/event-stream" in responses["200"]["content"]
+    components = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+    assert components["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    prompt_branches = components["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt_branches
+    assert all(b.get("minLength") == 1 or b.get("minItems") == 1 for b in prompt_branches)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from verispec.server.chat import chat_completion
 from verispec.server.completions import completion
@@ -51,7 +51,9 @@ def build_router(state: ServerState) -> APIRouter:
         # The server only starts listening after prewarm, so answering at all means ready.
         return {"status": "ok"}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse,
+                responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                 "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         load_stats = getattr(state.engine, "load_stats", None)  # test doubles have no scheduler
         if load_stats is not None:
