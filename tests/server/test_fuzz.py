@@ -39,6 +39,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(fuzz_server, tmp
                "--max-examples", str(MAX_EXAMPLES), "--max-time", str(MAX_TIME_S), "--workers", "1",
                "--request-timeout", "30", "--seed", "18", "--generation-database", "none",
                "--no-color", "--report", "junit", "--report-dir", str(tmp_path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME_S + 120)
+    # cwd: schemathesis writes its state beside where it runs
+    run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME_S + 120, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert httpx.get(fuzz_server.url + "/health", timeout=10).status_code == 200
