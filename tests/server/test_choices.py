@@ -95,3 +95,18 @@ def test_bad_n_or_seed_range(client, n, seed):
         client.chat.completions.create(**CHAT, n=n, seed=seed, max_tokens=2)
     assert info.value.body["param"] == ("seed" if seed else "n")
     assert client.chat.completions.create(**CHAT, n=2, seed=2**64 - 2, max_tokens=2).choices
+
+
+def test_client_leaving_cancels_every_choice(server, http, spy):
+    """One choice finishing must not stop the others, but a client leaving stops them all."""
+    spy.step_delay_s = 0.01  # 600 slowed steps take 6 s or more: a choice that ends early was cancelled
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "n": 3,
+            "stream": True, "temperature": 0}
+    num_before = len(spy.finished)
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        received = [line for line, _ in zip(r.iter_lines(), range(8)) if line]
+        assert len(received) >= 3
+    spy.wait_finished(num_before + 3, timeout_s=10)
+    last = spy.finished[num_before:]
+    assert [c.finish_reason.value for c in last] == ["cancelled"] * 3
+    assert all(c.stats.generated_tokens < 600 for c in last)

@@ -177,3 +177,21 @@ def test_openapi_documents_what_the_server_answers(http):
     prompt_branches = components["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert {"type": "string", "minLength": 1} in prompt_branches
     assert all(b.get("minLength") == 1 or b.get("minItems") == 1 for b in prompt_branches)
+
+
+def test_tokenizing_runs_off_the_event_loop(server, http, engine, monkeypatch):
+    """A prompt that takes long to tokenize (here: a slowed tokenizer) leaves /health answering."""
+    real_encode = engine.tokenizer.encode
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(2.0)
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
+    worker = threading.Thread(target=lambda: http.post(COMPLETION_PATH, json=COMPLETION))
+    worker.start()
+    time.sleep(0.3)  # the request is being tokenized now
+    start = time.monotonic()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert time.monotonic() - start < 1.0
+    worker.join(30)
