@@ -110,3 +110,14 @@ def test_client_leaving_cancels_every_choice(server, http, spy):
     last = spy.finished[num_before:]
     assert [c.finish_reason.value for c in last] == ["cancelled"] * 3
     assert all(c.stats.generated_tokens < 600 for c in last)
+
+
+def test_server_default_seed_gives_distinct_choices(client, engine, monkeypatch):
+    """With `--seed S` and no request seed, choice i samples with S + i, not n copies of S."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(engine, "config", replace(engine.config, seed=42))
+    many = chat_text(client, n=3, **SAMPLED)
+    assert many == [chat_text(client, seed=42 + i, **SAMPLED)[0] for i in range(3)]
+    assert len(set(many)) == 3
+    assert chat_text(client, **SAMPLED) == many[:1]  # one choice: the default seed as before

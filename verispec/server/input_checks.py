@@ -3,6 +3,7 @@ valid Unicode, seeds torch cannot take, token ids outside the vocabulary, and pr
 be worth tokenizing."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from verispec.server.errors import invalid_request
@@ -62,7 +63,10 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
     """More characters than this cannot fit the context whatever they tokenize to, so such a
     prompt is refused before tokenizing it (which takes seconds per megabyte)."""
-    longest_token = max((len(piece) for piece in tokenizer.hf.get_vocab()), default=1)
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:  # a tokenizer that cannot list its vocabulary (bench stubs): no early refusal
+        return sys.maxsize
+    longest_token = max((len(piece) for piece in hf.get_vocab()), default=1)
     return max_model_len * max(longest_token, 1) * NORMALIZATION_SLACK
 
 

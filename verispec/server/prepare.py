@@ -28,12 +28,16 @@ class PreparedRequest:
     opens_thinking: bool = False  # the chat template ended the prompt inside <think>
     num_choices: int = 1  # `n`
 
+    default_seed: int | None = None  # the server's --seed, used when the request has none
+
     def choice_params(self) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i samples with seed + i (so the
-        choices differ, and each is reproducible on its own)."""
-        if self.params.seed is None:
+        choices differ, and each is reproducible on its own). The server's default seed counts
+        too: n choices from one seed would otherwise be n copies."""
+        seed = self.params.seed if self.params.seed is not None else self.default_seed
+        if seed is None or self.num_choices == 1:
             return [self.params] * self.num_choices
-        return [replace(self.params, seed=self.params.seed + i) for i in range(self.num_choices)]
+        return [replace(self.params, seed=seed + i) for i in range(self.num_choices)]
 
 
 def check_model(requested: str | None, served_name: str) -> None:
@@ -68,7 +72,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: i
                                   top_logprobs=req.top_logprobs or 0)
         _check_fits(engine, prompt_ids, params)
     return PreparedRequest(prompt_ids, params, prompt_text, tokenizer.prompt_opens_thinking(prompt_text),
-                           num_choices)
+                           num_choices, _default_seed(engine, num_choices))
 
 
 def prepare_completion(req: CompletionRequest, engine: Engine, max_prompt_chars: int) -> PreparedRequest:
@@ -97,7 +101,8 @@ def prepare_completion(req: CompletionRequest, engine: Engine, max_prompt_chars:
         _check_fits(engine, prompt_ids, params)
     if req.echo and not prompt_text:
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    return PreparedRequest(prompt_ids, params, prompt_text, num_choices=num_choices)
+    return PreparedRequest(prompt_ids, params, prompt_text, num_choices=num_choices,
+                           default_seed=_default_seed(engine, num_choices))
 
 
 def _check_fits(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -125,6 +130,13 @@ def _check_common(req: GenerationRequest, engine: Engine) -> int:
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, _vocab_size(engine), "stop_token_ids")
     return num_choices
+
+
+def _default_seed(engine: Engine, num_choices: int) -> int | None:
+    """The server's --seed (None without one), checked like a request's: choice i uses it + i."""
+    seed = getattr(getattr(engine, "config", None), "seed", None)  # test doubles have no config
+    check_seed(seed, num_choices)
+    return seed
 
 
 def _vocab_size(engine: Engine) -> int:
