@@ -147,6 +147,11 @@ def test_long_prompt_refused_by_length_while_the_loop_stays_free(server, http):
     assert_error(response, 400, "prompt", "context_length_exceeded")
     assert elapsed < 5  # tokenizing 7.5 MB takes ~20 s on this machine
     assert answers and answers[0][0] == 200 and answers[0][1] < 1.0
+    by_ids = raw({**COMPLETION, "prompt": [5] * (2500 * 1024)})  # 7.5 MB of token ids
+    start = time.monotonic()
+    assert_error(http.post(COMPLETION_PATH, content=by_ids, headers={"content-type": "application/json"}), 400,
+                 "prompt", "context_length_exceeded")
+    assert time.monotonic() - start < 10
     chat = raw({**CHAT, "messages": [{"role": "user", "content": "word " * (1500 * 1024)}]})
     assert_error(http.post(CHAT_PATH, content=chat, headers={"content-type": "application/json"}), 400,
                  "messages", "context_length_exceeded")

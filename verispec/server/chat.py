@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from verispec.engine.types import GenerationChunk
 from verispec.server.errors import client_gone
 from verispec.server.generation import CollectedGeneration, all_finished, collect, first_chunk, observed_generation
+from verispec.server.input_checks import reject_unpaired_surrogates_in
 from verispec.server.logprobs import chat_logprobs
 from verispec.server.prepare import PreparedRequest, check_model, prepare_chat
 from verispec.server.reasoning import ReasoningParser, split_reasoning
@@ -16,6 +17,8 @@ from verispec.server.streaming import event_stream, sse_response
 
 
 async def chat_completion(state: ServerState, request: Request, body: ChatCompletionRequest) -> Response:
+    # A walk over every string of the body: long for a multi-megabyte prompt, so off the event loop.
+    await state.bridge.run_blocking(reject_unpaired_surrogates_in, body)
     check_model(body.model, state.served_model_name)
     tokenizer = state.engine.tokenizer
     prepared = await state.bridge.run_blocking(prepare_chat, body, state.engine, state.max_prompt_chars)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from pydantic import BaseModel
+
 from verispec.server.errors import invalid_request
 
 # torch.Generator.manual_seed takes exactly this range (anything else is an OverflowError).
@@ -14,6 +16,11 @@ MAX_SEED = 2**64 - 1
 # A tokenizer's normalizer can fold several characters into one (NFKC composes "e" + U+0301 into
 # "é"), so a token may stand for more characters than its own text has; this margin covers that.
 NORMALIZATION_SLACK = 4
+
+
+def reject_unpaired_surrogates_in(body: BaseModel) -> None:
+    """Every string of a request body, its unknown (passed-through) fields included."""
+    reject_unpaired_surrogates(body.model_dump())
 
 
 def reject_unpaired_surrogates(value: Any, path: str = "") -> None:
@@ -32,7 +39,8 @@ def reject_unpaired_surrogates(value: Any, path: str = "") -> None:
             reject_unpaired_surrogates(item, child)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            reject_unpaired_surrogates(item, f"{path}[{i}]")
+            if isinstance(item, (str, dict, list, tuple)):  # token ids (millions of ints) need no call
+                reject_unpaired_surrogates(item, f"{path}[{i}]")
 
 
 def _is_encodable(text: str) -> bool:

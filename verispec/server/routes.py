@@ -20,7 +20,6 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         try:
-            reject_unpaired_surrogates(body.model_dump())
             return await chat_completion(state, request, body)
         except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
             return as_api_error(exc, " on /v1/chat/completions").response()
@@ -28,7 +27,6 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
         try:
-            reject_unpaired_surrogates(body.model_dump())
             return await completion(state, request, body)
         except Exception as exc:
             return as_api_error(exc, " on /v1/completions").response()
