@@ -66,6 +66,11 @@ HOSTILE = [
     ("empty prompt list", COMPLETION_PATH, raw({**COMPLETION, "prompt": []}), 400, "prompt", None),
     ("empty token list", COMPLETION_PATH, raw({**COMPLETION, "prompt": [[]]}), 400, "prompt", None),
     ("empty messages", CHAT_PATH, raw({**CHAT, "messages": []}), 400, "messages", None),
+    ("a template of the client's own", CHAT_PATH,
+     raw({**CHAT, "chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}x"
+                                                            "{% endfor %}{% endfor %}"}}), 400, "chat_template_kwargs", None),
+    ("tokenize in template kwargs", CHAT_PATH, raw({**CHAT, "chat_template_kwargs": {"tokenize": True}}), 400,
+     "chat_template_kwargs", None),
     ("deeply nested JSON", CHAT_PATH, '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None, None),
     ("body is a string", CHAT_PATH, '"hello"', 400, None, None),
     ("role not a string", CHAT_PATH, raw({**CHAT, "messages": [{"role": 1, "content": "x"}]}), 400,

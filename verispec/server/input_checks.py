@@ -3,6 +3,7 @@ valid Unicode, seeds torch cannot take, token ids outside the vocabulary, and pr
 be worth tokenizing."""
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -83,3 +84,21 @@ def check_prompt_chars(text: str, limit: int, max_model_len: int, param: str) ->
         raise invalid_request(
             f"the prompt has {len(text)} characters, more than any prompt that fits this model's context "
             f"length of {max_model_len} tokens can have ({limit})", param=param, code="context_length_exceeded")
+
+
+def check_chat_template_kwargs(kwargs: dict | None, tokenizer) -> None:
+    """`chat_template_kwargs` are variables for the model's template. A key naming one of
+    apply_chat_template's own parameters would change how it runs: `chat_template` would swap in
+    the client's own template (whose loops could spin a preparation thread for hours), `tokenize`
+    or `add_generation_prompt` would break the prompt. Those keys are refused."""
+    if not kwargs:
+        return
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return
+    parameters = inspect.signature(hf.apply_chat_template).parameters.values()
+    reserved = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    refused = sorted(reserved & set(kwargs))
+    if refused:
+        raise invalid_request(f"'chat_template_kwargs' may not set {', '.join(refused)}: they are the template "
+                              "renderer's own parameters, not template variables", param="chat_template_kwargs")

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from verispec.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.server.errors import invalid_request, model_not_found
-from verispec.server.input_checks import check_prompt_chars, check_seed, check_token_ids
+from verispec.server.input_checks import (check_chat_template_kwargs, check_prompt_chars, check_seed,
+                                         check_token_ids)
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: i
     if not req.messages:
         raise invalid_request("'messages' must be a non-empty list of {role, content} objects",
                               param="messages")
+    check_chat_template_kwargs(req.chat_template_kwargs, tokenizer)
     messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
     prompt_text = tokenizer.render_chat(messages, req.chat_template_kwargs)
     check_prompt_chars(prompt_text, max_prompt_chars, engine.max_model_len, "messages")
