@@ -71,6 +71,8 @@ HOSTILE = [
                                                             "{% endfor %}{% endfor %}"}}), 400, "chat_template_kwargs", None),
     ("tokenize in template kwargs", CHAT_PATH, raw({**CHAT, "chat_template_kwargs": {"tokenize": True}}), 400,
      "chat_template_kwargs", None),
+    ("100k stop strings", COMPLETION_PATH, raw({**COMPLETION, "stop": [f"s{i}" for i in range(10**5)]}), 400,
+     "stop", None),
     ("deeply nested JSON", CHAT_PATH, '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None, None),
     ("body is a string", CHAT_PATH, '"hello"', 400, None, None),
     ("role not a string", CHAT_PATH, raw({**CHAT, "messages": [{"role": 1, "content": "x"}]}), 400,
