@@ -61,6 +61,10 @@ HOSTILE = [
     ("NaN temperature", CHAT_PATH, raw({**CHAT, "temperature": "X"}, X="NaN"), 400, "temperature", None),
     ("infinite repetition_penalty", CHAT_PATH, raw({**CHAT, "repetition_penalty": "X"}, X="Infinity"), 400,
      "repetition_penalty", None),
+    ("tiny repetition_penalty", CHAT_PATH, raw({**CHAT, "repetition_penalty": 1e-300}), 400,
+     "repetition_penalty", None),
+    ("huge repetition_penalty", COMPLETION_PATH, raw({**COMPLETION, "repetition_penalty": 1e300}), 400,
+     "repetition_penalty", None),
     ("huge max_tokens", CHAT_PATH, raw({**CHAT, "max_tokens": 10**30}), 400, "max_tokens",
      "context_length_exceeded"),
     ("empty prompt list", COMPLETION_PATH, raw({**COMPLETION, "prompt": []}), 400, "prompt", None),
@@ -207,3 +211,22 @@ def test_tokenizing_runs_off_the_event_loop(server, http, engine, monkeypatch):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert time.monotonic() - start < 1.0
     worker.join(30)
+
+
+EXTREME_BUT_VALID = [dict(top_k=10**9), dict(top_k=2**70), dict(temperature=1e-300), dict(temperature=2.0, top_k=1),
+                     dict(top_p=1e-300, temperature=1.0), dict(min_p=1.0, temperature=1.0),
+                     dict(repetition_penalty=0.01, temperature=1.0), dict(repetition_penalty=100.0),
+                     dict(seed=-2**63, temperature=1.0), dict(seed=2**64 - 1, temperature=1.0),
+                     dict(frequency_penalty=2.0, presence_penalty=-2.0, temperature=1.0),
+                     dict(n=16, max_tokens=3, temperature=1.0), dict(stop=[""]), dict(stop="")]
+
+
+@pytest.mark.parametrize("fields", EXTREME_BUT_VALID, ids=[str(f)[:40] for f in EXTREME_BUT_VALID])
+def test_extreme_sampling_values_never_fail(http, fields):
+    """Values at the edges of what is accepted: a 200 or a 400, never a 5xx or an error event."""
+    for path, prompt in ((CHAT_PATH, {"messages": USER_MESSAGES}), (COMPLETION_PATH, {"prompt": "hi"})):
+        for stream in (False, True):
+            response = http.post(path, json={"model": SERVED_NAME, "max_tokens": 4, **prompt, **fields,
+                                              "stream": stream})
+            assert response.status_code in (200, 400), (path, stream, response.text[:300])
+            assert "internal_error" not in response.text, (path, stream, response.text[-300:])

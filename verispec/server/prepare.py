@@ -22,6 +22,9 @@ MAX_CHOICES = 16  # `n`: each choice is its own sequence in the batch, so n mult
 # Every stop string is searched for after every token, on the engine thread that serves the whole
 # batch: 100k of them cost 90 ms per token (measured), for every client. OpenAI takes 4.
 MAX_STOP_STRINGS = 32
+# repetition_penalty divides (or multiplies) logits: far from 1 it overflows float32 to inf (1e-300
+# did, failing the engine step of every sequence in the batch). Useful values are about 1 to 2.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -132,6 +135,10 @@ def _check_common(req: GenerationRequest, engine: Engine) -> int:
     if not 1 <= num_choices <= MAX_CHOICES:
         raise invalid_request(f"'n' must be an integer between 1 and {MAX_CHOICES}, got {req.n}", param="n")
     check_seed(req.seed, num_choices)
+    low, high = REPETITION_PENALTY_RANGE
+    if req.repetition_penalty is not None and not low <= req.repetition_penalty <= high:
+        raise invalid_request(f"'repetition_penalty' must be between {low} and {high}, got {req.repetition_penalty}",
+                              param="repetition_penalty")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
         raise invalid_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(req.stop)}",
                               param="stop")
