@@ -22,7 +22,7 @@ TEST_WORKERS ?= 2
 
 # pip runs quietly (its resolver output is pages long); these lines say what the wait is for.
 $(VENV)/.base:
-	@echo "[setup] creating $(VENV) and installing $(TORCH_PIN) (CPU build, ~200 MB; first run only, 1-3 minutes)..."
+	@echo "[setup] creating $(VENV) and installing $(TORCH_PIN) (the largest download; first run only, a few minutes)..."
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: a later unpinned resolve then finds it satisfied (no CUDA wheels).
