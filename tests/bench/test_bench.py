@@ -161,6 +161,7 @@ def test_http_bench_against_live_server(served_engine, tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_http_bench_boots_the_server_and_reports_cold_start(qwen3_dir, tmp_path, capsys):
     out = tmp_path / "serve"
     rc = main(["bench", f"--serve=-m {qwen3_dir} --device cpu --dtype float32", "--contexts", "30",
@@ -182,6 +183,7 @@ def test_http_bench_completions_endpoint(served_engine, capsys):
     assert "| completions" not in captured.out and "over HTTP (completions)" in captured.out
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_serve_boots_measures_and_stops_a_server(qwen3_dir, capsys):
     rc = main(["bench", f"--serve=-m {qwen3_dir} --dtype float32 --no-prewarm", "--contexts", "24",
                "--gen-tokens", "4", "--repeats", "1"])

@@ -25,7 +25,8 @@ BAD_CHAT_BODIES = [
      "max_completion_tokens", "context_length_exceeded"),
     ("max_tokens zero", {**CHAT, "max_tokens": 0}, 400, "max_tokens", None),
     ("max_completion_tokens zero", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
-    ("n above 1", {**CHAT, "n": 2}, 400, "n", None),
+    ("n above 16", {**CHAT, "n": 17}, 400, "n", None),
+    ("n zero", {**CHAT, "n": 0}, 400, "n", None),
     ("stop of the wrong type", {**CHAT, "stop": 5}, 400, "stop", None),
     ("top_p of zero", {**CHAT, "top_p": 0}, 400, "top_p", None),
     ("image content part", {**CHAT, "messages": [{"role": "user", "content": [
@@ -85,7 +86,7 @@ def test_bad_completion_requests(http):
                  "context_length_exceeded")
     assert_error(http.post("/v1/completions", json={**base, "prompt": {"a": 1}}), 400, "prompt")
     assert_error(http.post("/v1/completions", json={"model": SERVED_NAME}), 400, "prompt")
-    assert_error(http.post("/v1/completions", json={**base, "n": 3}), 400, "n")
+    assert_error(http.post("/v1/completions", json={**base, "n": -1}), 400, "n")
     assert_error(http.post("/v1/completions", json={**base, "model": "x"}), 404, "model", "model_not_found")
     assert http.post("/v1/completions", json=base).status_code == 200
 

@@ -99,3 +99,32 @@ def test_run_server_prewarms_before_listening(monkeypatch, scripted_engine):
     app_module.run_server(scripted_engine, host="0.0.0.0", port=1, api_key="k", served_model_name=None,
                           prewarm=False)
     assert calls == [("listen", "0.0.0.0", 1, "verispec")]
+
+
+def test_serve_max_request_bytes_flag(tiny_model_dir, monkeypatch, capsys):
+    """`verispec serve --max-request-bytes N` reaches the app: a body over N bytes is a 413."""
+    import asyncio
+    import socket
+
+    from verispec import cli
+    from verispec.server import app as app_module
+
+    served = []
+    monkeypatch.setattr(app_module.uvicorn, "run", lambda app, host, port, **kw: served.append(app))
+    with socket.socket() as s:  # a port that is free now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["serve", "-m", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu", "--no-prewarm",
+            "--port", str(port)]
+    assert cli.main([*argv, "--max-request-bytes", "0"]) == 2
+    assert "--max-request-bytes must be >= 1" in capsys.readouterr().err
+    assert cli.main([*argv, "--max-request-bytes", "300"]) == 0
+
+    async def post(size: int) -> int:
+        transport = httpx.ASGITransport(app=served[0])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            body = {"model": SERVED_NAME, "prompt": "x" * size, "max_tokens": 1}
+            return (await c.post("/v1/completions", json=body)).status_code
+
+    assert asyncio.run(post(400)) == 413
+    assert asyncio.run(post(10)) == 404  # under the cap: read and answered (the model name differs)

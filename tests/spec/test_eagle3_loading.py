@@ -113,6 +113,7 @@ def test_cli_bad_drafter_is_one_line(tmp_path, target):
     assert lines == [f"verispec: error: --eagle3 {tmp_path}: no config.json there (expected a speculators EAGLE3 directory)"]
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_cli_generate_json_reports_eagle3_stats(tmp_path, target, target_config):
     d = write_random_eagle3(tmp_path / "d", target_config)
     proc = subprocess.run([sys.executable, "-m", "verispec", "generate", "-m", str(target.model_dir), "--eagle3", str(d),

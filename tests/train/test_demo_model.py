@@ -24,6 +24,7 @@ def demo_dir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_demo_build_writes_a_transformers_checkpoint(demo_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,6 +56,7 @@ def test_demo_build_writes_a_transformers_checkpoint(demo_dir):
     assert "held-out perplexity" in card and "def fibonacci(n):" in card
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_generate_without_model_uses_the_demo_with_speculation(demo_dir, monkeypatch, capsys):
     monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", demo_dir / "model")
     chosen = json.loads((demo_dir / "model" / "demo.json").read_text())["speculation"]["method"]
@@ -77,6 +79,7 @@ def test_without_the_demo_model_the_error_says_how_to_build_it(tmp_path, monkeyp
     assert "make demo-model" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_python_api_without_model_uses_the_demo(demo_dir, monkeypatch):
     from verispec import LLM, SamplingParams
 
@@ -87,6 +90,7 @@ def test_python_api_without_model_uses_the_demo(demo_dir, monkeypatch):
     assert len(result.token_ids) == 8
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_select_stage_cut_short_continues_on_rerun(demo_dir):
     from scripts.train_demo_model import main
 

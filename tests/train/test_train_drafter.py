@@ -82,6 +82,7 @@ def check_vocab_maps(drafter_dir: Path, target_vocab: int) -> torch.Tensor:
     return target_ids
 
 
+@pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
 def test_eagle3_on_qwen3_5_target_via_cli(tmp_path, qwen3_5_target, data_file, capsys):
     out = tmp_path / "eagle3"
     code = cli_main(["train-drafter", "--method", "eagle3", "-m", str(qwen3_5_target), "--data", str(data_file),

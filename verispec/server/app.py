@@ -9,18 +9,23 @@ from fastapi import FastAPI
 
 from verispec import log
 from verispec.server.auth import ApiKeyMiddleware
+from verispec.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from verispec.server.bridge import EngineBridge
 from verispec.server.chat_page import build_page_router
 from verispec.server.errors import install_error_handlers
+from verispec.server.input_checks import max_prompt_chars
 from verispec.server.metrics import MetricsMiddleware
+from verispec.server.openapi import install_openapi
 from verispec.server.routes import build_router
 from verispec.server.schema import request_field_names
 from verispec.server.state import ServerState
 
 
-def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as model `served_model_name` (default: engine.model_name)."""
-    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine))
+    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine),
+                        max_prompt_chars(engine.tokenizer, engine.max_model_len))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -33,7 +38,9 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     install_error_handlers(app, request_field_names())
     app.include_router(build_router(state))
     app.include_router(build_page_router(state))
-    if api_key:
+    install_openapi(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:  # outside the body limit: a client without the key is refused before any reading
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts 401s too
     return app
@@ -43,7 +50,7 @@ SWITCH_INTERVAL_S = 0.001
 
 
 def run_server(engine, host: str, port: int, api_key: str | None, served_model_name: str | None,
-               prewarm: bool) -> None:
+               prewarm: bool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """Prewarm (so the first request pays no warm-up and /health means ready), then serve until stopped."""
     # The engine's worker and the event loop share the GIL; a 1 ms switch interval (Python's default
     # is 5 ms) lets the loop answer, stream and accept between the worker's steps
@@ -51,7 +58,7 @@ def run_server(engine, host: str, port: int, api_key: str | None, served_model_n
     if prewarm:
         seconds = engine.prewarm()
         log.info("prewarm took %.2fs", seconds)
-    app = create_app(engine, served_model_name, api_key)
+    app = create_app(engine, served_model_name, api_key, max_request_bytes)
     budget = getattr(engine, "budget", None)  # test doubles have no paged cache
     if budget is not None:
             log.info("KV cache: %d tokens in %d blocks of %d (%.2f GiB); up to %d sequences at once, context %d "

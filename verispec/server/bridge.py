@@ -1,18 +1,19 @@
 """The async bridge: hands each request to the engine's scheduler and its chunks to the event loop.
 
 The engine batches every request it holds (continuous batching); its worker thread hands each
-chunk to the request's asyncio queue (call_soon_threadsafe), so no thread waits per request and
-the event loop stays free to accept connections, answer /health and notice clients that leave.
+chunk to the request's buffer on the event loop (call_soon_threadsafe), so no thread waits per
+request and the loop stays free to accept connections, answer /health and notice clients that leave.
 Every generation carries a threading.Event; setting it makes the engine drop the sequence at its
 next step (its KV blocks freed), and a request whose client left while queued never starts.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 
@@ -20,6 +21,10 @@ from verispec.engine.params import SamplingParams
 from verispec.engine.types import GenerationChunk, merge_chunks
 
 DISCONNECT_POLL_S = 0.2
+# Rendering templates and tokenizing run here: a long prompt takes seconds, which must not stall
+# the event loop (/health, other clients' streams). Few threads: this is CPU work.
+PREPARE_THREADS = 2
+T = TypeVar("T")
 
 
 class _Failed:
@@ -30,57 +35,93 @@ class _Failed:
 _FINISHED = object()
 
 
+class _ChoiceCancel(threading.Event):
+    """One choice's cancel event, also set while its request's is: the engine sets a generation's
+    event when that generation ends, which must not stop the request's other choices, while a client
+    leaving must stop them all. The engine polls `is_set` each step."""
+
+    def __init__(self, request_cancel: threading.Event):
+        super().__init__()
+        self.request_cancel = request_cancel
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.request_cancel.is_set()
+
+
 class EngineBridge:
     def __init__(self, engine, max_in_flight: int = 64):
         self.engine = engine
-        # engines without submit() (test doubles): one pool thread per request in flight
+        # engines without submit() (test doubles): one pool thread per choice in flight
         self._executor = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="verispec-request")
         self._running: set[threading.Event] = set()  # cancel events of queued/running generations
+        self._prepare_executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS,
+                                                    thread_name_prefix="verispec-prepare")
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on a preparation thread (template rendering, tokenizing), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_executor, fn, *args)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        cancel: threading.Event | None = None) -> AsyncIterator[GenerationChunk]:
-        """Chunks of one generation as the engine makes them; closing this iterator stops it.
+        """Chunks of one generation as the engine makes them; closing this iterator stops it."""
+        async for _, chunk in self.generate_choices(prompt_ids, [params], cancel):
+            yield chunk
 
-        Chunks that pile up while the consumer is busy are merged into one (a stream under load
-        sends fewer, larger deltas instead of falling behind: each delta costs the event loop and
-        the GIL the same whatever its size)."""
+    async def generate_choices(self, prompt_ids: list[int], params: list[SamplingParams],
+                               cancel: threading.Event | None = None
+                               ) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """(choice index, chunk) pairs of one generation per entry of `params`, all sharing the
+        prompt and running in the engine's batch at once, in the order the chunks arrive. Ends
+        when every choice has finished; one failure ends them all (its exception is raised), as
+        does closing this iterator or setting `cancel`.
+
+        A choice's chunks that pile up while the consumer is busy are merged into one (a stream
+        under load sends fewer, larger deltas instead of falling behind: each delta costs the event
+        loop and the GIL about the same whatever its size)."""
         cancel = cancel or threading.Event()
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        pending: collections.deque = collections.deque()
+        ready = asyncio.Event()
 
-        def put(item) -> None:
+        def arrive(item) -> None:  # on the event loop
+            pending.append(item)
+            ready.set()
+
+        def put(item) -> None:  # from any thread
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(arrive, item)
             except RuntimeError:  # the loop closed (server shutdown): nobody is listening
                 cancel.set()
 
         self._running.add(cancel)
         try:
-            coalesce = self._start(prompt_ids, params, cancel, put)
-            while True:
-                item = await queue.get()
-                while coalesce and not queue.empty() and isinstance(item, GenerationChunk) and item.finish_reason is None:
-                    more = queue.get_nowait()
-                    if not isinstance(more, GenerationChunk):
-                        queue.put_nowait(more)  # keep an error / the end marker for the next turn
-                        break
-                    item = merge_chunks(item, more)
+            coalesce = all([self._start(i, prompt_ids, p, cancel, put) for i, p in enumerate(params)])
+            num_running = len(params)
+            while num_running:
+                if not pending:
+                    ready.clear()
+                    await ready.wait()
+                item = pending.popleft()
                 if item is _FINISHED:
-                    return
+                    num_running -= 1
+                    continue
                 if isinstance(item, _Failed):
                     raise item.exc
-                yield item
-                if item.finish_reason is not None:
-                    return
+                index, chunk = item
+                while (coalesce and chunk.finish_reason is None and pending and isinstance(pending[0], tuple)
+                       and pending[0][0] == index):
+                    chunk = merge_chunks(chunk, pending.popleft()[1])
+                yield index, chunk
         finally:
-            # A no-op after a normal finish; stops the engine when the consumer left early.
+            # A no-op after a normal finish; stops every choice when the consumer left early.
             cancel.set()
             self._running.discard(cancel)
 
-    def _start(self, prompt_ids, params, cancel, put) -> bool:
-        """The engine's scheduler takes the request (its worker calls `put` with each chunk), or, for
-        an engine with only `generate` (test doubles, which script their chunk boundaries), a pool
-        thread iterates it. Returns whether chunks that pile up may be merged."""
+    def _start(self, index: int, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event,
+               put) -> bool:
+        """Start one choice: the engine's scheduler takes it (its worker calls `put` with each chunk),
+        or, for an engine with only `generate` (test doubles, which script their chunk boundaries),
+        a pool thread iterates it. Returns whether its chunks may be merged."""
         submit = getattr(self.engine, "submit", None)
         if submit is not None:
             if cancel.is_set():
@@ -88,16 +129,21 @@ class EngineBridge:
                 return True
 
             def sink(item) -> None:
-                put(_Failed(item) if isinstance(item, BaseException) else item)
+                if isinstance(item, BaseException):
+                    put(_Failed(item))
+                    return
+                put((index, item))
+                if item.finish_reason is not None:
+                    put(_FINISHED)
 
-            submit(prompt_ids, params, sink, cancel)  # a request the engine refuses raises here
+            submit(prompt_ids, params, sink, _ChoiceCancel(cancel))  # a request the engine refuses raises here
             return True
 
         def work() -> None:
             try:
                 if not cancel.is_set():
-                    for chunk in self.engine.generate(prompt_ids, params, cancel):
-                        put(chunk)
+                    for chunk in self.engine.generate(prompt_ids, params, _ChoiceCancel(cancel)):
+                        put((index, chunk))
             except BaseException as exc:  # handed to the request's task, which decides the response
                 put(_Failed(exc))
             finally:
@@ -110,6 +156,7 @@ class EngineBridge:
         for cancel in list(self._running):
             cancel.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._prepare_executor.shutdown(wait=False, cancel_futures=True)
         stop = getattr(self.engine, "shutdown", None)
         if stop is not None:
             stop()

@@ -5,6 +5,7 @@ the request was malformed JSON, a bad field, an unknown model or a crash inside 
 """
 from __future__ import annotations
 
+import json
 import traceback
 from enum import Enum
 from typing import Any, Iterable
@@ -37,8 +38,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.error_type.value,
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return ErrorJSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: an error message may quote client input that is not valid Unicode (a lone
+    surrogate), which UTF-8 cannot encode; as a \\u escape it still makes a readable body."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -128,8 +137,9 @@ def install_error_handlers(app: FastAPI, field_names: set[str]) -> None:
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and wrong methods, in the same shape as every other error.
+        # Keeps the exception's headers: a 405 says which methods the route takes (Allow).
         message = f"{exc.detail}: {request.method} {request.url.path}"
-        return APIError(exc.status_code, message).response()
+        return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc, f" on {request.url.path}").response()

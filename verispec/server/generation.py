@@ -1,4 +1,5 @@
-"""One request's generation as the endpoints see it: chunks, metrics, and stopping when the client leaves."""
+"""One request's generation as the endpoints see it: the chunks of its `n` choices, metrics, and
+stopping when the client leaves."""
 from __future__ import annotations
 
 import contextlib
@@ -14,27 +15,29 @@ from verispec.server.bridge import cancel_on_disconnect
 from verispec.server.prepare import PreparedRequest
 from verispec.server.state import ServerState
 
+ChoiceChunk = tuple[int, GenerationChunk]  # (choice index, one engine chunk of that choice)
+
 
 async def observed_generation(state: ServerState, request: Request,
-                              prepared: PreparedRequest) -> AsyncIterator[GenerationChunk]:
-    """The engine's chunks for this request, recording TTFT and token counts in the metrics."""
+                              prepared: PreparedRequest) -> AsyncIterator[ChoiceChunk]:
+    """Every choice's chunks as they come, recording TTFT and token counts in the metrics."""
     start = time.perf_counter()
     cancel = threading.Event()
     num_generated = 0
     state.metrics.in_flight.inc()
     try:
         async with cancel_on_disconnect(request, cancel), contextlib.aclosing(
-                state.bridge.generate(prepared.prompt_ids, prepared.params, cancel)) as chunks:
-            async for chunk in chunks:
+                state.bridge.generate_choices(prepared.prompt_ids, prepared.choice_params(), cancel)) as chunks:
+            async for index, chunk in chunks:
                 if num_generated == 0 and chunk.token_ids:
                     state.metrics.ttft.observe(time.perf_counter() - start)  # queueing included
                 num_generated += len(chunk.token_ids)
                 if chunk.stats is not None:
                     state.metrics.observe_stats(chunk.stats)
-                yield chunk
+                yield index, chunk
     finally:
         state.metrics.in_flight.dec()
-        if num_generated:  # a refused request processed no prompt
+        if num_generated:  # a refused request processed no prompt; the n choices share one prompt
             state.metrics.observe_generation(len(prepared.prompt_ids), num_generated)
 
 
@@ -46,22 +49,29 @@ class CollectedGeneration:
     finish_reason: FinishReason | None = None
 
 
-async def collect(chunks: AsyncIterator[GenerationChunk]) -> CollectedGeneration:
-    """Run a generation to its end (non-streaming responses)."""
-    out = CollectedGeneration()
-    parts = []
+async def collect(chunks: AsyncIterator[ChoiceChunk], num_choices: int) -> list[CollectedGeneration]:
+    """Run every choice to its end (non-streaming responses); results in choice order."""
+    outs = [CollectedGeneration() for _ in range(num_choices)]
+    parts: list[list[str]] = [[] for _ in range(num_choices)]
     async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            parts.append(chunk.text)
+        async for index, chunk in chunks:
+            out = outs[index]
+            parts[index].append(chunk.text)
             out.num_tokens += len(chunk.token_ids)
             out.logprobs.extend(chunk.logprobs or [])
             if chunk.finish_reason is not None:
                 out.finish_reason = chunk.finish_reason
-    out.text = "".join(parts)
-    return out
+    for out, texts in zip(outs, parts):
+        out.text = "".join(texts)
+    return outs
 
 
-async def first_chunk(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
+def all_finished(results: list[CollectedGeneration]) -> bool:
+    """False when any choice was cancelled or cut off (the client left): there is no answer to send."""
+    return all(r.finish_reason not in (None, FinishReason.CANCELLED) for r in results)
+
+
+async def first_chunk(chunks: AsyncIterator[ChoiceChunk]) -> ChoiceChunk | None:
     """Wait for the first chunk before a stream's headers go out, so that a request the engine
     refuses (or a crash in prefill) still gets a real HTTP error status."""
     try:

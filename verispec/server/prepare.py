@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from verispec.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.server.errors import invalid_request, model_not_found
+from verispec.server.input_checks import (check_chat_template_kwargs, check_prompt_chars, check_seed,
+                                         check_token_ids)
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 
 if TYPE_CHECKING:
@@ -16,6 +18,13 @@ if TYPE_CHECKING:
 # Request fields that map one-to-one onto SamplingParams (None means "the engine's default").
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed")
+MAX_CHOICES = 16  # `n`: each choice is its own sequence in the batch, so n multiplies the work
+# Every stop string is searched for after every token, on the engine thread that serves the whole
+# batch: 100k of them cost 90 ms per token (measured), for every client. OpenAI takes 4.
+MAX_STOP_STRINGS = 32
+# repetition_penalty divides (or multiplies) logits: far from 1 it overflows float32 to inf (1e-300
+# did, failing the engine step of every sequence in the batch). Useful values are about 1 to 2.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -24,6 +33,18 @@ class PreparedRequest:
     params: SamplingParams
     prompt_text: str = ""  # the rendered chat prompt or the completion prompt (for echo)
     opens_thinking: bool = False  # the chat template ended the prompt inside <think>
+    num_choices: int = 1  # `n`
+
+    default_seed: int | None = None  # the server's --seed, used when the request has none
+
+    def choice_params(self) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i samples with seed + i (so the
+        choices differ, and each is reproducible on its own). The server's default seed counts
+        too: n choices from one seed would otherwise be n copies."""
+        seed = self.params.seed if self.params.seed is not None else self.default_seed
+        if seed is None or self.num_choices == 1:
+            return [self.params] * self.num_choices
+        return [replace(self.params, seed=seed + i) for i in range(self.num_choices)]
 
 
 def check_model(requested: str | None, served_name: str) -> None:
@@ -35,28 +56,37 @@ def check_model(requested: str | None, served_name: str) -> None:
         raise model_not_found(requested, served_name)
 
 
-def prepare_chat(req: ChatCompletionRequest, engine: Engine) -> PreparedRequest:
+def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: int) -> PreparedRequest:
+    """Blocking (renders the template and tokenizes): the server runs it off the event loop."""
     tokenizer = engine.tokenizer
-    _check_n(req)
+    num_choices = _check_common(req, engine)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if not req.messages:
         raise invalid_request("'messages' must be a non-empty list of {role, content} objects",
                               param="messages")
+    check_chat_template_kwargs(req.chat_template_kwargs, tokenizer)
     messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
-    prompt_text, prompt_ids = tokenizer.chat_prompt_ids(messages, req.chat_template_kwargs)
+    prompt_text = tokenizer.render_chat(messages, req.chat_template_kwargs)
+    check_prompt_chars(prompt_text, max_prompt_chars, engine.max_model_len, "messages")
+    # The template already wrote any BOS/special tokens into the text.
+    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
     # The engine says "max_tokens" and "prompt"; errors name the fields this client actually sent.
     sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
             "prompt": "messages"}
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     with _renamed_params(sent):
-        params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs or req.top_logprobs),
+        params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs),
                                   top_logprobs=req.top_logprobs or 0)
         _check_fits(engine, prompt_ids, params)
-    return PreparedRequest(prompt_ids, params, prompt_text, tokenizer.prompt_opens_thinking(prompt_text))
+    return PreparedRequest(prompt_ids, params, prompt_text, tokenizer.prompt_opens_thinking(prompt_text),
+                           num_choices, _default_seed(engine, num_choices))
 
 
-def prepare_completion(req: CompletionRequest, engine: Engine) -> PreparedRequest:
+def prepare_completion(req: CompletionRequest, engine: Engine, max_prompt_chars: int) -> PreparedRequest:
+    """Blocking (tokenizes): the server runs it off the event loop."""
     tokenizer = engine.tokenizer
-    _check_n(req)
+    num_choices = _check_common(req, engine)
     if req.suffix:
         raise invalid_request("'suffix' (fill-in-the-middle) is not supported", param="suffix")
     # Checked here, not by SamplingParams: the legacy API calls its top-logprobs count `logprobs`.
@@ -68,6 +98,7 @@ def prepare_completion(req: CompletionRequest, engine: Engine) -> PreparedReques
                               param="echo")
     prompt = _single_prompt(req.prompt)
     if isinstance(prompt, str):
+        check_prompt_chars(prompt, max_prompt_chars, engine.max_model_len, "prompt")
         # A raw prompt gets the tokenizer's own BOS, as Hugging Face and vLLM do.
         prompt_ids, prompt_text = tokenizer.encode(prompt, add_special_tokens=True), prompt
     else:
@@ -78,7 +109,8 @@ def prepare_completion(req: CompletionRequest, engine: Engine) -> PreparedReques
         _check_fits(engine, prompt_ids, params)
     if req.echo and not prompt_text:
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    return PreparedRequest(prompt_ids, params, prompt_text)
+    return PreparedRequest(prompt_ids, params, prompt_text, num_choices=num_choices,
+                           default_seed=_default_seed(engine, num_choices))
 
 
 def _check_fits(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -97,9 +129,34 @@ def _renamed_params(names: dict[str, str]):
         raise
 
 
-def _check_n(req: GenerationRequest) -> None:
-    if req.n is not None and req.n != 1:
-        raise invalid_request(f"'n' must be 1 (one choice per request), got {req.n}", param="n")
+def _check_common(req: GenerationRequest, engine: Engine) -> int:
+    """Checks both endpoints share; returns the number of choices."""
+    num_choices = 1 if req.n is None else req.n
+    if not 1 <= num_choices <= MAX_CHOICES:
+        raise invalid_request(f"'n' must be an integer between 1 and {MAX_CHOICES}, got {req.n}", param="n")
+    check_seed(req.seed, num_choices)
+    low, high = REPETITION_PENALTY_RANGE
+    if req.repetition_penalty is not None and not low <= req.repetition_penalty <= high:
+        raise invalid_request(f"'repetition_penalty' must be between {low} and {high}, got {req.repetition_penalty}",
+                              param="repetition_penalty")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+        raise invalid_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(req.stop)}",
+                              param="stop")
+    if req.stop_token_ids:
+        check_token_ids(req.stop_token_ids, _vocab_size(engine), "stop_token_ids")
+    return num_choices
+
+
+def _default_seed(engine: Engine, num_choices: int) -> int | None:
+    """The server's --seed (None without one), checked like a request's: choice i uses it + i."""
+    seed = getattr(getattr(engine, "config", None), "seed", None)  # test doubles have no config
+    check_seed(seed, num_choices)
+    return seed
+
+
+def _vocab_size(engine: Engine) -> int:
+    model = getattr(engine, "model", None)  # test doubles have only a tokenizer
+    return model.vocab_size if model is not None else engine.tokenizer.vocab_size
 
 
 def _template_message(index: int, message: ChatMessage) -> dict:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from verispec.server.chat import chat_completion
 from verispec.server.completions import completion
 from verispec.server.errors import as_api_error
+from verispec.server.input_checks import reject_unpaired_surrogates
+from verispec.server.openapi import GENERATION_RESPONSES, MODEL_RESPONSES, ModelCard, ModelList
 from verispec.server.prepare import check_model
 from verispec.server.schema import ChatCompletionRequest, CompletionRequest
 from verispec.server.state import ServerState
@@ -15,27 +17,28 @@ from verispec.server.state import ServerState
 def build_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         try:
             return await chat_completion(state, request, body)
         except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
             return as_api_error(exc, " on /v1/chat/completions").response()
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
         try:
             return await completion(state, request, body)
         except Exception as exc:
             return as_api_error(exc, " on /v1/completions").response()
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=ModelList, responses=_only(MODEL_RESPONSES, 401))
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(state)]}
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=MODEL_RESPONSES)
     async def retrieve_model(model_id: str) -> Response:
         try:
+            reject_unpaired_surrogates(model_id, "model")
             check_model(model_id, state.served_model_name)
         except Exception as exc:
             return as_api_error(exc).response()
@@ -46,7 +49,9 @@ def build_router(state: ServerState) -> APIRouter:
         # The server only starts listening after prewarm, so answering at all means ready.
         return {"status": "ok"}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse,
+                responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                 "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         load_stats = getattr(state.engine, "load_stats", None)  # test doubles have no scheduler
         if load_stats is not None:
@@ -54,6 +59,10 @@ def build_router(state: ServerState) -> APIRouter:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router
+
+
+def _only(responses: dict, *statuses: int) -> dict:
+    return {status: responses[status] for status in statuses}
 
 
 def _model_card(state: ServerState) -> dict:

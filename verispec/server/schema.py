@@ -4,55 +4,65 @@ Only the shape and types are checked here; value ranges are checked once, by Sam
 so the server and the Python API reject the same things with the same messages. Unknown
 fields are ignored (clients send many we do not use), except where `extra="allow"` keeps them
 for the chat template (tool calls, names).
+
+Scalars are strict, as OpenAI's API is: `"stream": "yes"` or `"max_tokens": "5"` is a 400, not
+silently read as true / 5, and a boolean is never a token id (`"prompt": [[false]]`).
+Emptiness the server refuses (no messages, an empty prompt) is in the schema as a minimum length,
+so the OpenAPI document says what is accepted.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+# NaN and Infinity are not JSON, but Python's parser reads them; no sampling parameter means anything there.
+FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class ContentPart(BaseModel):
     """One element of a list-valued message content; only type "text" is served."""
 
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template as sent
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class GenerationRequest(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     # Optional flags accept null: many clients send every field, unset ones as null.
-    ignore_eos: bool | None = None
-    n: int | None = None
-    stream: bool | None = None
+    ignore_eos: StrictBool | None = None
+    n: StrictInt | None = Field(default=None, description="choices to generate, 1 to 16; with a seed, "
+                                "choice i samples with seed + i")
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: StrictStr | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -60,19 +70,21 @@ class GenerationRequest(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins if both
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name for max_tokens; wins if both
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, description="needs logprobs: true")
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(GenerationRequest):
     # A string, token ids, or a one-element list of either (batches of prompts are refused).
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # legacy API: the number of top alternatives per token
-    echo: bool | None = None
-    suffix: str | None = None
+    prompt: (Annotated[StrictStr, Field(min_length=1)] | TokenIds
+             | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
+    logprobs: StrictInt | None = None  # legacy API: the number of top alternatives per token
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
 
 
 def request_field_names() -> set[str]:

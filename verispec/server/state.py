@@ -22,6 +22,7 @@ class ServerState:
     engine: object  # verispec.engine.engine.Engine, or a test double with the same surface
     served_model_name: str
     bridge: EngineBridge
+    max_prompt_chars: int  # longer prompts are refused before tokenizing (input_checks.max_prompt_chars)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     started_at: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = field(default_factory=lambda: f"verispec-{_version()}")

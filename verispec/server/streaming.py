@@ -1,7 +1,7 @@
 """Server-sent events as OpenAI streams them: `data: {json}` per chunk, then `data: [DONE]`.
 
 The skeleton is shared by both endpoints; what goes into each chunk's choice is the
-endpoint's ChoiceRenderer.
+endpoint's ChoiceRenderer, one per choice (n > 1 interleaves choices, each chunk naming its index).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from verispec.engine.types import FinishReason, GenerationChunk
 from verispec.server.errors import as_api_error
+from verispec.server.generation import ChoiceChunk
 from verispec.server.state import usage
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -29,23 +30,25 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def event_stream(header: dict, first: GenerationChunk | None, chunks: AsyncIterator[GenerationChunk],
-                       renderer: ChoiceRenderer, num_prompt_tokens: int,
+async def event_stream(header: dict, first: ChoiceChunk | None, chunks: AsyncIterator[ChoiceChunk],
+                       renderers: list[ChoiceRenderer], num_prompt_tokens: int,
                        include_usage: bool) -> AsyncIterator[str]:
     # With include_usage every chunk says "usage": null and one extra chunk at the end has it.
     usage_field = {"usage": None} if include_usage else {}
-    num_generated = 0
+    num_generated = 0  # over all choices: the prompt is counted once, completions summed
     try:
-        for choice in renderer.opening():
-            yield sse({**header, "choices": [choice], **usage_field})
-        chunk = first
-        while chunk is not None:
+        for renderer in renderers:
+            for choice in renderer.opening():
+                yield sse({**header, "choices": [choice], **usage_field})
+        item = first
+        while item is not None:
+            index, chunk = item
             if chunk.finish_reason is FinishReason.CANCELLED:
                 return  # the client is gone: there is nobody to tell
             num_generated += len(chunk.token_ids)
-            for choice in renderer.chunk(chunk):
+            for choice in renderers[index].chunk(chunk):
                 yield sse({**header, "choices": [choice], **usage_field})
-            chunk = await anext(chunks, None)
+            item = await anext(chunks, None)
         if include_usage:
             yield sse({**header, "choices": [], "usage": usage(num_prompt_tokens, num_generated)})
     except Exception as exc:  # headers are sent: the error can only travel as an event
