@@ -1,5 +1,6 @@
 """The batched drafters (EAGLE3, MTP: spec/batched.py, paged drafter rows indexed by the target's
-block tables) draft exactly what the per-sequence drafter (its own contiguous cache) drafts.
+block tables; the Gemma 4 assistant, reading every sequence's target rows in one pass) draft
+exactly what the per-sequence drafter (its own contiguous cache / view) drafts.
 
 The drafts the engine verifies are scripted (the target's own continuation, right or wrong by a
 pattern, so verify passes are committed partially at every chain depth); what is compared is what
@@ -15,10 +16,12 @@ from dataclasses import replace
 
 import pytest
 
-from verispec.demo.tiny import build_tiny_qwen3_5, random_mtp_head, write_mtp_sidecar, write_random_eagle3
+from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
+                                write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
 from verispec.spec.mtp import MtpProposer, load_mtp_head
 from verispec.spec.proposer import Draft
 
@@ -103,3 +106,13 @@ def test_batched_mtp_drafts_as_per_sequence(tmp_path, tokenizer_dir):
     engine = load_engine(str(d), dtype="float64", device="cpu", prefill_step_size=8, max_num_batched_tokens=24)
     head = load_mtp_head(d, engine.model)
     compare(engine, lambda: scripted(MtpProposer)(head, num_real_tokens=engine.num_real_tokens))
+
+
+def test_batched_gemma4_assistant_drafts_as_per_sequence(tmp_path, tokenizer_dir):
+    build_tiny_gemma4(tmp_path / "target", seed=41, tokenizer_dir=tokenizer_dir)
+    build_tiny_gemma4_assistant(tmp_path / "assistant", json.loads((tmp_path / "target" / "config.json").read_text()),
+                                seed=42)
+    engine = load_engine(str(tmp_path / "target"), dtype="float64", device="cpu", prefill_step_size=8,
+                         max_num_batched_tokens=24)
+    drafter = load_assistant(tmp_path / "assistant", engine.model)
+    compare(engine, lambda: scripted(AssistantProposer)(drafter, engine.model, engine.num_real_tokens))

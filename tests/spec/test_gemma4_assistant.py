@@ -281,6 +281,7 @@ class RecordingProposer(AssistantProposer):
 
     poison = False
     extra_rows = 0
+    batched = False  # the per-sequence path (tests/engine/test_batched_drafting.py checks the batched one)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

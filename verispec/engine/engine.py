@@ -148,15 +148,17 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device))
         if self.batched_drafting:
-            self.proposer.bind(num_blocks, block, self.runner.block_tables, self.runner.use_kernel)
+            self.proposer.bind(num_blocks, block, self.runner.block_tables, self.runner.use_kernel,
+                               target_pools=self.pools)
         log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once",
                  num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
                  f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs)
 
     def _on_allocate(self, blocks: list[int]) -> None:
         self.pools.zero_blocks(blocks)
-        if self.batched_drafting:
-            self.proposer.pools.zero_blocks(blocks)
+        drafter_pools = getattr(self.proposer, "pools", None) if self.batched_drafting else None
+        if drafter_pools is not None:  # a drafter with K/V rows of its own (EAGLE3, the MTP head)
+            drafter_pools.zero_blocks(blocks)
 
     def _on_release(self, seq: Sequence) -> None:
         """A sequence's blocks went back (finished or preempted): so does its drafter state."""

@@ -35,7 +35,7 @@ class BatchedDrafting:
 
     batched = True  # the engine drives it through the batched protocol (one instance, all sequences)
 
-    def bind(self, num_blocks: int, block_size: int, tables_fn, use_kernel: bool) -> None:
+    def bind(self, num_blocks: int, block_size: int, tables_fn, use_kernel: bool, target_pools=None) -> None:
         """Paged pools for the drafter's layers, indexed by the target's block tables
         (`tables_fn(seqs) -> [B, N]`)."""
         p = next(self.drafter.parameters())

@@ -28,6 +28,7 @@ contexts): the drafts change, the output does not (verification is unchanged).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 
 from verispec import log
 from verispec.cache.kv import KVCache
+from verispec.cache.paged import BatchCache
 from verispec.config import EngineConfig
 from verispec.engine.params import SamplingParams
 from verispec.errors import ModelNotFoundError, VerispecError
@@ -323,6 +325,66 @@ class AssistantProposer(Proposer):
         ids = torch.cat(tokens).tolist() if tokens else []  # one device sync per round
         return Draft(ids, torch.stack(probs) if probs else None)
 
+    # ---- the engine's batched protocol: one instance drafts for every sequence at once ----------
+    batched = True
+
+    def bind(self, num_blocks: int, block_size: int, tables_fn, use_kernel: bool, target_pools=None) -> None:
+        """The target's paged pools and block tables (the assistant keeps no K/V of its own)."""
+        self._target_pools, self._tables_fn, self._use_kernel = target_pools, tables_fn, use_kernel
+        self._states: dict[int, _AssistantRow] = {}
+
+    def capture_batch_graphs(self, batch_sizes: list[int], max_tokens: int, table_width: int) -> None:
+        """Not captured: its passes read the target's rows up to a per-row bound and run eagerly."""
+        log.debug("Gemma 4 assistant: batched drafting runs eagerly (no CUDA graphs)")
+
+    def start(self, seq) -> None:
+        self._states.pop(seq.id, None)
+
+    def release(self, seq) -> None:
+        self._states.pop(seq.id, None)
+
+    def observe_rows(self, rows: list) -> None:
+        for seq, step in rows:
+            self._states[seq.id] = _AssistantRow(step.hidden[-1:].clone(), step.next_token,
+                                                 step.start_position + len(step.token_ids))
+
+    @torch.inference_mode()
+    def propose_rows(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
+        """Up to num_drafts[b] drafts per sequence: one assistant pass per chained step for all of
+        them, each row reading its own sequence's committed target rows (the last verify pass's
+        rejected K/V sit past them)."""
+        device, k = self.device, max(num_drafts)
+        states = [self._states[s.id] for s in seqs]
+        last = [min(seq.num_cached, st.next_position) - 1 for seq, st in zip(seqs, states)]
+        rope_positions = torch.tensor([[st.next_position] for st in states], device=device)
+        last_rows = torch.tensor([[row] for row in last], device=device)
+        num_keys = max(last) + 1
+        target_rows = BatchCache(self._target_pools, self._tables_fn(seqs), last_rows, None, num_keys, self._use_kernel)
+        token = torch.tensor([[st.next_token] for st in states], dtype=torch.long, device=device)
+        hidden = torch.stack([st.hidden for st in states])  # [B, 1, H_target]
+        chosen, probs = [], []
+        for i in range(k):
+            inputs = torch.cat((self.target.embed(token), hidden), dim=-1)
+            hidden, logits = self.drafter(inputs, rope_positions, last_rows, num_keys, target_rows, self.window)
+            row_logits = logits[:, -1]
+            if self.num_real_tokens is not None and self.num_real_tokens < row_logits.shape[-1]:
+                row_logits = row_logits[:, :self.num_real_tokens]
+            tokens = row_logits.argmax(-1)
+            step_probs: list[torch.Tensor | None] = [None] * len(seqs)
+            for b, p in enumerate(params):
+                if not p.greedy and i < num_drafts[b]:  # a row past its count draws nothing
+                    drawn, step_probs[b] = self._choose(logits[b, -1], p, generators[b])
+                    tokens[b] = drawn[0]
+            chosen.append(tokens)
+            probs.append(step_probs)
+            token = tokens[:, None]
+        table = torch.stack(chosen, dim=1).tolist()  # [B, k]: one device sync per round
+        drafts = []
+        for b, n in enumerate(num_drafts):
+            qs = [probs[i][b] for i in range(n)]
+            drafts.append(Draft(table[b][:n], torch.stack(qs) if n and qs[0] is not None else None))
+        return drafts
+
     def _last_row(self, cache) -> int:
         """The last committed row: the last verify pass's rejected K/V sit at cache.length onward."""
         return min(cache.length, self.next_position) - 1
@@ -332,6 +394,13 @@ class AssistantProposer(Proposer):
         """logits [V] -> (token id [1] on the device, the distribution it was sampled from [V] or
         None when greedy)."""
         return choose_draft(logits, params, generator, self.num_real_tokens)
+
+
+@dataclass
+class _AssistantRow:
+    hidden: torch.Tensor  # [1, H_target] post-norm hidden at the sequence's last committed row
+    next_token: int
+    next_position: int  # the position of next_token: the round's RoPE position
 
 
 # ---- engine wiring --------------------------------------------------------------------------------
