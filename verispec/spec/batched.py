@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.cache.paged import BatchCache, PagedPools
-from verispec.spec.proposer import Draft, TargetStep
+from verispec.spec.proposer import Draft, TargetStep, drafts_per_row
 
 
 @dataclass
@@ -127,12 +127,7 @@ class BatchedDrafting:
             if i + 1 == k:
                 break
             out, logits = self._batch_pass(seqs, tokens[:, None], out, base_t + i, zero, max(base) + i + 1)
-        table = torch.stack(chosen, dim=1).tolist()  # [B, k]: one device sync per round
-        drafts = []
-        for b, n in enumerate(num_drafts):
-            qs = [probs[i][b] for i in range(n)]
-            drafts.append(Draft(table[b][:n], torch.stack(qs) if n and qs[0] is not None else None))
-        return drafts
+        return drafts_per_row(chosen, probs, num_drafts)
 
     def _choose_rows(self, logits: torch.Tensor, params: list, generators: list, active: list[bool]
                      ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:

@@ -47,7 +47,7 @@ from verispec.models.gemma4 import Gemma4ForCausalLM, Gemma4Settings, Gemma4Text
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.spec.drafting import choose_draft
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.proposer import Draft, Proposer, TargetStep, drafts_per_row
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 DEFAULT_NUM_MTP_TOKENS = 2  # drafts per round: SwiftLM's default (depth 4 measured worse there)
@@ -378,12 +378,7 @@ class AssistantProposer(Proposer):
             chosen.append(tokens)
             probs.append(step_probs)
             token = tokens[:, None]
-        table = torch.stack(chosen, dim=1).tolist()  # [B, k]: one device sync per round
-        drafts = []
-        for b, n in enumerate(num_drafts):
-            qs = [probs[i][b] for i in range(n)]
-            drafts.append(Draft(table[b][:n], torch.stack(qs) if n and qs[0] is not None else None))
-        return drafts
+        return drafts_per_row(chosen, probs, num_drafts)
 
     def _last_row(self, cache) -> int:
         """The last committed row: the last verify pass's rejected K/V sit at cache.length onward."""

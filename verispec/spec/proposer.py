@@ -73,3 +73,16 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
         """Up to `num_drafts` tokens continuing after the last observed next_token."""
+
+
+def drafts_per_row(chosen: list[torch.Tensor], probs: list[list[torch.Tensor | None]],
+                   num_drafts: list[int]) -> list[Draft]:
+    """A batched proposer's chained steps -> one Draft per sequence: chosen[i] [B] the tokens of
+    step i (on the device: read back with one sync), probs[i][b] the distribution row b's token
+    was sampled from (None when greedy), num_drafts[b] how many of the steps row b keeps."""
+    table = torch.stack(chosen, dim=1).tolist()  # [B, k]
+    drafts = []
+    for b, n in enumerate(num_drafts):
+        qs = [probs[i][b] for i in range(n)]
+        drafts.append(Draft(table[b][:n], torch.stack(qs) if n and qs[0] is not None else None))
+    return drafts
