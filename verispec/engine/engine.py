@@ -29,9 +29,10 @@ from verispec.config import EngineConfig, env
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
+from verispec.engine.proposers import build_proposer
 from verispec.engine.runner import ModelRunner, TargetView
 from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
-from verispec.engine.scheduler import Scheduler, StepPlan
+from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
 from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.errors import InvalidRequestError, VerispecError
@@ -43,7 +44,6 @@ from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
-DEFAULT_EAGLE3_BLOCK = 2  # drafts per round: the seed system's measured sweet spot
 CPU_KV_CACHE_GB = 2.0  # CPU pools are allocated lazily by the OS: only blocks in use take memory
 PREWARM_PROMPT_TOKENS = 100
 WORKER_IDLE_S = 0.5
@@ -204,32 +204,7 @@ class Engine:
         tokenizer = Tokenizer.from_dir(model_dir)
         log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
                   time.perf_counter() - t0)
-        proposer, num_drafts = None, 0
-        if config.eagle3:
-            from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
-
-            drafter = load_eagle3(config.eagle3, model)
-            proposer = Eagle3Proposer(drafter, model.vocab_size)
-            num_drafts = config.draft_block or env().eagle3_block or DEFAULT_EAGLE3_BLOCK
-            log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
-                      config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
-        elif config.mtp and _is_gemma4(model):
-            from verispec.spec.gemma4_assistant import assistant_proposer
-
-            # None (logged) when no assistant checkpoint is found
-            proposer, num_drafts = assistant_proposer(config, model, model_dir,
-                                                      min(tokenizer.vocab_size, model.vocab_size))
-        elif config.mtp:
-            from verispec.spec.gemma4_assistant import refuse_assistant_options
-            from verispec.spec.mtp import MtpHidden, MtpProposer, load_mtp_head
-
-            refuse_assistant_options(config, model)
-            head = load_mtp_head(model_dir, model)  # None (logged) when the model has no head
-            if head is not None:
-                proposer = MtpProposer(head, MtpHidden.parse(config.mtp_hidden),
-                                       num_real_tokens=min(tokenizer.vocab_size, model.vocab_size))
-                num_drafts = config.num_mtp_tokens or config.mtp_depth
-                log.debug("MTP head: %d drafts per round, %s hidden", num_drafts, config.mtp_hidden)
+        proposer, num_drafts = build_proposer(config, model, model_dir, tokenizer)
         return cls(model, tokenizer, config, model_dir, proposer=proposer, num_drafts=num_drafts)
 
     # ---- request checks -------------------------------------------------------------------
@@ -616,13 +591,6 @@ class Engine:
                   "decode=%.1f tok/s, preempted %d times, finish=%s%s", seq.id, stats.prompt_tokens,
                   stats.generated_tokens, stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
                   seq.num_preemptions, seq.out.finish_reason.value if seq.out.finish_reason else None, spec)
-
-
-def _is_gemma4(model: CausalLM) -> bool:
-    """--mtp on Gemma 4 means its assistant drafter (imported here only: model modules load on demand)."""
-    from verispec.models.gemma4 import Gemma4ForCausalLM
-
-    return isinstance(model, Gemma4ForCausalLM)
 
 
 def load_engine(model: str, **kwargs) -> Engine:
