@@ -45,3 +45,15 @@ def test_merged_chunks_say_what_both_said():
     assert (m.token_ids, m.text, [lp.token_id for lp in m.logprobs], m.finish_reason, m.num_drafted) == \
         ([1, 2, 3], "abc", [1, 2, 3], FinishReason.STOP, 1)
     assert merge_chunks(GenerationChunk([1], "a"), GenerationChunk([2], "b")).logprobs is None
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-300), ("repetition_penalty", 1e300),
+                                          ("seed", 2**64), ("seed", -(2**63) - 1)])
+def test_sampling_params_refuse_what_would_fail_an_engine_step(field, value):
+    """The Python API checks what the server checks: a value that would fail inside a batched step
+    (and with it every sequence in the batch) is refused up front, naming the field."""
+    from verispec.engine.params import SamplingParams
+    from verispec.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value})

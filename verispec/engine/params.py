@@ -9,6 +9,11 @@ MAX_TOP_LOGPROBS = 20
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflows float32
 # to inf, and softmax of inf - inf is NaN, which torch.multinomial rejects.
 GREEDY_TEMPERATURE = 1e-5
+# repetition_penalty divides (or multiplies) logits: far from 1 it overflows float32 to inf, which
+# would fail the engine step of every sequence in the batch. Useful values are about 1 to 2.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# torch.Generator.manual_seed takes exactly this range (anything else is an OverflowError in a step).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -54,8 +59,11 @@ class SamplingParams:
             raise bad("top_k", f"must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be between {low} and {high}, got {self.repetition_penalty!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise bad("seed", f"must be an integer between {MIN_SEED} and {MAX_SEED}, got {self.seed!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty!r}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
