@@ -57,3 +57,8 @@ def test_sampling_params_refuse_what_would_fail_an_engine_step(field, value):
 
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_bad_schedule_is_refused_without_a_drafter_too():
+    with pytest.raises(VerispecError, match="--draft-schedule"):
+        DraftSchedule.parse("1:x", 0)

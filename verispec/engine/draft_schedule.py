@@ -18,10 +18,8 @@ class DraftSchedule:
     @classmethod
     def parse(cls, text: str | None, max_drafts: int, device_type: str = "cuda") -> "DraftSchedule":
         """`text` from --draft-schedule; None: the measured default for `max_drafts` drafts."""
-        if max_drafts <= 0:
-            return cls([(1, 0)], 0)
         if not text:
-            return cls.default(max_drafts, device_type)
+            return cls.default(max_drafts, device_type) if max_drafts > 0 else cls([(1, 0)], 0)
         steps = []
         for part in text.split(","):
             try:
@@ -34,6 +32,8 @@ class DraftSchedule:
             steps.append((size, min(drafts, max_drafts)))
         if min(s for s, _ in steps) != 1:
             steps.append((1, max_drafts))
+        if max_drafts <= 0:  # checked above all the same: a bad flag is an error with or without a drafter
+            return cls([(1, 0)], 0)
         return cls(steps, max_drafts)
 
     @classmethod
