@@ -62,8 +62,13 @@ def _errors(*statuses: int) -> dict:
     return {status: {"model": ErrorResponse, "description": reasons[status]} for status in statuses}
 
 
-SSE_CONTENT = {"text/event-stream": {"schema": {"type": "string",
-                                               "description": "`data: {chunk}` events, then `data: [DONE]`"}}}
+# One server-sent event, as a client (and schemathesis) parses it: `data` is a JSON chunk, the last
+# event's data is `[DONE]`; `event` is the default "message"
+SSE_CONTENT = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "description": "`data: {chunk}` events, then `data: [DONE]`",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"},
+                   "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 GENERATION_RESPONSES: dict = {
     200: {"model": CompletionResponse, "content": SSE_CONTENT,
           "description": "the completion, or with stream: true its chunks as server-sent events"},
