@@ -224,16 +224,8 @@ class BatchCache:
         """commit() with the row counts already on the device (counts [B] long, each >= 1), with no
         host work: what a captured commit graph replays. Rows whose state slot is the scratch
         slot (padding) write there."""
-        if not self._pending_recurrent:
-            return
-        rows = torch.arange(counts.shape[0], device=counts.device)
-        for layer, p in self._pending_recurrent.items():
-            kernel = self.pools.specs[layer].conv_kernel
-            ssm = p.ssm_states[counts - 1, rows] if p.per_position else p.ssm_states[-1]
-            self.pools.ssm_states[layer].index_copy_(0, self.state_slots, ssm.to(torch.float32))
-            index = counts[:, None] + torch.arange(kernel - 1, device=counts.device)[None]  # [B, K-1]
-            conv = p.conv_window.gather(2, index[:, None, :].expand(-1, p.conv_window.shape[1], -1))
-            self.pools.conv_states[layer].index_copy_(0, self.state_slots, conv.to(self.pools.dtype))
+        if self._pending_recurrent:
+            self._write_states(torch.arange(counts.shape[0], device=counts.device), counts)
 
     def commit(self, num_rows: list[int]) -> None:
         """Keep the first num_rows[b] rows of this pass for sequence b: its recurrent state becomes
@@ -243,27 +235,29 @@ class BatchCache:
         keep = [b for b, n in enumerate(num_rows) if n > 0]
         if not keep:
             return
+        for layer, p in self._pending_recurrent.items():
+            t = p.conv_window.shape[-1] - (self.pools.specs[layer].conv_kernel - 1)
+            if not p.per_position and any(num_rows[b] != t for b in keep):
+                raise ValueError(f"commit({num_rows}) of a {t}-token pass that kept only its final recurrent "
+                                 f"state (passes over {self.max_tracked_positions} tokens keep no per-position states)")
         device = self.state_slots.device
-        rows = torch.tensor(keep, device=device)
-        counts = torch.tensor([num_rows[b] for b in keep], device=device)
+        self._write_states(torch.tensor(keep, device=device),
+                           torch.tensor([num_rows[b] for b in keep], device=device))
+        self._pending_recurrent.clear()
+
+    def _write_states(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Into the state slots of batch rows `rows` [R]: each one's recurrent state after counts [R]
+        positions of this pass (a pass without per-position states has only its last)."""
         slots = self.state_slots[rows]
         for layer, p in self._pending_recurrent.items():
             kernel = self.pools.specs[layer].conv_kernel
-            t = p.conv_window.shape[-1] - (kernel - 1)
-            if p.per_position:
-                ssm = p.ssm_states[counts - 1, rows]
-            elif all(num_rows[b] == t for b in keep):
-                ssm = p.ssm_states[-1, rows]
-            else:
-                raise ValueError(f"commit({num_rows}) of a {t}-token pass that kept only its final recurrent "
-                                 f"state (passes over {self.max_tracked_positions} tokens keep no per-position states)")
+            ssm = p.ssm_states[counts - 1, rows] if p.per_position else p.ssm_states[-1, rows]
             self.pools.ssm_states[layer].index_copy_(0, slots, ssm.to(torch.float32))
             # conv state after n rows: window[:, :, n : n + kernel - 1]
-            index = (counts[:, None] + torch.arange(kernel - 1, device=device)[None])  # [R, K-1]
+            index = counts[:, None] + torch.arange(kernel - 1, device=counts.device)[None]  # [R, K-1]
             window = p.conv_window[rows]  # [R, C, K-1+T]
             conv = window.gather(2, index[:, None, :].expand(-1, window.shape[1], -1))
             self.pools.conv_states[layer].index_copy_(0, slots, conv.to(self.pools.dtype))
-        self._pending_recurrent.clear()
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.cache.paged import SCRATCH, BatchCache, PagedPools
+from verispec.cache.paged import BatchCache, PagedPools
 from verispec.engine.sequence import Sequence
 from verispec.models.base import CausalLM
 
@@ -39,8 +39,7 @@ class ModelRunner:
     def block_tables(self, seqs: list[Sequence], num_columns: int | None = None) -> torch.Tensor:
         """[B, N] block ids, 0-padded (0 = scratch)."""
         width = num_columns or max(1, max(len(s.block_table) for s in seqs))
-        rows = [s.block_table + [SCRATCH] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.table_rows(seqs, width).to(self.device, non_blocking=True)
 
     @staticmethod
     def table_rows(seqs: list[Sequence], width: int, pad_rows: int = 0) -> torch.Tensor:
