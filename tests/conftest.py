@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
 
 from verispec.demo.tiny import build_tiny_model, build_tokenizer
 
+# Saving a fixture checkpoint draws a "Writing model shards" bar on stderr where a test may be
+# capturing a CLI's output (CI's stderr is not a terminal, but tqdm draws anyway).
+import transformers  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+
 # Tiny models run as fast on one thread, and multi-threaded OpenMP collapses when the CI machine's
 # few cores are busy (measured on 2 busy cores: tests/unit + tests/models 110 s -> 10 s).
 torch.set_num_threads(1)
