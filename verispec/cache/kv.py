@@ -137,7 +137,7 @@ class KVCache:
             self.conv_states[i] = torch.zeros(self.batch_size, spec.conv_dim, spec.conv_kernel - 1,
                                               dtype=self.dtype, device=self.device)
             self.ssm_states[i] = torch.zeros(self.batch_size, spec.num_heads, spec.key_dim, spec.value_dim,
-                                             dtype=torch.float32, device=self.device)
+                                             dtype=torch.promote_types(self.dtype, torch.float32), device=self.device)
         self._pending_recurrent.clear()
 
     def pending_recurrent_snapshot(self) -> dict:

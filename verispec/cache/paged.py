@@ -15,8 +15,9 @@ committed length lives in the engine's `Sequence`, and rows past it are overwrit
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -26,14 +27,27 @@ SCRATCH = 0  # block id / state slot that padded rows use
 
 
 class BlockAllocator:
-    """Hands out block ids 1..num_blocks-1 (0 is scratch) and takes them back."""
+    """Hands out block ids 1..num_blocks-1 (0 is scratch) and takes them back, with reference
+    counts so that sequences can share blocks (the prefix cache).
+
+    A full block whose K/V are committed can be *registered* under the chained hash of its tokens
+    (verispec/cache/prefix.py). A registered block that no sequence holds any more is not freed
+    but kept, least recently used first, until a new block is needed and no unregistered one is
+    free: then it is evicted (its hash forgotten, `on_evict(block, hash)` called) and handed out.
+    """
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 2:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is scratch), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: deque[int] = deque(range(1, num_blocks))  # unregistered, unreferenced
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; oldest first
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self.on_evict: Callable[[int, bytes], None] = lambda block, block_hash: None
+        self.num_evictions = 0
 
     @property
     def num_usable(self) -> int:
@@ -41,22 +55,84 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks allocate() can hand out: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
         return self.num_usable - self.num_free
 
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks (held or not): what a new prompt can hit."""
+        return len(self._by_hash)
+
+    @property
+    def num_cached_idle(self) -> int:
+        """Registered blocks no sequence holds (kept until their memory is needed)."""
+        return len(self._evictable)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(f"{count} KV blocks requested, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
+        if count > self.num_free:
+            raise MemoryError(f"{count} KV blocks requested, {self.num_free} free")
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                self._forget(block)
+                self.num_evictions += 1
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """Drop one reference to each block. A sequence's tail goes first, so under memory pressure
+        its last blocks are evicted before its first ones (a shorter prefix stays cached)."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if self._refs[block] < 0:
+                raise RuntimeError(f"KV block {block} freed more often than allocated")
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    # ---- the prefix cache -------------------------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def share(self, block: int) -> None:
+        """One more holder of a registered block (a prefix-cache hit)."""
+        if self._refs[block] == 0:
+            del self._evictable[block]
+        self._refs[block] += 1
+
+    def register(self, block: int, block_hash: bytes) -> bool:
+        """Name a held, full, committed block by its hash; False when another block already has it
+        (two sequences computed the same prefix at once: the second copy stays private)."""
+        if block_hash in self._by_hash or block in self._hash_of:
+            return False
+        self._by_hash[block_hash] = block
+        self._hash_of[block] = block_hash
+        return True
+
+    def hash_of(self, block: int) -> bytes | None:
+        return self._hash_of.get(block)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block)
+        del self._by_hash[block_hash]
+        self.on_evict(block, block_hash)
 
 
 class SlotAllocator:
@@ -86,7 +162,8 @@ def kv_bytes_per_token(specs: list, dtype: torch.dtype) -> int:
 
 def state_bytes_per_slot(specs: list, dtype: torch.dtype) -> int:
     item = torch.empty((), dtype=dtype).element_size()
-    return sum(s.conv_dim * (s.conv_kernel - 1) * item + s.num_heads * s.key_dim * s.value_dim * 4
+    ssm_item = max(item, 4)  # the SSM state is float32 at least
+    return sum(s.conv_dim * (s.conv_kernel - 1) * item + s.num_heads * s.key_dim * s.value_dim * ssm_item
                for s in specs if isinstance(s, RecurrentLayerSpec))
 
 
@@ -122,7 +199,7 @@ class PagedPools:
                 self.conv_states[i] = torch.zeros(num_state_slots, spec.conv_dim, spec.conv_kernel - 1,
                                                   dtype=dtype, device=device)
                 self.ssm_states[i] = torch.zeros(num_state_slots, spec.num_heads, spec.key_dim, spec.value_dim,
-                                                 dtype=torch.float32, device=device)
+                                                 dtype=torch.promote_types(dtype, torch.float32), device=device)
 
         if self.lazy:
             self.zero_blocks([SCRATCH])
@@ -146,6 +223,19 @@ class PagedPools:
         for i in self.conv_states:
             self.conv_states[i][slot].zero_()
             self.ssm_states[i][slot].zero_()
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Recurrent state slot src -> dst (a prefix-cache snapshot taken or restored)."""
+        for i in self.conv_states:
+            self.conv_states[i][dst].copy_(self.conv_states[i][src])
+            self.ssm_states[i][dst].copy_(self.ssm_states[i][src])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """K/V rows of block src -> block dst, every layer (a shared block made private)."""
+        size = self.block_size
+        for pool in self.keys + self.values:
+            if pool is not None:
+                pool[dst * size:(dst + 1) * size].copy_(pool[src * size:(src + 1) * size])
 
 
 def slot_table(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -252,7 +342,7 @@ class BatchCache:
         for layer, p in self._pending_recurrent.items():
             kernel = self.pools.specs[layer].conv_kernel
             ssm = p.ssm_states[counts - 1, rows] if p.per_position else p.ssm_states[-1, rows]
-            self.pools.ssm_states[layer].index_copy_(0, slots, ssm.to(torch.float32))
+            self.pools.ssm_states[layer].index_copy_(0, slots, ssm.to(self.pools.ssm_states[layer].dtype))
             # conv state after n rows: window[:, :, n : n + kernel - 1]
             index = counts[:, None] + torch.arange(kernel - 1, device=counts.device)[None]  # [R, K-1]
             window = p.conv_window[rows]  # [R, C, K-1+T]

@@ -23,6 +23,7 @@ import torch
 
 from verispec import log
 from verispec.cache.kv import RecurrentLayerSpec
+from verispec.cache.prefix import PrefixCache, TargetFeatures
 from verispec.cache.paged import (BlockAllocator, CacheBudget, PagedPools, SlotAllocator, kv_bytes_per_token,
                                   state_bytes_per_slot)
 from verispec.config import EngineConfig, env
@@ -44,6 +45,7 @@ from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
+SNAPSHOT_BUDGET_FRACTION = 0.1  # of the KV budget, for the prefix cache's recurrent-state snapshots
 CPU_KV_CACHE_GB = 2.0  # CPU pools are allocated lazily by the OS: only blocks in use take memory
 PREWARM_PROMPT_TOKENS = 100
 WORKER_IDLE_S = 0.5
@@ -113,8 +115,9 @@ class Engine:
         specs = self.model.cache_specs()
         cfg = self.config
         per_token = max(kv_bytes_per_token(specs, self.dtype), 1)
-        num_slots = cfg.max_num_seqs + 1 if any(isinstance(s, RecurrentLayerSpec) for s in specs) else 0
-        state_bytes = state_bytes_per_slot(specs, self.dtype) * num_slots
+        hybrid = any(isinstance(s, RecurrentLayerSpec) for s in specs)
+        num_slots = cfg.max_num_seqs + 1 if hybrid else 0
+        state_bytes = state_bytes_per_slot(specs, self.dtype)
         if cfg.kv_cache_gb is not None:
             budget = int(cfg.kv_cache_gb * 2**30)
         elif self.device.type == "cuda":
@@ -122,7 +125,11 @@ class Engine:
             budget = int(free * cfg.gpu_memory_utilization)
         else:
             budget = int(CPU_KV_CACHE_GB * 2**30)
-        budget -= state_bytes
+        # prefix-cache snapshots of recurrent state: up to 4 per sequence slot, within a tenth of the budget
+        num_snapshots = 0
+        if hybrid and cfg.prefix_cache:
+            num_snapshots = min(4 * cfg.max_num_seqs, int(SNAPSHOT_BUDGET_FRACTION * budget) // max(state_bytes, 1))
+        budget -= state_bytes * (num_slots + num_snapshots)
         block = cfg.block_size
         # never more than every sequence at full context needs (a small model would otherwise take GBs)
         most = cfg.max_num_seqs * (self.max_model_len + self.num_drafts + 1) + block
@@ -138,27 +145,59 @@ class Engine:
                      "tokens (raise --kv-cache-gb / --gpu-memory-utilization, or set --max-model-len)",
                      capacity, self.max_model_len, capacity - lookahead)
             self.max_model_len = capacity - lookahead
-        self.pools = PagedPools(specs, num_blocks, block, max(num_slots, 1), self.dtype, self.device)
-        self.budget = CacheBudget(num_blocks, block, num_slots, num_blocks * block * per_token + state_bytes)
+        self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device)
+        self.budget = CacheBudget(num_blocks, block, num_slots, num_blocks * block * per_token
+                                  + state_bytes * (num_slots + num_snapshots))
         self.blocks = BlockAllocator(num_blocks, block)
         slots = SlotAllocator(num_slots) if num_slots else None
+        self.prefix = None
+        if cfg.prefix_cache:
+            self.prefix = PrefixCache(self.blocks, self.pools, list(range(num_slots, num_slots + num_snapshots)),
+                                      keep_features=False)
         batched = cfg.max_num_batched_tokens or max(2048, cfg.prefill_step_size)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
-                                   self._on_release, self._on_allocate)
+                                   self._on_release, self._on_allocate, prefix=self.prefix,
+                                   on_copy=self._on_copy, on_admit=self._on_admit)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device))
         if self.batched_drafting:
             self.proposer.bind(num_blocks, block, self.runner.block_tables, self.runner.use_kernel,
                                target_pools=self.pools)
-        log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once",
-                 num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
-                 f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs)
+        if self.prefix is not None:
+            # a drafter with K/V rows of its own recomputes its row at a hit's last position
+            self.prefix.keep_features = self._drafter_pools() is not None
+        log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once; "
+                  "prefix cache %s", num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
+                  f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs,
+                  "off" if self.prefix is None else
+                  f"on ({num_snapshots} recurrent-state snapshots)" if hybrid else "on")
 
     def _on_allocate(self, blocks: list[int]) -> None:
         self.pools.zero_blocks(blocks)
-        drafter_pools = getattr(self.proposer, "pools", None) if self.batched_drafting else None
+        drafter_pools = self._drafter_pools()
         if drafter_pools is not None:  # a drafter with K/V rows of its own (EAGLE3, the MTP head)
             drafter_pools.zero_blocks(blocks)
+
+    def _drafter_pools(self) -> PagedPools | None:
+        """A batched drafter's own K/V pools (EAGLE3, the MTP head), indexed by the target's blocks."""
+        return getattr(self.proposer, "pools", None) if self.batched_drafting else None
+
+    def _on_copy(self, src: int, dst: int) -> None:
+        self.pools.copy_block(src, dst)
+        drafter_pools = self._drafter_pools()
+        if drafter_pools is not None:
+            drafter_pools.copy_block(src, dst)
+
+    def _on_admit(self, seq: Sequence) -> None:
+        """A sequence starts (or restarts after a preemption): its recurrent state is the prefix
+        hit's snapshot, else zeros."""
+        if seq.state_slot is None:
+            return
+        hit = seq.prefix_hit
+        if hit is not None and hit.snapshot_slot is not None:
+            self.pools.copy_state(hit.snapshot_slot, seq.state_slot)
+        else:
+            self.pools.clear_state(seq.state_slot)
 
     def _on_release(self, seq: Sequence) -> None:
         """A sequence's blocks went back (finished or preempted): so does its drafter state."""
@@ -244,7 +283,7 @@ class Engine:
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
         generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
         method = self.proposer.method if self.proposer is not None else "ar"
-        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel)
+        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size)
         self._inbox.put(seq)
         self._ensure_worker()
         with self._wake:
@@ -397,11 +436,8 @@ class Engine:
     def _prefill_chunk(self, seq: Sequence, num_tokens: int) -> None:
         if seq.first_scheduled is None:
             seq.first_scheduled = time.perf_counter()
-        if seq.num_cached == 0:
-            if seq.state_slot is not None:
-                self.pools.clear_state(seq.state_slot)
-            if seq.proposer is None:
-                self._attach_proposer(seq)
+        if seq.proposer is None:
+            self._attach_proposer(seq)
         proposer = seq.proposer
         start = seq.num_cached
         capture = proposer.capture_layers if proposer is not None else ()
@@ -409,6 +445,8 @@ class Engine:
         seq.num_cached += num_tokens
         end = start + num_tokens
         ids = seq.token_ids[start:end]
+        if self.prefix is not None:
+            self.prefix.on_commit(seq, start, lambda i: self._features(out, 0, i))
         if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
             next_token, chunk = seq.token_ids[end], None
         else:
@@ -418,12 +456,22 @@ class Engine:
         if proposer is not None:  # also after the last token: the drafter's state stays the committed one
             step = TargetStep(ids, start, out.hidden[0], [a[0] for a in out.aux], next_token,
                               out.pre_norm[0] if out.pre_norm is not None else None)
+            hit = seq.prefix_hit
+            if hit is not None and hit.features is not None and start == hit.num_tokens:
+                step = _prepend_row(step, seq.token_ids[start - 1], hit.features)
+            seq.prefix_hit = None
             if self.batched_drafting:
                 proposer.observe_rows([(seq, step)])
             else:
                 proposer.observe(step)
         if chunk is not None:
             self._emit(seq, chunk)
+
+    @staticmethod
+    def _features(out, b: int, i: int) -> TargetFeatures:
+        """The target's outputs for batch row b, pass row i (copied: graph outputs are reused)."""
+        return TargetFeatures(out.hidden[b, i].clone(), [a[b, i].clone() for a in out.aux],
+                              out.pre_norm[b, i].clone() if out.pre_norm is not None else None)
 
     def _round(self, seqs: list[Sequence], num_drafts: int) -> None:
         """One speculative round over every decoding sequence: drafts, one target pass, then per
@@ -469,6 +517,8 @@ class Engine:
             stats.drafted += len(draft.token_ids)
             stats.accepted += accepted
             chunk = seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n])
+            if self.prefix is not None:  # after the push: the committed tokens are in seq.token_ids now
+                self.prefix.on_commit(seq, position, lambda i, b=b: self._features(out, b, i), decoding=True)
             chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
             chunk.num_rounds = 1
             chunks.append(chunk)
@@ -591,6 +641,18 @@ class Engine:
                   "decode=%.1f tok/s, preempted %d times, finish=%s%s", seq.id, stats.prompt_tokens,
                   stats.generated_tokens, stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
                   seq.num_preemptions, seq.out.finish_reason.value if seq.out.finish_reason else None, spec)
+
+
+def _prepend_row(step: TargetStep, token: int, features: TargetFeatures) -> TargetStep:
+    """A prefill step after a prefix hit, led by the hit's last position (its features kept by the
+    prefix cache): the drafter recomputes its own row there, which depends on the first token past
+    the hit."""
+    def cat(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([row[None].to(rows.dtype), rows])
+
+    return TargetStep([token] + step.token_ids, step.start_position - 1, cat(features.hidden, step.hidden),
+                      [cat(f, a) for f, a in zip(features.aux, step.aux)], step.next_token,
+                      cat(features.pre_norm, step.pre_norm) if step.pre_norm is not None else None)
 
 
 def load_engine(model: str, **kwargs) -> Engine:

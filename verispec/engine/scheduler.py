@@ -7,6 +7,10 @@ so a long prompt never stalls the running decodes. When a decoding sequence need
 is free, the newest running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue, to be prefilled again over everything it has so far (recomputation). Nothing
 is lost or cut short: a preempted sequence continues exactly where it stopped.
+
+With the prefix cache (verispec/cache/prefix.py), an admitted sequence first takes the cached
+blocks its tokens start with and is prefilled from there; a preempted one usually finds its own
+blocks still cached, so recomputation is short.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Callable
 
 from verispec import log
 from verispec.cache.paged import BlockAllocator, SlotAllocator
+from verispec.cache.prefix import PrefixCache
 from verispec.engine.sequence import Sequence, SequenceStatus
 
 
@@ -33,7 +38,10 @@ class StepPlan:
 class Scheduler:
     def __init__(self, blocks: BlockAllocator, slots: SlotAllocator | None, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, on_free: Callable[[Sequence], None],
-                 on_allocate: Callable[[list[int]], None] = lambda blocks: None):
+                 on_allocate: Callable[[list[int]], None] = lambda blocks: None,
+                 prefix: PrefixCache | None = None,
+                 on_copy: Callable[[int, int], None] = lambda src, dst: None,
+                 on_admit: Callable[[Sequence], None] = lambda seq: None):
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
@@ -41,6 +49,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.on_free = on_free  # called when a sequence's resources go back (finish or preemption)
         self.on_allocate = on_allocate  # called with newly handed-out block ids
+        self.prefix = prefix
+        self.on_copy = on_copy  # block src -> dst (a shared block made private)
+        self.on_admit = on_admit  # a sequence got its blocks and state slot (restore or clear its state)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,6 +86,8 @@ class Scheduler:
             self.slots.free(seq.state_slot)
             seq.state_slot = None
         seq.num_cached = 0
+        seq.num_registered = 0
+        seq.prefix_hit = None
         self.on_free(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -118,16 +131,44 @@ class Scheduler:
             seq = self.waiting[0]
             if self.slots is not None and self.slots.num_free == 0:
                 break
+            self._take_prefix(seq)
             used = self._plan_chunk(plan, seq, budget, admitting=True)
             if not used:
+                self.release(seq)  # gives back the shared prefix blocks too
                 break  # not enough free blocks for its first chunk: wait for some to free up
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if self.slots is not None:
                 seq.state_slot = self.slots.allocate()
             self.running.append(seq)
+            if self.prefix is not None:
+                self.prefix.record(seq)
+            self.on_admit(seq)
             budget -= used
         return plan
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        """A sequence about to be admitted takes the cached blocks its tokens start with."""
+        if self.prefix is None or seq.block_table:
+            return
+        limit = seq.prefill_target - 1  # at least one token is computed: the next token needs its logits
+        hit = self.prefix.match(seq, limit) if limit >= self.blocks.block_size else None
+        if hit is not None and self.prefix.keep_features:
+            # the drafter rewrites its row at the hit's last position: that block becomes private
+            if self.blocks.num_free == 0:
+                self.blocks.free(hit.blocks)
+                hit = None
+            else:
+                [copy] = self.blocks.allocate(1)
+                self.on_copy(hit.blocks[-1], copy)
+                self.blocks.free([hit.blocks[-1]])
+                hit.blocks[-1] = copy
+        if hit is None:
+            return
+        seq.block_table = list(hit.blocks)
+        seq.num_cached = hit.num_tokens
+        seq.num_registered = len(hit.blocks)
+        seq.prefix_hit = hit
 
     def _plan_chunk(self, plan: StepPlan, seq: Sequence, budget: int, admitting: bool = False) -> int:
         """Schedule the next prompt chunk of `seq` within `budget` tokens; returns tokens used."""
@@ -137,6 +178,13 @@ class Scheduler:
         num = min(remaining, self.prefill_chunk, budget)
         if num <= 0:
             return 0
+        if self.prefix is not None and self.prefix.hybrid:
+            # end a chunk at the last block boundary a later prompt can hit (recurrent state is
+            # snapshotted where a commit lands on a boundary)
+            size = self.blocks.block_size
+            edge = (seq.prefill_target - 1) // size * size
+            if seq.num_cached < edge < seq.num_cached + num:
+                num = edge - seq.num_cached
         while not self._grow(seq, seq.num_cached + num):
             # when nothing else can run, a sequence mid-prompt takes blocks from newer ones (else all
             # could stall half-prefilled); otherwise it waits for blocks to free up, as admission does

@@ -13,6 +13,7 @@ import time
 from enum import Enum
 from typing import Callable
 
+from verispec.cache.prefix import chain_hashes
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
 from verispec.engine.types import GenerationChunk, GenerationStats
@@ -28,7 +29,8 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, out: OutputBuilder,
-                 generator, method: str, sink: Callable[[object], None], cancel: threading.Event | None = None):
+                 generator, method: str, sink: Callable[[object], None], cancel: threading.Event | None = None,
+                 block_size: int = 16):
         self.id = next(_ids)
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -40,10 +42,18 @@ class Sequence:
         self.sink = sink  # receives GenerationChunk objects, or an exception that ended the request
         self.cancel = cancel or threading.Event()
         self.status = SequenceStatus.WAITING
+        self.block_size = block_size  # the paged cache's (block hashes are per block)
         self.block_table: list[int] = []
         self.table_row = None  # (table length, host tensor row) cached for graph inputs (ModelRunner.table_rows)
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models)
         self.num_cached = 0
+        # prefix cache (verispec/cache/prefix.py): hashes of full blocks of token_ids (grown on
+        # demand: tokens only ever append), blocks of the table registered so far, the hit this
+        # admission took (consumed by the first prefill chunk), the latest decode-time snapshot
+        self._block_hashes: list[bytes] = []
+        self.num_registered = 0
+        self.prefix_hit = None
+        self.decode_snapshot: bytes | None = None
         self.proposer = None  # this sequence's proposer (its own drafter state), when speculating
         self.num_preemptions = 0
         self.arrival = time.perf_counter()
@@ -62,6 +72,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.out.token_ids)
+
+    def full_block_hashes(self, count: int) -> list[bytes]:
+        """Chained hashes of the first `count` full blocks of token_ids (count * block_size <= num_tokens)."""
+        have = len(self._block_hashes)
+        if count > have:
+            size = self.block_size
+            parent = self._block_hashes[-1] if have else None
+            tokens = self.token_ids[have * size:count * size]
+            self._block_hashes += chain_hashes(tokens, size, parent) if parent else chain_hashes(tokens, size)
+        return self._block_hashes[:count]
 
     @property
     def prefill_target(self) -> int:

@@ -22,6 +22,7 @@ class TokenLogprob:
 class GenerationStats:
     method: str = "ar"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     generated_tokens: int = 0
     rounds: int = 0  # target forward passes after prefill
     drafted: int = 0
@@ -33,6 +34,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "method": self.method,
+            "cached_tokens": self.cached_tokens,
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,

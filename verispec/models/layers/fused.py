@@ -75,8 +75,10 @@ def causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's write strength beta = sigmoid(b) and log decay g = -exp(A_log) *
-    softplus(a + dt_bias), g in float32 (in half precision -exp(A_log) can overflow); b, a [B, T, H]."""
-    return b.sigmoid(), -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    softplus(a + dt_bias), g in float32 (in half precision -exp(A_log) can overflow; float64 stays);
+    b, a [B, T, H]."""
+    compute = torch.promote_types(a.dtype, torch.float32)
+    return b.sigmoid(), -a_log.to(compute).exp() * F.softplus(a.to(compute) + dt_bias)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

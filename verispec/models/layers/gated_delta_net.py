@@ -112,11 +112,13 @@ def torch_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [B, T, H, Dk] raw (normalised here); v [B, T, H, Dv]; g [B, T, H] float32; beta [B, T, H];
     state [B, H, Dk, Dv] float32. Returns out [B, T, H, Dv] in v's dtype and the states
-    [T, B, H, Dk, Dv] (per_position) or [1, B, H, Dk, Dv] (final only), float32."""
+    [T, B, H, Dk, Dv] (per_position) or [1, B, H, Dk, Dv] (final only), float32 (float64 stays
+    float64: a float64 model's state must not round at prefill-chunk edges)."""
     dtype = v.dtype
-    q = l2_normalize(q.float()) * q.shape[-1] ** -0.5
-    k = l2_normalize(k.float())
-    v, g, beta, state = v.float(), g.float(), beta.float(), state.float()
+    compute = torch.promote_types(dtype, torch.float32)
+    q = l2_normalize(q.to(compute)) * q.shape[-1] ** -0.5
+    k = l2_normalize(k.to(compute))
+    v, g, beta, state = v.to(compute), g.to(compute), beta.to(compute), state.to(compute)
     if per_position:
         out, states = recurrent_gated_delta_rule(q, k, v, g, beta, state)
     else:

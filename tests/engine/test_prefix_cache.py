@@ -1,0 +1,233 @@
+"""The prefix cache: output with a cache hit == output without it, token for token (float64, CPU),
+for every architecture family and proposer, hits ending mid-prompt-block and on a block edge, a
+repeated prompt, two requests sharing blocks while both run, and eviction under a tiny budget.
+
+The oracle is the same model in an engine with the prefix cache off (`prefix_cache=False`), which
+the batch-identity tests tie to the sequence run alone.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from verispec.cache.paged import BlockAllocator
+from verispec.cache.prefix import chain_hashes
+from verispec.demo.tiny import (build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5,
+                                random_mtp_head, write_mtp_sidecar, write_random_eagle3)
+from verispec.engine.engine import Engine, load_engine
+from verispec.engine.params import SamplingParams
+from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
+from verispec.spec.mtp import MtpProposer, load_mtp_head
+
+SHAPE = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+BLOCK = 16
+NEW = 20
+
+
+# ---- the allocator and the hashes -----------------------------------------------------------------
+def test_chained_hashes_name_a_block_by_everything_before_it():
+    a = chain_hashes(list(range(40)), 16)
+    assert len(a) == 2  # the partial third block has none
+    assert chain_hashes(list(range(32)), 16) == a
+    b = chain_hashes([99] + list(range(1, 40)), 16)
+    assert b[0] != a[0] and b[1] != a[1]  # the same second block after a different first one
+    assert chain_hashes(list(range(16, 32)), 16, parent=a[0]) == a[1:]
+
+
+def test_allocator_shares_keeps_and_evicts_least_recent_first():
+    alloc = BlockAllocator(num_blocks=5, block_size=4)  # 4 usable
+    evicted = []
+    alloc.on_evict = lambda block, h: evicted.append((block, h))
+    first = alloc.allocate(2)
+    assert alloc.register(first[0], b"h0") and alloc.register(first[1], b"h1")
+    assert not alloc.register(first[1], b"other")  # one name per block
+    alloc.share(first[0])
+    assert alloc.refs(first[0]) == 2
+    alloc.free(first)  # the first block is still held by the sharer
+    assert alloc.num_free == 3 and alloc.num_cached_idle == 1 and alloc.num_cached == 2
+    alloc.free([first[0]])
+    assert alloc.num_free == 4 and alloc.num_cached_idle == 2
+    # unregistered free blocks go first; then the least recently released cached one (the tail)
+    fresh = alloc.allocate(2)
+    assert set(fresh).isdisjoint(first) and not evicted
+    assert alloc.allocate(1) == [first[1]] and evicted == [(first[1], b"h1")]
+    assert alloc.lookup(b"h1") is None and alloc.lookup(b"h0") == first[0]
+    alloc.share(first[0])  # a hit on an idle cached block takes it off the eviction list
+    assert alloc.num_free == 0
+    with pytest.raises(MemoryError):
+        alloc.allocate(1)
+    with pytest.raises(RuntimeError):
+        alloc.free(fresh + fresh)
+
+
+# ---- engine identity -------------------------------------------------------------------------------
+def prompt_set(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
+    """A 37-token shared prefix (2 full blocks + 5) and prompts over it: a hit ending mid-prompt
+    after 2 blocks, one sharing exactly 2 blocks, a repeat of the first (its hit capped one token
+    short), and one sharing nothing."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    base = ids(37)
+    a = base + ids(6)
+    return base, [a, base + ids(9), base[:2 * BLOCK] + ids(4), list(a), ids(21)]
+
+
+def expected_hits(prompts: list[list[int]]) -> list[int]:
+    return [0, 2 * BLOCK, 2 * BLOCK, (len(prompts[0]) - 1) // BLOCK * BLOCK, 0]
+
+
+PARAMS = [
+    SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=NEW, temperature=0.8, top_k=30, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2),
+    SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+]
+
+
+def with_proposer(engine: Engine, proposer, k: int, prefix_cache: bool = True) -> Engine:
+    config = replace(engine.config, draft_schedule=f"1:{k}" if proposer is not None else None,
+                     prefix_cache=prefix_cache)
+    return Engine(engine.model, engine.tokenizer, config, engine.model_dir, proposer=proposer,
+                  num_drafts=k if proposer is not None else 0)
+
+
+def check_hits_change_nothing(base: Engine, make_proposer, k: int, label: str, seed: int = 5) -> None:
+    """Requests one after another in a cached engine == the same requests with the cache off."""
+    _, prompts = prompt_set(base.model.vocab_size, seed)
+    cold = with_proposer(base, make_proposer(), k, prefix_cache=False)
+    warm = with_proposer(base, make_proposer(), k)
+    want = [cold.generate_all(p, q) for p, q in zip(prompts, PARAMS)]
+    got = [warm.generate_all(p, q) for p, q in zip(prompts, PARAMS)]
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert g.token_ids == w.token_ids, f"{label}: request {i} changed by its prefix hit"
+        if PARAMS[i].logprobs:
+            assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-9)
+    assert [g.stats.cached_tokens for g in got] == expected_hits(prompts), label
+    assert all(w.stats.cached_tokens == 0 for w in want)
+    assert warm.blocks.num_used == 0 and warm.blocks.num_cached > 0, f"{label}: blocks leaked"
+    stats = warm.prefix.stats
+    assert stats.hits == 3 and stats.hit_tokens == sum(expected_hits(prompts))
+
+
+def eagle3_for(engine: Engine, directory):
+    drafter = write_random_eagle3(directory, json.loads((engine.model_dir / "config.json").read_text()), seed=3)
+    return lambda: Eagle3Proposer(load_eagle3(drafter, engine.model), engine.model.vocab_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_dense_families_plain_and_eagle3(tiny_models, family, tmp_path):
+    d = tiny_models.get(f"prefix-{family}", family, **SHAPE)
+    engine = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK)
+    check_hits_change_nothing(engine, lambda: None, 0, f"{family} plain")
+    check_hits_change_nothing(engine, eagle3_for(engine, tmp_path / "eagle3"), 3, f"{family} eagle3")
+
+
+def test_qwen3_5_hybrid_plain_and_mtp(tmp_path, tokenizer_dir):
+    """Recurrent state comes back from the snapshot at the hit's block edge."""
+    d = tmp_path / "qwen3_5"
+    build_tiny_qwen3_5(d, seed=31, tokenizer_dir=tokenizer_dir)
+    write_mtp_sidecar(d / "mtp.safetensors", random_mtp_head(json.loads((d / "config.json").read_text()), seed=4))
+    engine = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK)
+    check_hits_change_nothing(engine, lambda: None, 0, "qwen3_5 plain")
+    mtp = lambda: MtpProposer(load_mtp_head(d, engine.model), num_real_tokens=engine.num_real_tokens)  # noqa: E731
+    check_hits_change_nothing(engine, mtp, 2, "qwen3_5 mtp")
+
+
+def test_gemma3_sliding_window_with_eagle3(tmp_path, tokenizer_dir):
+    # a window shorter than the shared prefix: the hit's K/V must be read through the window as before
+    build_tiny_gemma3(tmp_path / "gemma3", seed=51, tokenizer_dir=tokenizer_dir, sliding_window=12)
+    engine = load_engine(str(tmp_path / "gemma3"), dtype="float64", device="cpu", block_size=BLOCK)
+    check_hits_change_nothing(engine, lambda: None, 0, "gemma3 plain")
+    check_hits_change_nothing(engine, eagle3_for(engine, tmp_path / "eagle3"), 2, "gemma3 eagle3")
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_gemma4_with_assistant(tmp_path, tokenizer_dir, moe):
+    build_tiny_gemma4(tmp_path / "target", moe=moe, seed=41, tokenizer_dir=tokenizer_dir)
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    build_tiny_gemma4_assistant(tmp_path / "assistant", config, seed=42)
+    engine = load_engine(str(tmp_path / "target"), dtype="float64", device="cpu", block_size=BLOCK)
+    check_hits_change_nothing(engine, lambda: None, 0, "gemma4 plain")
+    assistant = lambda: AssistantProposer(load_assistant(tmp_path / "assistant", engine.model),  # noqa: E731
+                                          engine.model, engine.num_real_tokens)
+    check_hits_change_nothing(engine, assistant, 2, "gemma4 assistant")
+
+
+# ---- sharing while running, and eviction ---------------------------------------------------------
+def test_two_running_requests_share_blocks(tiny_models, tmp_path):
+    """B arrives while A decodes and takes A's prompt blocks (each held twice); both outputs equal
+    the cache-off ones, with EAGLE3 drafting for both (its boundary row stays private)."""
+    d = tiny_models.get("prefix-qwen3", "qwen3", **SHAPE)
+    base = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK)
+    make = eagle3_for(base, tmp_path / "eagle3")
+    _, prompts = prompt_set(base.model.vocab_size, 9)
+    a, b = prompts[0], prompts[1]
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    cold = with_proposer(base, make(), 2, prefix_cache=False)
+    want_a, want_b = cold.generate_all(a, long), cold.generate_all(b, PARAMS[2])
+
+    warm = with_proposer(base, make(), 2)
+    got: dict[str, list] = {"a": [], "b": []}
+    shared = []
+    done = threading.Semaphore(0)
+
+    def sink_for(name):
+        def sink(item):
+            got[name].append(item)
+            if name == "a" and len(got["a"]) == 2:
+                warm.submit(b, PARAMS[2], sink_for("b"))
+            if name == "b" and len(got["b"]) == 1:
+                shared.append(max(warm.blocks.refs(blk) for blk in range(1, warm.blocks.num_blocks)))
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                done.release()
+        return sink
+
+    warm.submit(a, long, sink_for("a"))
+    assert done.acquire(timeout=120) and done.acquire(timeout=120)
+    assert not any(isinstance(c, BaseException) for c in got["a"] + got["b"])
+    assert [t for c in got["a"] for t in c.token_ids] == want_a.token_ids
+    assert [t for c in got["b"] for t in c.token_ids] == want_b.token_ids
+    assert got["b"][-1].stats.cached_tokens == 2 * BLOCK
+    assert shared and shared[0] == 2  # A's first blocks were held by both
+    assert warm.blocks.num_used == 0
+
+
+def test_eviction_under_a_tiny_budget_recomputes(tiny_models):
+    """A cache of ~6 sequences' worth of blocks, many distinct prompts, then the first again: its
+    blocks were evicted (LRU), it is recomputed, and every output equals the cache-off one."""
+    d = tiny_models.get("prefix-qwen3", "qwen3", **SHAPE)
+    roomy = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK, prefix_cache=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, roomy.model.vocab_size, (40,), generator=g).tolist() for _ in range(8)]
+    prompts += [prompts[0], prompts[7]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [roomy.generate_all(p, params).token_ids for p in prompts]
+    per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * 16 * 8  # K+V, float64, head dim 16
+    tight = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK, max_model_len=80,
+                        kv_cache_gb=(16 * BLOCK + 8) * per_token / 2**30)
+    assert tight.blocks.num_usable <= 16
+    results = [tight.generate_all(p, params) for p in prompts]
+    assert [r.token_ids for r in results] == want
+    assert tight.blocks.num_evictions > 0
+    assert results[-2].stats.cached_tokens == 0  # the first prompt's blocks were evicted long ago
+    assert results[-1].stats.cached_tokens == 2 * BLOCK  # the last one's are still there
+    # and a batch of all of them at once, preempting under the same budget, loses nothing either
+    together = tight.generate_batch(prompts, params)
+    assert [r.token_ids for r in together] == want
+    assert tight.blocks.num_used == 0
+
+
+def test_prefix_cache_off(tiny_models):
+    d = tiny_models.get("prefix-qwen3", "qwen3", **SHAPE)
+    engine = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK, prefix_cache=False)
+    ids = list(range(3, 60))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate_all(ids, params)
+    assert engine.generate_all(ids, params).stats.cached_tokens == 0
+    assert engine.prefix is None and engine.blocks.num_cached == 0

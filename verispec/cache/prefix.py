@@ -1,0 +1,196 @@
+"""The prefix (prompt) cache: a request that starts with tokens whose K/V are already in the paged
+cache reuses those blocks instead of computing them again.
+
+Identity. A full block is named by a chained hash: blake2b over its parent block's hash and its
+own token ids, so equal hashes mean equal tokens at equal positions from the start (K/V depend on
+nothing else). Every full, committed block of every sequence is registered under its hash in the
+`BlockAllocator`, which keeps blocks nobody holds until their memory is needed (LRU).
+
+A hit of M tokens (whole blocks; at least one prompt token is always computed, since the next
+token needs its logits) shares those blocks and starts the prefill at position M. Two things are
+not K/V and are kept beside the blocks:
+
+- Recurrent state (Gated DeltaNet layers of Qwen3.5/3.6). It cannot be rebuilt from K/V, so it is
+  snapshotted into spare state slots at block boundaries a sequence's commit lands on: prefill
+  chunk ends (the scheduler ends one chunk at the prompt's last block boundary) and, during
+  decoding, the latest boundary only (each new one replaces the sequence's previous). A hit on a
+  hybrid model stops at the longest matched block that has a snapshot. Snapshots are LRU too, and
+  go with their block when it is evicted.
+- A drafter's row at the hit's last position. EAGLE3 and the MTP head keep one K/V row per
+  position p made from the target's features at p *and token p+1*, so the row at a block's last
+  position depends on the next block's first token, which the hashes do not cover. So a hit with a
+  drafter takes a private copy of its last block (target and drafter rows), and the drafter
+  recomputes that one row from the target features at the block's last position, which are stored
+  per registered block. Every other drafter row of the shared blocks is a function of the prefix.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verispec import log
+from verispec.cache.paged import BlockAllocator, PagedPools
+
+ROOT_HASH = b"verispec-prefix-v1"
+
+
+def chain_hashes(token_ids: list[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` (a trailing partial block has none), each chained
+    to `parent` (the hash of the block before token_ids[0], or the root)."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(np.asarray(token_ids[start:start + block_size], dtype=np.int64).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class TargetFeatures:
+    """The target's outputs at one position, as a proposer observes them (TargetStep's rows)."""
+
+    hidden: torch.Tensor  # [H]
+    aux: list[torch.Tensor]  # per captured layer [H]
+    pre_norm: torch.Tensor | None  # [H]
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[int]  # the sequence's first blocks (the last one a private copy when `copied`)
+    num_tokens: int  # positions reused: len(blocks) * block_size
+    snapshot_slot: int | None = None  # recurrent state after num_tokens positions (hybrid models)
+    features: TargetFeatures | None = None  # the target's outputs at position num_tokens - 1 (drafters)
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0  # admissions that looked for a prefix
+    hits: int = 0  # ... and reused at least one block
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # ... and reused
+    snapshots_taken: int = 0
+
+
+class PrefixCache:
+    """Matching, registration and what is kept beside the blocks (snapshots, drafter features).
+
+    `snapshot_slots` are state-slot ids of the pools reserved for snapshots (empty without
+    recurrent layers); `keep_features` is set when a drafter needs the boundary features.
+    """
+
+    def __init__(self, blocks: BlockAllocator, pools: PagedPools, snapshot_slots: list[int], keep_features: bool):
+        self.blocks = blocks
+        self.pools = pools
+        self.block_size = blocks.block_size
+        self.hybrid = bool(pools.recurrent_layers)
+        self.keep_features = keep_features
+        self._free_snapshots = list(snapshot_slots)
+        self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> state slot, oldest first
+        self._features: dict[int, TargetFeatures] = {}  # registered block -> features at its last position
+        self.stats = PrefixStats()
+        blocks.on_evict = self._on_evict
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        return len(self._free_snapshots) + len(self._snapshots)
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    # ---- admission ----------------------------------------------------------------------------------
+    def match(self, seq, max_tokens: int) -> PrefixHit | None:
+        """The longest usable cached prefix of seq's tokens, at most max_tokens long (whole blocks),
+        its blocks shared (a reference taken on each). None on a miss."""
+        hashes = seq.full_block_hashes(max_tokens // self.block_size)
+        found: list[int] = []
+        for block_hash in hashes:
+            block = self.blocks.lookup(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        # where the hit ends, the recurrent state (hybrid models) and the drafter's features must be kept
+        while found and not self._resumable(found[-1], hashes[len(found) - 1]):
+            found.pop()
+        if not found:
+            return None
+        hit = PrefixHit(list(found), len(found) * self.block_size)
+        if self.hybrid:
+            last_hash = hashes[len(found) - 1]
+            self._snapshots.move_to_end(last_hash)
+            hit.snapshot_slot = self._snapshots[last_hash]
+        if self.keep_features:
+            hit.features = self._features[found[-1]]
+        for block in found:
+            self.blocks.share(block)
+        return hit
+
+    def record(self, seq) -> None:
+        """Count an admitted sequence's lookup (its prompt tokens, and the hit it took, if any); the
+        first admission of a request is what its usage reports as cached tokens."""
+        hit = seq.prefix_hit.num_tokens if seq.prefix_hit is not None else 0
+        stats = self.stats
+        stats.lookups += 1
+        stats.queried_tokens += seq.prefill_target
+        if hit:
+            stats.hits += 1
+            stats.hit_tokens += hit
+        if seq.num_preemptions == 0:
+            seq.stats.cached_tokens = hit
+            log.debug("[KVCache] %s", f"hit {hit}/{seq.prefill_target} tokens" if hit else
+                      f"miss ({seq.prefill_target} tokens)")
+
+    def _resumable(self, block: int, block_hash: bytes) -> bool:
+        return ((not self.hybrid or block_hash in self._snapshots)
+                and (not self.keep_features or block in self._features))
+
+    # ---- after a commit -----------------------------------------------------------------------------
+    def on_commit(self, seq, start: int, features_at=None, decoding: bool = False) -> None:
+        """seq committed positions start..seq.num_cached-1: register the blocks that became full, keep
+        the drafter features at their last positions (`features_at(i)` -> TargetFeatures of the pass's
+        row i, when a drafter observes), and snapshot the recurrent state at a block boundary."""
+        size = self.block_size
+        full = min(seq.num_cached, seq.num_tokens) // size  # a stop string may have cut the last tokens
+        if full > seq.num_registered:
+            hashes = seq.full_block_hashes(full)
+            for j in range(seq.num_registered, full):
+                block = seq.block_table[j]
+                if self.blocks.register(block, hashes[j]) and self.keep_features:
+                    row = (j + 1) * size - 1 - start
+                    if row >= 0:
+                        self._features[block] = features_at(row)
+            seq.num_registered = full
+        if self.hybrid and seq.num_cached % size == 0 and full > 0 and seq.state_slot is not None:
+            self._snapshot(seq, seq.full_block_hashes(full)[full - 1], decoding)
+
+    def _snapshot(self, seq, block_hash: bytes, decoding: bool) -> None:
+        if block_hash in self._snapshots:
+            self._snapshots.move_to_end(block_hash)
+            return
+        if decoding and seq.decode_snapshot is not None:
+            # only the latest decode boundary is worth keeping (a follow-up turn extends all of it)
+            self._drop_snapshot(seq.decode_snapshot)
+        if not self._free_snapshots:
+            if not self._snapshots:
+                return
+            self._drop_snapshot(next(iter(self._snapshots)))
+        slot = self._free_snapshots.pop()
+        self.pools.copy_state(seq.state_slot, slot)
+        self._snapshots[block_hash] = slot
+        self.stats.snapshots_taken += 1
+        if decoding:
+            seq.decode_snapshot = block_hash
+
+    def _drop_snapshot(self, block_hash: bytes) -> None:
+        slot = self._snapshots.pop(block_hash, None)
+        if slot is not None:
+            self._free_snapshots.append(slot)
+
+    def _on_evict(self, block: int, block_hash: bytes) -> None:
+        self._features.pop(block, None)
+        self._drop_snapshot(block_hash)
