@@ -60,6 +60,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the free GPU memory after the weights that the KV cache takes (default 0.9)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="the KV cache's size in GiB (CPU default 2; on CUDA it replaces --gpu-memory-utilization)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
     p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
                    help="drafts per round by batch size, e.g. '1:3,8:1,32:0' (default: k below 9 sequences, 1 "
                         "below 32, none from 32)")
@@ -256,7 +258,7 @@ def _engine_config(args):
                         assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
-                        draft_schedule=args.draft_schedule)
+                        draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -391,7 +391,18 @@ class Engine:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + self._inbox.qsize(),
                 "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_usable,
-                "preemptions": s.num_preemptions, "num_drafts": self.last_num_drafts}
+                "preemptions": s.num_preemptions, "num_drafts": self.last_num_drafts,
+                "prefix_cache": self.prefix_cache_stats()}
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Prefix-cache counters since start (None with --no-prefix-cache)."""
+        if self.prefix is None:
+            return None
+        stats = self.prefix.stats
+        return {"lookups": stats.lookups, "hits": stats.hits, "queried_tokens": stats.queried_tokens,
+                "hit_tokens": stats.hit_tokens, "cached_blocks": self.blocks.num_cached,
+                "idle_blocks": self.blocks.num_cached_idle, "evictions": self.blocks.num_evictions,
+                "snapshots": self.prefix.num_snapshots}
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> None:
         """Finish cancelled sequences, then run what the scheduler plans: prompt chunks and one

@@ -43,7 +43,8 @@ async def chat_completion(state: ServerState, request: Request, body: ChatComple
     choices = [_message_choice(index, result, prepared, tokenizer, parses_reasoning)
                for index, result in enumerate(results)]
     return JSONResponse({**state.response_header("chatcmpl", "chat.completion"), "choices": choices,
-                         "usage": usage(len(prepared.prompt_ids), sum(r.num_tokens for r in results))})
+                         "usage": usage(len(prepared.prompt_ids), sum(r.num_tokens for r in results),
+                                        max(r.cached_tokens for r in results))})
 
 
 def _message_choice(index: int, result: CollectedGeneration, prepared: PreparedRequest, tokenizer,

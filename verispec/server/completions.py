@@ -44,7 +44,8 @@ async def completion(state: ServerState, request: Request, body: CompletionReque
         logprobs = formatter.format(result.logprobs) if formatter else None
         choices.append(_choice(index, echo_text + result.text, logprobs, result.finish_reason.value))
     return JSONResponse({**state.response_header("cmpl", "text_completion"), "choices": choices,
-                         "usage": usage(len(prepared.prompt_ids), sum(r.num_tokens for r in results))})
+                         "usage": usage(len(prepared.prompt_ids), sum(r.num_tokens for r in results),
+                                        max(r.cached_tokens for r in results))})
 
 
 class CompletionChoiceRenderer:

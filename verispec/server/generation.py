@@ -47,6 +47,7 @@ class CollectedGeneration:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0  # prompt tokens from the prefix cache (GenerationStats.cached_tokens)
 
 
 async def collect(chunks: AsyncIterator[ChoiceChunk], num_choices: int) -> list[CollectedGeneration]:
@@ -61,6 +62,7 @@ async def collect(chunks: AsyncIterator[ChoiceChunk], num_choices: int) -> list[
             out.logprobs.extend(chunk.logprobs or [])
             if chunk.finish_reason is not None:
                 out.finish_reason = chunk.finish_reason
+                out.cached_tokens = chunk.stats.cached_tokens if chunk.stats is not None else 0
     for out, texts in zip(outs, parts):
         out.text = "".join(texts)
     return outs

@@ -53,6 +53,15 @@ class ServerMetrics:
         self.kv_blocks = Gauge("verispec_kv_cache_blocks", "KV cache blocks", ["state"], registry=self.registry)
         self.preemptions = Gauge("verispec_num_preemptions_total", "Sequences preempted (blocks freed, recomputed "
                                  "later) since start", registry=self.registry)
+        self.prefix_lookups = Gauge("verispec_prefix_cache_queries_total", "Prompt tokens looked up in the "
+                                    "prefix cache since start", registry=self.registry)
+        self.prefix_hits = Gauge("verispec_prefix_cache_hits_total", "Prompt tokens the prefix cache supplied "
+                                 "since start", registry=self.registry)
+        self.prefix_requests = Gauge("verispec_prefix_cache_requests_total", "Admitted sequences by prefix-cache "
+                                     "outcome since start", ["outcome"], registry=self.registry)
+        self.prefix_blocks = Gauge("verispec_prefix_cache_blocks", "KV blocks registered in the prefix cache: "
+                                   "held by running sequences, or idle (kept until their memory is needed)",
+                                   ["state"], registry=self.registry)
         self.num_drafts = Gauge("verispec_spec_drafts_per_round", "Drafts per sequence chosen for the last decode "
                                 "step from the batch size (--draft-schedule)", registry=self.registry)
 
@@ -81,6 +90,14 @@ class ServerMetrics:
         self.kv_blocks.labels(state="total").set(load["kv_blocks_total"])
         self.preemptions.set(load["preemptions"])
         self.num_drafts.set(load["num_drafts"])
+        prefix = load.get("prefix_cache")
+        if prefix is not None:
+            self.prefix_lookups.set(prefix["queried_tokens"])
+            self.prefix_hits.set(prefix["hit_tokens"])
+            self.prefix_requests.labels(outcome="hit").set(prefix["hits"])
+            self.prefix_requests.labels(outcome="miss").set(prefix["lookups"] - prefix["hits"])
+            self.prefix_blocks.labels(state="held").set(prefix["cached_blocks"] - prefix["idle_blocks"])
+            self.prefix_blocks.labels(state="idle").set(prefix["idle_blocks"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

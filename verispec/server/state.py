@@ -33,6 +33,8 @@ class ServerState:
                 "model": self.served_model_name, "system_fingerprint": self.system_fingerprint}
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}

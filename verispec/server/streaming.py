@@ -36,6 +36,7 @@ async def event_stream(header: dict, first: ChoiceChunk | None, chunks: AsyncIte
     # With include_usage every chunk says "usage": null and one extra chunk at the end has it.
     usage_field = {"usage": None} if include_usage else {}
     num_generated = 0  # over all choices: the prompt is counted once, completions summed
+    num_cached = 0  # prompt tokens the prefix cache supplied (the most any choice got)
     try:
         for renderer in renderers:
             for choice in renderer.opening():
@@ -46,11 +47,13 @@ async def event_stream(header: dict, first: ChoiceChunk | None, chunks: AsyncIte
             if chunk.finish_reason is FinishReason.CANCELLED:
                 return  # the client is gone: there is nobody to tell
             num_generated += len(chunk.token_ids)
+            if chunk.stats is not None:
+                num_cached = max(num_cached, chunk.stats.cached_tokens)
             for choice in renderers[index].chunk(chunk):
                 yield sse({**header, "choices": [choice], **usage_field})
             item = await anext(chunks, None)
         if include_usage:
-            yield sse({**header, "choices": [], "usage": usage(num_prompt_tokens, num_generated)})
+            yield sse({**header, "choices": [], "usage": usage(num_prompt_tokens, num_generated, num_cached)})
     except Exception as exc:  # headers are sent: the error can only travel as an event
         yield sse(as_api_error(exc, " mid-stream").body())
     finally:
