@@ -45,6 +45,7 @@ class Sequence:
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models)
         self.num_cached = 0
         self.proposer = None  # this sequence's proposer (its own drafter state), when speculating
+        self.constraint = None  # its grammar's matcher (grammar/constraint.py), when constrained
         self.num_preemptions = 0
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
