@@ -3,7 +3,8 @@ strings between `<|"|>` quote tokens, JSON numbers / booleans / null, nested lis
 
 `parse_gemma_object` reads that notation into Python (None when it is not well formed);
 `gemma_value_rules` writes Lark rules that produce it for a JSON schema (required properties in
-their declared order; strings cannot contain '<' under the grammar).
+their declared order; strings cannot contain '<' under the grammar; integer ranges of up to 256
+values are exact, wider ones are at most 18 digits; number bounds are not enforced).
 """
 from __future__ import annotations
 
@@ -110,11 +111,25 @@ def gemma_value_rules(schema: dict, name: str, rules: list[str], lit) -> str:
         rules.append(f"{name}: {item}")
         return f'"[" ({name} ("," {name})*)? "]"'
     if kind == "integer":
-        return r"/-?[0-9]+/"
+        return _integer(schema)
     if kind == "number":
         return r"/-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
     if kind == "boolean":
         return '("true" | "false")'
     if kind == "null":
         return '"null"'
-    return f"{quote} /[^<]*/ {quote}"  # strings, and anything the schema leaves open
+    low, high = int(schema.get("minLength") or 0), schema.get("maxLength")
+    length = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
+    return f"{quote} /[^<]{length}/ {quote}"  # strings, and anything the schema leaves open
+
+
+MAX_ENUMERATED_INTEGERS = 256
+
+
+def _integer(schema: dict) -> str:
+    """A small range is written out value by value (exact); a larger one is digits, bounded in length."""
+    low, high = schema.get("minimum"), schema.get("maximum")
+    if isinstance(low, int) and isinstance(high, int) and 0 <= high - low < MAX_ENUMERATED_INTEGERS:
+        return "(" + " | ".join(lark_literal(str(v)) for v in range(low, high + 1)) + ")"
+    sign = "" if isinstance(low, int) and low >= 0 else "-?"
+    return f"/{sign}[0-9]{{1,18}}/"

@@ -171,13 +171,12 @@ class Qwen3XmlFormat(_BlockFormat):
             required = set(schema.get("required") or [])
             params = []
             for j, (key, sub) in enumerate(props.items()):
-                value = "TEXT" if (sub or {}).get("type") == "string" else f'{lark_json(sub or {})} "\\n"'
+                value = _xml_text(sub) if (sub or {}).get("type") == "string" else f'{lark_json(sub or {})} "\\n"'
                 rules.append(f'p{i}_{j}: {lark_literal(f"<parameter={key}>" + chr(10))} {value} "</parameter>\\n"')
                 params.append(f"p{i}_{j}" + ("" if key in required else "?"))
             head = lark_literal(f"\n<function={tool['name']}>\n")
             alternatives.append(f'{lit("<tool_call>")} {head} {" ".join(params)} "</function>\\n" {lit("</tool_call>")}')
         rules.append("call: " + " | ".join(alternatives))
-        rules.append(r"TEXT: /[^<]*/")  # a string value (with its closing newline), up to </parameter>
         return _repeated("call", '"\\n"', parallel) + "\n" + "\n".join(rules)
 
 
@@ -296,6 +295,13 @@ def _repeated(call: str, separator: str | None, parallel: bool) -> str:
         return f"start: {call}"
     sep = f"{separator} " if separator else ""
     return f"start: {call} ({sep}{call})*"
+
+
+def _xml_text(schema: dict) -> str:
+    """A string parameter's text and its closing newline (no '<': it would start </parameter>),
+    as long as the schema allows."""
+    low, high = int(schema.get("minLength") or 0), schema.get("maxLength")
+    return f"/[^<]{{{low},{int(high)}}}\\n/" if high is not None else f"/[^<]{{{low},}}\\n/"
 
 
 def _strip_one_newline(text: str) -> str:
