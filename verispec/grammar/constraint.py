@@ -21,8 +21,8 @@ class GrammarCompiler:
     150k vocabulary, so a server that never constrains never pays it) and the mask executor."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        self.source = tokenizer  # verispec.loading.tokenizer.Tokenizer
-        self.vocab_size = max(vocab_size, len(tokenizer.hf))  # covers the model's padded rows too
+        self.source = tokenizer  # verispec.loading.tokenizer.Tokenizer, or one with only token_bytes / encode
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)  # covers the model's padded rows too
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer = None
         self._executor = None
@@ -74,13 +74,14 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
     import llguidance.hf
 
     eos = eos_token_ids or None
-    ll = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=eos)
-    probe = tokenizer.encode(BYTES_PROBE)
-    ours = b"".join(bytes(tokenizer.token_bytes(t)) for t in probe)
-    if ll.decode_bytes(probe) == ours:
-        return ll
-    log.debug("llguidance reads this tokenizer's bytes as %r, not %r: giving it the vocabulary as bytes",
-              ll.decode_bytes(probe), ours)
+    if getattr(tokenizer, "hf", None) is not None:
+        ll = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=eos)
+        probe = tokenizer.encode(BYTES_PROBE)
+        ours = b"".join(bytes(tokenizer.token_bytes(t)) for t in probe)
+        if ll.decode_bytes(probe) == ours:
+            return ll
+        log.debug("llguidance reads this tokenizer's bytes as %r, not %r: giving it the vocabulary as bytes",
+                  ll.decode_bytes(probe), ours)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesVocabulary(tokenizer, vocab_size)),
                                   n_vocab=vocab_size, eos_token=eos)
 
@@ -90,11 +91,12 @@ class _BytesVocabulary:
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
-        num_real = len(tokenizer.hf)
+        hf = getattr(tokenizer, "hf", None)  # None: a bench vocabulary (bench/vocabulary.py)
+        num_real = tokenizer.vocab_size
         self.tokens = [bytes(tokenizer.token_bytes(i)) if i < num_real else b"" for i in range(vocab_size)]
-        self.special_token_ids = sorted(set(tokenizer.hf.all_special_ids))
+        self.special_token_ids = sorted(set(hf.all_special_ids)) if hf is not None else []
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-        self.bos_token_id = tokenizer.hf.bos_token_id
+        self.bos_token_id = hf.bos_token_id if hf is not None else None
 
     def __call__(self, text):
         if isinstance(text, bytes):
@@ -123,9 +125,10 @@ class GrammarConstraint:
             if self.matcher.is_stopped():
                 return i, True
             if not self.matcher.consume_token(tok):
-                # masked logits never choose a forbidden token; this is a bug, not the client's doing
-                log.warning("grammar (%s) refused committed token %d: %s; ending the generation",
-                            self.spec.description, tok, self.matcher.get_error())
+                # masked logits never choose a forbidden token: the grammar itself failed (e.g. a schema
+                # recursive without end exceeds llguidance's parser limits), which ends the generation
+                log.debug("grammar (%s) failed at token %d: %s; ending the generation", self.spec.description,
+                          tok, self.matcher.get_error().splitlines()[0][:300])
                 return i + 1, True
         return len(token_ids), self.done
 
