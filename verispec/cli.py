@@ -189,6 +189,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--quant", default=None, metavar="FORMAT",
                        help="offline: quantize the target's weights first: mlx-4bit | mlx-8bit | mlx-3bit | mlx-6bit "
                             "(group 64, the layers `verispec quantize` writes)")
+    bench.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="offline: also measure every run constrained to this JSON schema (a file, or 'builtin'); "
+                            "rows '<method>+json', their speedup_vs_ar is the cost of the grammar")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -347,7 +350,7 @@ def cmd_bench(args) -> int:
         cuda_graphs=not args.no_cuda_graphs, out=Path(args.out) if args.out else None,
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
-        seed=args.seed, **kwargs)
+        seed=args.seed, json_schema=args.json_schema, **kwargs)
     run_bench(opts)
     return 0
 

@@ -26,9 +26,10 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def run_batch(engine, prompts: list[list[int]], gen_tokens: int) -> dict:
-    """Submit every prompt at once (greedy, eos ignored) and time the chunks as they arrive."""
-    params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+def run_batch(engine, prompts: list[list[int]], gen_tokens: int, grammar=None) -> dict:
+    """Submit every prompt at once (greedy, eos ignored; constrained by `grammar` if given) and time
+    the chunks as they arrive."""
+    params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True, grammar=grammar)
     n = len(prompts)
     events: list[list[tuple[float, int]]] = [[] for _ in prompts]  # (arrival time, tokens) per chunk
     finals: list = [None] * n

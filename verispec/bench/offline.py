@@ -57,13 +57,14 @@ def run_offline(opts: BenchOptions) -> BenchReport:
         target.name = f"{target.name} ({opts.quant})"
         _free(device)
     _check_contexts(opts, target.model.max_position_embeddings)
+    grammar = _grammar(opts, target)
     setup = Setup(opts, target, device, dtype, bandwidth, source)
-    runs_per_context = 1 + opts.repeats
+    runs_per_context = (1 + opts.repeats) * (2 if grammar is not None else 1)
     total = len(opts.methods) * len(opts.contexts) * runs_per_context
     total += sum(len(opts.contexts) for m in opts.methods if m.speculative)
     if opts.concurrency:
         total = len(opts.methods) * len(opts.contexts) * len(opts.concurrency) * runs_per_context
-    total += len(opts.compare) * len(opts.contexts) * runs_per_context
+    total += len(opts.compare) * len(opts.contexts) * (1 + opts.repeats)
     progress = Progress(total)
     rows: list[dict] = []
     drafter_note = None
@@ -74,10 +75,11 @@ def run_offline(opts: BenchOptions) -> BenchReport:
             drafter_note = note or drafter_note
             graphs[method.value] = _capture_graphs(engine)
             for context in opts.contexts:
-                if opts.concurrency:
-                    rows.extend(_measure_concurrency(setup, engine, method, context, progress))
-                else:
-                    rows.append(_measure_engine(setup, engine, method, context, progress))
+                for constraint in (None, grammar) if grammar is not None else (None,):
+                    if opts.concurrency:
+                        rows.extend(_measure_concurrency(setup, engine, method, context, progress, constraint))
+                    else:
+                        rows.append(_measure_engine(setup, engine, method, context, progress, constraint))
             del engine
             _free(device)
         for peer in opts.compare:
@@ -97,7 +99,11 @@ def run_offline(opts: BenchOptions) -> BenchReport:
         "drafter": drafter_note,
         "tokenizer": "stub (no detokenization cost)" if target.random else "checkpoint's",
         "cuda_graphs": graphs,
+        "json_schema": opts.json_schema,
     })
+    if grammar is not None and target.random:
+        meta["tokenizer"] = (f"a {target.model.vocab_size}-token byte vocabulary (bench/vocabulary.py) for the "
+                             "grammar's masks")
     return BenchReport("offline", meta, rows)
 
 
@@ -204,14 +210,35 @@ def _out_of_memory(exc: Exception, what: str) -> VerispecError:
     return VerispecError(f"out of device memory {what}: {str(exc).splitlines()[0]}")
 
 
-def _measure_engine(setup: Setup, engine: Engine, method: Method, context: int, progress: Progress) -> dict:
+def _grammar(opts: BenchOptions, target):
+    """--json-schema: the grammar every run is also measured under; a random shape gets a byte vocabulary
+    of its size (the masks walk every token's bytes)."""
+    if opts.json_schema is None:
+        return None
+    from verispec.bench.options import load_json_schema
+    from verispec.grammar.spec import json_schema_grammar
+
+    if target.random:
+        from verispec.bench.vocabulary import ByteVocabularyTokenizer
+
+        target.tokenizer = ByteVocabularyTokenizer(target.model.vocab_size)
+    return json_schema_grammar(load_json_schema(opts.json_schema), param="--json-schema")
+
+
+def _label(method: Method, grammar) -> str:
+    return method.value + ("+json" if grammar is not None else "")
+
+
+def _measure_engine(setup: Setup, engine: Engine, method: Method, context: int, progress: Progress,
+                    grammar=None) -> dict:
     opts = setup.opts
-    label = f"{method.value} ctx {context}"
-    params = SamplingParams(max_tokens=opts.gen_tokens, temperature=0.0, ignore_eos=True)
+    label = f"{_label(method, grammar)} ctx {context}"
+    params = SamplingParams(max_tokens=opts.gen_tokens, temperature=0.0, ignore_eos=True, grammar=grammar)
     _reset_peak(setup.device)
     runs = []
     try:
-        warm = SamplingParams(max_tokens=min(WARMUP_TOKENS, opts.gen_tokens), temperature=0.0, ignore_eos=True)
+        warm = SamplingParams(max_tokens=min(WARMUP_TOKENS, opts.gen_tokens), temperature=0.0, ignore_eos=True,
+                              grammar=grammar)
         engine.generate_all(_prompt(setup, context, -1), warm)
         progress.step(f"{label} warm-up")
         for repeat in range(opts.repeats):
@@ -223,12 +250,12 @@ def _measure_engine(setup: Setup, engine: Engine, method: Method, context: int, 
             })
             progress.step(f"{label} run {repeat + 1}/{opts.repeats}")
         costs = None
-        if method.speculative:
+        if method.speculative and grammar is None:  # step costs are the same with or without a grammar
             costs = measure_step_costs(engine, _prompt(setup, context, -2), opts.step_iters)
             progress.step(f"{label} step costs")
     except torch.OutOfMemoryError as exc:
         raise _out_of_memory(exc, f"running {method.value} at context {context}") from None
-    row = _row(setup, method.value, context, runs)
+    row = _row(setup, _label(method, grammar), context, runs)
     row["peak_memory_gib"] = _peak_gib(setup.device)
     if method.speculative:
         drafted = sum(r["drafted"] for r in runs)
@@ -243,12 +270,14 @@ def _measure_engine(setup: Setup, engine: Engine, method: Method, context: int, 
             # tokens each target pass yields after prefill (accepted drafts + the bonus token)
             "tokens_per_round": statistics.median(per_round) if per_round else None,
         })
-        row.update(costs.as_dict())
+        if costs is not None:
+            row.update(costs.as_dict())
     progress.note(_summary(row))
     return row
 
 
-def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: int, progress: Progress) -> list[dict]:
+def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: int, progress: Progress,
+                         grammar=None) -> list[dict]:
     """One row per --concurrency N: N distinct prompts of `context` tokens submitted together."""
     from verispec.bench.concurrency import batched_roofline_tok_s, run_batch
 
@@ -256,24 +285,24 @@ def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: 
     tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens))
     rows = []
     for n in opts.concurrency:
-        label = f"{method.value} ctx {context} x{n}"
+        label = f"{_label(method, grammar)} ctx {context} x{n}"
         prompts = [_prompt(setup, context, 1000 * r + i) for r in range(opts.repeats + 1) for i in range(n)]
         _reset_peak(setup.device)
         try:
-            run_batch(engine, prompts[:n], min(WARMUP_TOKENS, opts.gen_tokens))
+            run_batch(engine, prompts[:n], min(WARMUP_TOKENS, opts.gen_tokens), grammar)
             progress.step(f"{label} warm-up")
             runs = []
             for r in range(opts.repeats):
-                runs.append(run_batch(engine, prompts[(r + 1) * n:(r + 2) * n], opts.gen_tokens))
+                runs.append(run_batch(engine, prompts[(r + 1) * n:(r + 2) * n], opts.gen_tokens, grammar))
                 progress.step(f"{label} run {r + 1}/{opts.repeats}")
         except torch.OutOfMemoryError as exc:
             raise _out_of_memory(exc, f"running {method.value} x{n} at context {context}") from None
         costs = None
-        if method.speculative:
+        if method.speculative and grammar is None:
             costs = measure_step_costs(engine, _prompt(setup, context, -2), opts.step_iters, batch=n)
         best = sorted(runs, key=lambda x: x["decode_tok_s"] or 0)[len(runs) // 2]  # the median run
         roofline = batched_roofline_tok_s(setup.bandwidth, tb.weights, tb.kv, n)
-        row = {"method": method.value, "context": context, "gen_tokens": opts.gen_tokens, "repeats": len(runs),
+        row = {"method": _label(method, grammar), "context": context, "gen_tokens": opts.gen_tokens, "repeats": len(runs),
                "ttft_ms": best["ttft_p50_ms"], "prefill_tok_s": None, "bytes_per_token": tb.total,
                "weight_bytes": tb.weights, "kv_bytes": tb.kv, "roofline_tok_s": roofline,
                "roofline_fraction": best["decode_tok_s"] / roofline if roofline and best["decode_tok_s"] else None,
@@ -361,6 +390,9 @@ def _speedups(rows: list[dict]) -> None:
         hf = by.get(("transformers", r["context"], None))
         if r["method"] != "ar":
             r["speedup_vs_ar"] = r["decode_tok_s"] / ar if ar else None
+        if r["method"].endswith("+json"):  # the grammar's cost: decode tok/s over the same method unconstrained
+            free = by.get((r["method"][:-len("+json")], r["context"], r.get("concurrency")))
+            r["vs_unconstrained"] = r["decode_tok_s"] / free if free and r["decode_tok_s"] else None
         r["speedup_vs_transformers"] = r["decode_tok_s"] / hf if hf else None
 
 

@@ -92,6 +92,38 @@ def parse_concurrency(text: str) -> list[int]:
     return sorted(out)
 
 
+# `--json-schema builtin`: a record list long enough (minItems) that even a random model's output stays
+# inside the grammar for every generated token, mixing strings, numbers, enums and nested arrays. No
+# maxLength: llguidance masks a length-bounded string ~500x slower on a 152k vocabulary (docs/grammar.md),
+# which scripts/gpu_grammar_measure.sh measures apart with its own schema file.
+BUILTIN_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 256, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                       "kind": {"enum": ["user", "group", "service"]}, "score": {"type": "number"},
+                       "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "required": ["id", "name", "kind", "score", "tags"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
+
+
+def load_json_schema(value: str) -> dict:
+    """--json-schema: "builtin" or a JSON file holding a schema object."""
+    import json
+
+    if value == "builtin":
+        return BUILTIN_SCHEMA
+    try:
+        schema = json.loads(Path(value).read_text())
+    except OSError as exc:
+        raise VerispecError(f"--json-schema: cannot read {value}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise VerispecError(f"--json-schema: {value} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise VerispecError(f"--json-schema: {value} must hold a JSON schema object")
+    return schema
+
+
 def _split(text: str, flag: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
@@ -127,6 +159,7 @@ class BenchOptions:
     seed: int = 0
     concurrency: tuple[int, ...] = ()  # offline: batches of N sequences at once; HTTP: N concurrent clients
     quant: str | None = None  # offline: quantize the target's weights first (verispec/quant/in_memory.py)
+    json_schema: str | None = None  # offline: also measure every run under this schema (a file, or "builtin")
 
     @property
     def http(self) -> bool:
@@ -140,6 +173,10 @@ class BenchOptions:
                 raise VerispecError(f"{flag} must be >= 1, got {value}")
         if self.bandwidth_tbs is not None and self.bandwidth_tbs <= 0:
             raise VerispecError(f"--bandwidth must be a positive number of TB/s, got {self.bandwidth_tbs}")
+        if self.json_schema is not None and self.http:
+            raise VerispecError("--json-schema is measured offline (-m / --shape), not over HTTP")
+        if self.json_schema is not None:
+            load_json_schema(self.json_schema)  # a bad file fails before any work
         if self.url and not self.url.startswith(("http://", "https://")):
             raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
         return self

@@ -116,6 +116,7 @@ OFFLINE_COLUMNS = [
     ("tokens_per_round", "tok/round", lambda v: "" if v is None else f"{v:.2f}", False),
     ("speedup_ceiling", "ceiling (all accepted)", lambda v: "" if v is None else f"{v:.2f}x", False),
     ("speedup_vs_ar", "vs AR", lambda v: "" if v is None else f"{v:.2f}x", False),
+    ("vs_unconstrained", "vs no grammar", lambda v: "" if v is None else f"{v:.3f}x", False),
     ("speedup_vs_transformers", "vs transformers", lambda v: "" if v is None else f"{v:.2f}x", False),
     ("peak_memory_gib", "peak GiB", lambda v: "" if v is None else f"{v:.1f}", False),
 ]

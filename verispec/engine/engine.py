@@ -27,6 +27,7 @@ from verispec.cache.prefix import PrefixCache, TargetFeatures
 from verispec.cache.paged import (BlockAllocator, CacheBudget, PagedPools, SlotAllocator, kv_bytes_per_token,
                                   state_bytes_per_slot)
 from verispec.config import EngineConfig, env
+from verispec.engine import constrained
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
@@ -37,6 +38,7 @@ from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
 from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.errors import InvalidRequestError, VerispecError
+from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
 from verispec.loading.model_loader import load_model, parse_device, parse_dtype
 from verispec.loading.resolve import resolve_model
@@ -86,6 +88,7 @@ class Engine:
         self.eos_token_ids = tokenizer.eos_token_ids
         # Model vocabularies are often padded past the tokenizer's; those rows are never sampled.
         self.num_real_tokens = min(tokenizer.vocab_size, model.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, model.vocab_size, self.eos_token_ids)
         self.proposer = proposer
         self.num_drafts = num_drafts if proposer is not None else 0
         if proposer is not None and num_drafts < 1:
@@ -284,6 +287,8 @@ class Engine:
         generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
         method = self.proposer.method if self.proposer is not None else "ar"
         seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size)
+        if params.grammar is not None:  # one matcher per sequence (n choices each get their own)
+            seq.constraint = self.grammars.constraint(params.grammar)
         self._inbox.put(seq)
         self._ensure_worker()
         with self._wake:
@@ -463,7 +468,8 @@ class Engine:
         else:
             logits = out.logits[0]
             next_token = self._choose(logits[-1], seq)
-            chunk = seq.out.push([next_token], logits[-1:])
+            tokens, grammar_done = constrained.commit(seq, [next_token])
+            chunk = seq.out.push(tokens, logits[-1:], grammar_done=grammar_done)
         if proposer is not None:  # also after the last token: the drafter's state stays the committed one
             step = TargetStep(ids, start, out.hidden[0], [a[0] for a in out.aux], next_token,
                               out.pre_norm[0] if out.pre_norm is not None else None)
@@ -491,6 +497,9 @@ class Engine:
         t0 = time.perf_counter()
         counts = [min(num_drafts, s.remaining_tokens - 1) if s.proposer is not None else 0 for s in seqs]
         drafts = self._propose(seqs, counts)
+        grammar = constrained.RoundGrammar.of(self.grammars, seqs)  # None: no sequence is constrained
+        if grammar is not None:
+            drafts = grammar.cut_drafts(drafts)
         width = 1 + max(len(d.token_ids) for d in drafts)
         inputs = []
         for seq, draft in zip(seqs, drafts):
@@ -503,15 +512,17 @@ class Engine:
         t_launch = time.perf_counter()
         out = self.runner.verify(seqs, inputs, capture)
         t_launched = time.perf_counter()
+        # what each grammar allows, computed on the host while the verify pass runs; raw logits stay for logprobs
+        logits = grammar.mask(out.logits, drafts) if grammar is not None else out.logits
         greedy_choices = None
         if any(s.params.greedy and not s.params.has_penalties for s in seqs):
-            greedy_choices = out.logits.argmax(-1).tolist()  # one device sync for the whole batch
+            greedy_choices = logits.argmax(-1).tolist()  # one device sync for the whole batch
         t_synced = time.perf_counter()
         results = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts)):
             n = len(draft.token_ids) + 1
             choices = greedy_choices[b] if greedy_choices is not None else None
-            results.append(self._verify(draft, out.logits[b, :n], seq, choices))
+            results.append(self._verify(draft, logits[b, :n], seq, choices))
         out.cache.commit([accepted + 1 for accepted, _ in results])
         if profile:
             _sync(self.device)
@@ -527,7 +538,8 @@ class Engine:
             stats.rounds += 1
             stats.drafted += len(draft.token_ids)
             stats.accepted += accepted
-            chunk = seq.out.push(draft.token_ids[:accepted] + [token], out.logits[b, :n])
+            tokens, grammar_done = constrained.commit(seq, draft.token_ids[:accepted] + [token])
+            chunk = seq.out.push(tokens, out.logits[b, :n], grammar_done=grammar_done)
             if self.prefix is not None:  # after the push: the committed tokens are in seq.token_ids now
                 self.prefix.on_commit(seq, position, lambda i, b=b: self._features(out, b, i), decoding=True)
             chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
@@ -592,6 +604,8 @@ class Engine:
 
     @torch.inference_mode()
     def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
+        if seq.constraint is not None:
+            logits = constrained.mask_one(self.grammars, seq, logits)
         return sample(apply_penalties(logits, seq.params, seq.history), seq.params, seq.generator)
 
     # ---- warm-up ----------------------------------------------------------------------------------

@@ -36,10 +36,12 @@ class OutputBuilder:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def push(self, token_ids: list[int], raw_logits: torch.Tensor | None = None) -> GenerationChunk:
+    def push(self, token_ids: list[int], raw_logits: torch.Tensor | None = None,
+             grammar_done: bool = False) -> GenerationChunk:
         """Emit tokens in order until one finishes the generation; the rest are dropped.
 
         raw_logits [len(token_ids), V]: the target's logits each token was chosen from (for logprobs).
+        grammar_done: the request's grammar admits nothing after these tokens, which ends it (stop).
         Returns the chunk for this round (its token_ids are the ones actually emitted).
         """
         emitted: list[int] = []
@@ -63,6 +65,10 @@ class OutputBuilder:
                     self.stopped_by_string = True
             if not self.done and len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = FinishReason.LENGTH
+        # a grammar completed by the last token ends the generation, even if max_tokens ran out there too
+        if grammar_done and (not self.done or (self.finish_reason is FinishReason.LENGTH
+                                               and len(emitted) == len(token_ids))):
+            self.finish_reason = FinishReason.STOP
         if self.done and not self.stopped_by_string:
             text += self._flush()
         self.logprobs.extend(round_logprobs)

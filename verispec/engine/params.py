@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from verispec.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from verispec.grammar.spec import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflows float32
@@ -32,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # constrained decoding: output must match this grammar (verispec.grammar.spec builds one from a
+    # JSON schema, "any JSON object" or a tool-call syntax); EOS is allowed only where it is complete
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

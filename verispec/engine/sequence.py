@@ -55,6 +55,7 @@ class Sequence:
         self.prefix_hit = None
         self.decode_snapshot: bytes | None = None
         self.proposer = None  # this sequence's proposer (its own drafter state), when speculating
+        self.constraint = None  # its grammar's matcher (grammar/constraint.py), when constrained
         self.num_preemptions = 0
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None

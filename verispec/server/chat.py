@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the chat template, reasoning split from content."""
+"""POST /v1/chat/completions: messages through the chat template, reasoning split from content,
+tool calls parsed out of the content (server/tools/)."""
 from __future__ import annotations
 
 from fastapi import Request
@@ -15,6 +16,8 @@ from verispec.server.schema import ChatCompletionRequest
 from verispec.server.speculation import SpeculationTally
 from verispec.server.state import ServerState, usage
 from verispec.server.streaming import event_stream, sse_response
+from verispec.server.tools.request import ToolPlan
+from verispec.server.tools.streaming import ToolStreamParser
 
 
 async def chat_completion(state: ServerState, request: Request, body: ChatCompletionRequest) -> Response:
@@ -31,7 +34,7 @@ async def chat_completion(state: ServerState, request: Request, body: ChatComple
         first = await first_chunk(chunks)
         renderers = [ChatChoiceRenderer(index, tokenizer,
                                         ReasoningParser(prepared.opens_thinking) if parses_reasoning else None,
-                                        prepared.params.logprobs)
+                                        prepared.params.logprobs, prepared.tool_plan)
                      for index in range(prepared.num_choices)]
         header = state.response_header("chatcmpl", "chat.completion.chunk")
         return sse_response(event_stream(header, first, chunks, renderers, len(prepared.prompt_ids),
@@ -54,20 +57,36 @@ def _message_choice(index: int, result: CollectedGeneration, prepared: PreparedR
         split = split_reasoning(result.text, prepared.opens_thinking)
         message["content"] = split.content
         message["reasoning_content"] = split.reasoning or None
+    finish_reason = result.finish_reason.value
+    plan = prepared.tool_plan
+    if plan is not None and plan.fmt is not None:
+        reply = plan.fmt.parse(message["content"], plan.functions)
+        if reply.calls:
+            message["content"] = reply.content or None
+            message["tool_calls"] = [call.message_field() for call in reply.calls]
+            finish_reason = _finish_with_calls(finish_reason)
     return {"index": index, "message": message,
             "logprobs": chat_logprobs(tokenizer, result.logprobs) if prepared.params.logprobs else None,
-            "finish_reason": result.finish_reason.value}
+            "finish_reason": finish_reason}
+
+
+def _finish_with_calls(finish_reason: str) -> str:
+    """A reply that ended by itself with calls in it ends for them (OpenAI's "tool_calls")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class ChatChoiceRenderer:
     """One choice's engine chunks -> `chat.completion.chunk` choices with content / reasoning_content deltas."""
 
-    def __init__(self, index: int, tokenizer, reasoning: ReasoningParser | None, with_logprobs: bool):
+    def __init__(self, index: int, tokenizer, reasoning: ReasoningParser | None, with_logprobs: bool,
+                 tool_plan: ToolPlan | None = None):
         self.index = index
         self.tokenizer = tokenizer
         self.reasoning = reasoning
         self.with_logprobs = with_logprobs
         self.speculation = SpeculationTally()
+        parses_calls = tool_plan is not None and tool_plan.fmt is not None
+        self.tools = ToolStreamParser(tool_plan.fmt, tool_plan.functions) if parses_calls else None
 
     def opening(self) -> list[dict]:
         return [self._choice({"role": "assistant", "content": ""})]
@@ -76,11 +95,21 @@ class ChatChoiceRenderer:
         choices = []
         is_last = chunk.finish_reason is not None
         delta = self._delta(chunk.text, is_last)
+        call_deltas = []
+        if self.tools is not None:
+            content, call_deltas = self.tools.feed(delta.pop("content", ""), final=is_last)
+            if content:
+                delta["content"] = content
         logprobs = chat_logprobs(self.tokenizer, chunk.logprobs) if self.with_logprobs and chunk.logprobs else None
         if delta or logprobs:
             choices.append(self._choice(delta, logprobs))
+        # one chunk per call delta: the call's name (arguments ""), then its arguments
+        choices += [self._choice({"tool_calls": [call]}) for call in call_deltas]
         if is_last:
-            choices.append(self._choice({}, finish_reason=chunk.finish_reason.value))
+            finish_reason = chunk.finish_reason.value
+            if self.tools is not None and self.tools.num_calls:
+                finish_reason = _finish_with_calls(finish_reason)
+            choices.append(self._choice({}, finish_reason=finish_reason))
         self.speculation.add(chunk)
         if choices and (field := self.speculation.take()) is not None:
             choices[0]["verispec"] = field  # see speculation.py: OpenAI clients ignore it

@@ -11,6 +11,8 @@ from verispec.server.errors import invalid_request, model_not_found
 from verispec.server.input_checks import (check_chat_template_kwargs, check_prompt_chars, check_seed,
                                          check_token_ids)
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
+from verispec.server.tools.request import (ToolPlan, plan_response_format, plan_tools, special_token_marker,
+                                           template_messages)
 
 if TYPE_CHECKING:
     from verispec.engine.engine import Engine
@@ -36,6 +38,7 @@ class PreparedRequest:
     num_choices: int = 1  # `n`
 
     default_seed: int | None = None  # the server's --seed, used when the request has none
+    tool_plan: ToolPlan | None = None  # tools were given: how the output is parsed for calls
 
     def choice_params(self) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i samples with seed + i (so the
@@ -66,8 +69,18 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: i
         raise invalid_request("'messages' must be a non-empty list of {role, content} objects",
                               param="messages")
     check_chat_template_kwargs(req.chat_template_kwargs, tokenizer)
-    messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
-    prompt_text = tokenizer.render_chat(messages, req.chat_template_kwargs)
+    template = getattr(tokenizer.hf, "chat_template", None) if hasattr(tokenizer, "hf") else None
+    compiler = getattr(engine, "grammars", None)  # test doubles have none
+    check = compiler.check if compiler is not None else None
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template, special_token_marker(tokenizer),
+                      check)
+    grammar = _output_grammar(req, plan, check)
+    template_kwargs = req.chat_template_kwargs
+    if grammar is not None and tokenizer.supports_thinking and "enable_thinking" not in (template_kwargs or {}):
+        # the grammar starts at the first output token: a thinking model answers at once
+        template_kwargs = {**(template_kwargs or {}), "enable_thinking": False}
+    messages = template_messages([_template_message(i, m) for i, m in enumerate(req.messages)], plan)
+    prompt_text = tokenizer.render_chat(messages, template_kwargs, tools=plan.template_tools if plan else None)
     check_prompt_chars(prompt_text, max_prompt_chars, engine.max_model_len, "messages")
     # The template already wrote any BOS/special tokens into the text.
     prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
@@ -79,8 +92,23 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: i
         params = _sampling_params(req, max_tokens, logprobs=bool(req.logprobs),
                                   top_logprobs=req.top_logprobs or 0)
         _check_fits(engine, prompt_ids, params)
+    params.grammar = grammar
     return PreparedRequest(prompt_ids, params, prompt_text, tokenizer.prompt_opens_thinking(prompt_text),
-                           num_choices, _default_seed(engine, num_choices))
+                           num_choices, _default_seed(engine, num_choices), tool_plan=plan)
+
+
+def _output_grammar(req: ChatCompletionRequest, plan: ToolPlan | None, check):
+    """The grammar the output must follow (response_format, or a forced tool call), checked by the
+    engine's grammar library so an unsupported schema feature is a 400 before anything runs."""
+    grammar = plan_response_format(req.response_format)
+    if grammar is not None and plan is not None and plan.grammar is not None:
+        raise invalid_request("'response_format' cannot be combined with a forced tool call (tool_choice "
+                              "\"required\" or a named function): one output cannot follow both",
+                              param="response_format")
+    grammar = grammar or (plan.grammar if plan is not None else None)
+    if grammar is not None and check is not None:
+        check(grammar)
+    return grammar
 
 
 def prepare_completion(req: CompletionRequest, engine: Engine, max_prompt_chars: int) -> PreparedRequest:

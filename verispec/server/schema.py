@@ -75,6 +75,13 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, description="needs logprobs: true")
     chat_template_kwargs: dict[str, Any] | None = None
+    # Checked field by field in server/tools/request.py, so errors name e.g. tools[0].function.name.
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = Field(default=None, description="none, auto, required, "
+                                                           "or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = Field(default=None, description="{\"type\": \"text\" | "
+                                                   "\"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}")
 
 
 class CompletionRequest(GenerationRequest):
