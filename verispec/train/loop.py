@@ -27,7 +27,8 @@ from verispec.loading.model_loader import DTYPES, load_model, parse_device, pars
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 from verispec.spec.mtp import MtpHidden
-from verispec.train.data import eval_prompts, generate_continuations, read_documents, tokenize_windows
+from verispec.train.data import (eval_prompts, generate_answers, generate_continuations, read_documents,
+                                 read_gen_prompts, split_gen_prompts, tokenize_windows)
 from verispec.train.eagle3 import (DEFAULT_MAX_DRAFT_VOCAB, Eagle3Trainee, choose_draft_vocab, default_aux_layers,
                                    drafter_config)
 from verispec.train.evaluate import Acceptance, eval_engine, measure
@@ -38,7 +39,6 @@ from verispec.train.progress import TrainProgress
 
 STATE_DIR = ".train-state"
 STATE_VERSION = 1
-GEN_FRACTION = 0.25  # share of each batch taken from the target's own continuations
 MIN_LR_FRACTION = 0.1
 
 
@@ -59,8 +59,8 @@ class BatchSampler:
     """Deterministic batches over two pools (text windows, generated continuations): a fresh
     seeded permutation per pass over each pool, so a resumed run sees the batches it would have."""
 
-    def __init__(self, num_text: int, num_gen: int, batch_size: int, seed: int):
-        self.num_gen_rows = min(batch_size - 1, round(batch_size * GEN_FRACTION)) if num_gen else 0
+    def __init__(self, num_text: int, num_gen: int, batch_size: int, seed: int, gen_fraction: float = 0.25):
+        self.num_gen_rows = min(batch_size - 1, max(1, round(batch_size * gen_fraction))) if num_gen else 0
         self.num_text_rows = batch_size - self.num_gen_rows
         self.sizes = (num_text, num_gen)
         self.seed = seed
@@ -89,7 +89,8 @@ class BatchSampler:
 def _fingerprint(options: DrafterTrainOptions, extra: dict) -> dict:
     return dict(method=options.method.value, seq_len=options.seq_len, batch_size=options.batch_size,
                 ttt_steps=options.ttt_steps, layer_type=options.layer_type, copy_embedding=options.copy_embedding,
-                mtp_hidden=options.mtp_hidden, **extra)
+                mtp_hidden=options.mtp_hidden, gen_fraction=options.gen_fraction,
+                gen_prompts=options.gen_prompts, **extra)
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -153,9 +154,23 @@ def run(options: DrafterTrainOptions, documents: list[str] | None = None) -> dic
     _note(None, f"{method.value} drafter for {model_dir} on {device} ({str(dtype).removeprefix('torch.')}): "
                 f"{data.train.shape[0]} training windows of {options.seq_len} tokens, {data.heldout.shape[0]} held out")
 
-    # The target's own continuations of training-text prompts (kept in the checkpoint).
+    # With --gen-prompts the target answers those prompts (evaluation uses the held-out ones);
+    # otherwise it continues prompts cut from the training text. Kept in the checkpoint.
+    chat_train = chat_heldout = None
+    if options.gen_prompts is not None:
+        texts = read_gen_prompts(options.gen_prompts)
+        encoded = tokenizer.hf(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        chat_train, chat_heldout = split_gen_prompts([list(ids) for ids in encoded], options.holdout_every)
     if state is not None:
         gen = state["gen"]
+    elif chat_train is not None:
+        t0 = time.perf_counter()
+        gen = generate_answers(target, chat_train, options.gen_sequences, options.seq_len, num_real,
+                               tokenizer.eos_token_ids,
+                               batch_size=min(options.gen_sequences, max(64, options.batch_size * 8)),
+                               seed=options.seed + 2)
+        _note(None, f"generated {gen.shape[0]} windows of {options.seq_len} tokens answering {len(chat_train)} "
+                    f"prompts from {options.gen_prompts} with the target in {time.perf_counter() - t0:.1f}s")
     elif options.gen_sequences:
         t0 = time.perf_counter()
         pick = torch.randint(0, data.train.shape[0], (options.gen_sequences,),
@@ -168,7 +183,7 @@ def run(options: DrafterTrainOptions, documents: list[str] | None = None) -> dic
                     f"with the target in {time.perf_counter() - t0:.1f}s")
     else:
         gen = torch.zeros(0, options.seq_len, dtype=torch.long)
-    sampler = BatchSampler(data.train.shape[0], gen.shape[0], options.batch_size, options.seed)
+    sampler = BatchSampler(data.train.shape[0], gen.shape[0], options.batch_size, options.seed, options.gen_fraction)
 
     def batch_ids(step: int) -> torch.Tensor:
         text_idx, gen_idx = sampler.batch(step)
@@ -201,7 +216,12 @@ def run(options: DrafterTrainOptions, documents: list[str] | None = None) -> dic
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         _note(None, f"resuming from {state_path} at step {step} ({elapsed:.0f}s trained)")
 
-    prompts = eval_prompts(data.heldout, options.eval_prompts, options.eval_prompt_len) if options.eval_prompts else []
+    if not options.eval_prompts:
+        prompts = []
+    elif chat_heldout:  # whole held-out chat prompts: what the drafter meets when serving chats
+        prompts = chat_heldout[:options.eval_prompts]
+    else:
+        prompts = eval_prompts(data.heldout, options.eval_prompts, options.eval_prompt_len)
 
     def evaluate(at_step: int) -> Acceptance | None:
         if not prompts:

@@ -43,6 +43,8 @@ class DrafterTrainOptions:
     max_data_tokens: int = 20_000_000  # cap on tokenized training text (documents sampled evenly)
     gen_sequences: int = 256  # continuations the target writes itself, trained on beside the text
     gen_prompt_len: int = 32  # tokens of text before each self-generated continuation
+    gen_prompts: str | None = None  # file of prompts (one per line / JSONL) the target answers, instead of text cuts
+    gen_fraction: float = 0.25  # share of each batch taken from the target's own continuations
     eval_every: int = 500  # steps between acceptance evaluations (0: only before and after)
     eval_prompts: int = 8
     eval_prompt_len: int = 48
@@ -76,6 +78,11 @@ class DrafterTrainOptions:
         if self.gen_prompt_len >= self.seq_len:
             raise VerispecError(f"--gen-prompt-len ({self.gen_prompt_len}) must be shorter than --seq-len "
                                 f"({self.seq_len})")
+        if not 0 < self.gen_fraction < 1:
+            raise VerispecError(f"--gen-fraction must be between 0 and 1 (exclusive: every batch keeps a row of "
+                                f"each kind), got {self.gen_fraction}")
+        if self.gen_prompts is not None and not self.gen_sequences:
+            raise VerispecError("--gen-prompts needs --gen-sequences >= 1 (the number of windows the target writes)")
         if not self.lr > 0:
             raise VerispecError(f"--lr must be > 0, got {self.lr}")
         if self.max_seconds is not None and not self.max_seconds > 0:

