@@ -74,7 +74,7 @@ def test_generate_without_model_uses_the_demo_with_speculation(demo_dir, monkeyp
 
 def test_without_the_demo_model_the_error_says_how_to_build_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", tmp_path / "absent")
-    assert cli_main(["generate", "--prompt", "hi"]) == 2
+    assert cli_main(["generate", "--prompt", "hi", "--demo"]) == 2
     err = capsys.readouterr().err
     assert "make demo-model" in err and err.count("\n") == 1
 
@@ -83,7 +83,14 @@ def test_without_the_demo_model_the_error_says_how_to_build_it(tmp_path, monkeyp
 def test_python_api_without_model_uses_the_demo(demo_dir, monkeypatch):
     from verispec import LLM, SamplingParams
 
+    import verispec.default_model as default_model
+    from verispec.errors import ModelNotFoundError
+
+    def no_wheel(name):
+        raise ModelNotFoundError(f"{name}: not installed")
+
     monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", demo_dir / "model")
+    monkeypatch.setattr(default_model, "packaged_model_path", no_wheel)  # without SmolLM2's wheel: the demo
     llm = LLM(device="cpu")
     assert llm.engine.proposer is not None
     result = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
