@@ -206,6 +206,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--json-schema", default=None, metavar="FILE",
                        help="offline: also measure every run constrained to this JSON schema (a file, or 'builtin'); "
                             "rows '<method>+json', their speedup_vs_ar is the cost of the grammar")
+    bench.add_argument("--prefix-cache", action="store_true",
+                       help="offline: measure the prefix cache (a repeated prompt's TTFT, a 10-turn conversation's "
+                            "computed prompt tokens, decode speed when nothing hits) against it turned off")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -369,7 +372,8 @@ def cmd_bench(args) -> int:
         cuda_graphs=not args.no_cuda_graphs, out=Path(args.out) if args.out else None,
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
-        seed=args.seed, json_schema=args.json_schema, **kwargs)
+        seed=args.seed, json_schema=args.json_schema,
+        prefix_cache=args.prefix_cache, **kwargs)
     run_bench(opts)
     return 0
 

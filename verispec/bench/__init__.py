@@ -15,7 +15,11 @@ from verispec.bench.report import BenchReport, markdown, write_outputs
 def run_bench(opts: BenchOptions) -> BenchReport:
     """Measure, write the files asked for, print the Markdown table to stdout."""
     opts.check()
-    if opts.http:
+    if opts.prefix_cache:
+        from verispec.bench.prefix import run_prefix
+
+        report = run_prefix(opts)
+    elif opts.http:
         from verispec.bench.http import run_http
 
         report = run_http(opts)

@@ -41,7 +41,8 @@ class Setup:
     bandwidth_source: str
 
 
-def run_offline(opts: BenchOptions) -> BenchReport:
+def setup_target(opts: BenchOptions) -> Setup:
+    """The target (random weights of a --shape, or a checkpoint), quantized if asked, and the bandwidth."""
     device = parse_device(opts.device)
     dtype = parse_dtype(opts.dtype, device)
     shape = get_shape(opts.shape) if opts.shape else None  # a bad shape fails before any work
@@ -57,8 +58,15 @@ def run_offline(opts: BenchOptions) -> BenchReport:
         target.name = f"{target.name} ({opts.quant})"
         _free(device)
     _check_contexts(opts, target.model.max_position_embeddings)
+    return Setup(opts, target, device, dtype, bandwidth, source)
+
+
+def run_offline(opts: BenchOptions) -> BenchReport:
+    setup = setup_target(opts)
+    target, device, dtype = setup.target, setup.device, setup.dtype
+    bandwidth, source = setup.bandwidth, setup.bandwidth_source
+    shape = get_shape(opts.shape) if opts.shape else None
     grammar = _grammar(opts, target)
-    setup = Setup(opts, target, device, dtype, bandwidth, source)
     runs_per_context = (1 + opts.repeats) * (2 if grammar is not None else 1)
     total = len(opts.methods) * len(opts.contexts) * runs_per_context
     total += sum(len(opts.contexts) for m in opts.methods if m.speculative)
@@ -127,11 +135,12 @@ def _bandwidth(opts: BenchOptions, device: torch.device) -> tuple[float | None, 
     return measured, f"measured: {DEFAULT_COPY_BYTES >> 30} GiB device-to-device copy, read + written, median"
 
 
-def _engine(setup: Setup, method: Method) -> tuple[Engine, str | None]:
+def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seqs: int | None = None,
+            max_model_len: int | None = None) -> tuple[Engine, str | None]:
     opts, target = setup.opts, setup.target
     config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs,
-                          max_num_seqs=max(opts.concurrency or (1,)),
-                          max_model_len=max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
+                          max_num_seqs=max_num_seqs or max(opts.concurrency or (1,)), prefix_cache=prefix_cache,
+                          max_model_len=max_model_len or max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
                           max_num_batched_tokens=max(opts.prefill_step_size, 2048),
                           # a bench run with several N keeps speculation on at every N (the schedule's
                           # choice is what --draft-schedule measures); the default schedule otherwise

@@ -160,6 +160,7 @@ class BenchOptions:
     concurrency: tuple[int, ...] = ()  # offline: batches of N sequences at once; HTTP: N concurrent clients
     quant: str | None = None  # offline: quantize the target's weights first (verispec/quant/in_memory.py)
     json_schema: str | None = None  # offline: also measure every run under this schema (a file, or "builtin")
+    prefix_cache: bool = False  # offline: measure the prefix cache instead (bench/prefix.py)
 
     @property
     def http(self) -> bool:
@@ -177,6 +178,8 @@ class BenchOptions:
             raise VerispecError("--json-schema is measured offline (-m / --shape), not over HTTP")
         if self.json_schema is not None:
             load_json_schema(self.json_schema)  # a bad file fails before any work
+        if self.prefix_cache and (self.http or self.compare or self.json_schema is not None):
+            raise VerispecError("--prefix-cache is measured offline (-m / --shape), without --compare or --json-schema")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
         return self

@@ -142,6 +142,10 @@ HTTP_COLUMNS = [
 
 
 def markdown(report: BenchReport) -> str:
+    if report.mode == "prefix":
+        from verispec.bench.prefix import prefix_markdown
+
+        return prefix_markdown(report)
     meta = report.meta
     lines = []
     if report.mode == "offline":
@@ -223,7 +227,9 @@ def write_outputs(report: BenchReport, out_dir: Path) -> list[Path]:
     md_path.write_text(markdown(report))
     written.append(md_path)
     png_path = out_dir / "bench.png"
-    if write_png(report, png_path):
+    if report.mode == "prefix":  # tables only
+        pass
+    elif write_png(report, png_path):
         written.append(png_path)
     else:
         sys.stderr.write("verispec bench: bench.png not written: matplotlib is not installed "

@@ -1,0 +1,160 @@
+"""`verispec bench --prefix-cache`: what the prefix cache saves, and that it costs nothing on a miss.
+
+In one run, on one target (a checkpoint or a random-weight `--shape`), per context C:
+- repeat: a C-token prompt answered cold (nothing cached), then sent again; TTFT of each (median
+  over --repeats distinct prompts) and the ratio.
+- conversation: a 10-turn exchange replayed as a client would send it, each turn's prompt the last
+  prompt + the answer + a new user message (rendered by the chat template when the model has one,
+  so what the template does to earlier turns counts; token-level for random shapes): prompt tokens
+  computed with the cache against every prompt token, and the summed TTFT with and without it.
+- misses: N distinct random prompts decoded together (--concurrency, default 8), cache on and off:
+  aggregate decode tok/s of each and their ratio (a miss must cost nothing).
+The cache-off numbers come from an engine built with `prefix_cache=False` on the same weights.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+
+from verispec.bench.concurrency import run_batch
+from verispec.bench.options import BenchOptions
+from verispec.bench.progress import Progress
+from verispec.bench.prompts import random_words
+from verispec.bench.report import BenchReport, run_metadata
+from verispec.engine.params import SamplingParams
+
+TURNS = 10
+NEW_MESSAGE_TOKENS = 64  # token-level conversations: random ids per new user message
+NEW_MESSAGE_WORDS = 40  # chat conversations: words per new user message
+
+
+def run_prefix(opts: BenchOptions) -> BenchReport:
+    from verispec.bench.offline import _capture_graphs, _engine, _free, _prompt, setup_target
+
+    setup = setup_target(opts)
+    n = (opts.concurrency or (8,))[0]
+    progress = Progress(len(opts.methods) * len(opts.contexts) * (3 * opts.repeats + TURNS) + 1)
+    rows: list[dict] = []
+    try:
+        for method in opts.methods:
+            engines = {}
+            for cached in (True, False):
+                engine, _ = _engine(setup, method, prefix_cache=cached, max_num_seqs=max(n, 1),
+                                    max_model_len=max(opts.contexts) * 2 + TURNS * (opts.gen_tokens + 2 * NEW_MESSAGE_TOKENS))
+                _capture_graphs(engine)
+                engine.generate_all(_prompt(setup, 64, -7), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                           ignore_eos=True))  # warm-up
+                engines[cached] = engine
+            progress.step(f"{method.value} engines ready")
+            for context in opts.contexts:
+                rows.append(_repeat_row(setup, engines[True], method.value, context, progress))
+                rows.append(_conversation_row(setup, engines, method.value, context, progress))
+                rows.append(_miss_row(setup, engines, method.value, context, n, progress))
+            del engines
+            _free(setup.device)
+    finally:
+        progress.close()
+    meta = run_metadata(opts, setup.device, setup.dtype)
+    meta.update({"target": setup.target.name,
+                 "weights": "random weights" if setup.target.random else f"checkpoint {setup.target.model_dir}",
+                 "turns": TURNS, "misses_concurrency": n})
+    return BenchReport("prefix", meta, rows)
+
+
+def _one_token(engine, ids: list[int]):
+    return engine.generate_all(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)).stats
+
+
+def _repeat_row(setup, engine, method: str, context: int, progress: Progress) -> dict:
+    from verispec.bench.offline import _prompt
+
+    cold, warm, cached = [], [], []
+    for r in range(setup.opts.repeats):
+        ids = _prompt(setup, context, 500 + r)
+        cold.append(_one_token(engine, ids).ttft_ms)
+        progress.step(f"{method} ctx {context} cold {r + 1}")
+        again = _one_token(engine, ids)
+        warm.append(again.ttft_ms)
+        cached.append(again.cached_tokens)
+        progress.step(f"{method} ctx {context} repeat {r + 1}")
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"test": "repeat", "method": method, "context": context, "cold_ttft_ms": c, "warm_ttft_ms": w,
+            "cached_tokens": statistics.median(cached), "ttft_speedup": c / w if w else None}
+
+
+def _conversation_row(setup, engines: dict, method: str, context: int, progress: Progress) -> dict:
+    """The same conversation (the cached engine's answers) sent to both engines turn by turn."""
+    from verispec.bench.offline import _prompt
+
+    tokenizer = setup.target.tokenizer
+    chat = not setup.target.random and getattr(tokenizer, "has_chat_template", False)
+    rng = random.Random(f"conversation {context}")
+    params = SamplingParams(max_tokens=setup.opts.gen_tokens, temperature=0.0, ignore_eos=False)
+    if chat:
+        messages = [{"role": "user", "content": random_words(max(context // 2, 8), f"turn 0 ctx {context}")}]
+    else:
+        ids = _prompt(setup, context, 900)
+    total = computed = turns = 0
+    ttft = {True: 0.0, False: 0.0}
+    for turn in range(TURNS):
+        if chat:
+            _, ids = tokenizer.chat_prompt_ids(messages)
+        if len(ids) + setup.opts.gen_tokens > engines[True].max_model_len:
+            break  # the conversation outgrew the context: report the turns that fit
+        turns += 1
+        result = engines[True].generate_all(ids, params)
+        ttft[True] += result.stats.ttft_ms
+        ttft[False] += _one_token(engines[False], ids).ttft_ms
+        total += len(ids)
+        computed += len(ids) - result.stats.cached_tokens
+        progress.step(f"{method} ctx {context} turn {turn + 1}")
+        if chat:
+            messages.append({"role": "assistant", "content": result.text})
+            messages.append({"role": "user", "content": random_words(NEW_MESSAGE_WORDS, f"turn {turn + 1} {context}")})
+        else:
+            vocab = setup.target.model.vocab_size
+            ids = ids + result.token_ids + [rng.randrange(3, vocab) for _ in range(NEW_MESSAGE_TOKENS)]
+    return {"test": "conversation", "method": method, "context": context, "turns": turns,
+            "prompt_tokens": total, "computed_tokens": computed, "computed_fraction": computed / total,
+            "ttft_sum_ms": ttft[True], "ttft_sum_off_ms": ttft[False],
+            "ttft_speedup": ttft[False] / ttft[True] if ttft[True] else None,
+            "rendering": "chat template" if chat else "token ids"}
+
+
+def _miss_row(setup, engines: dict, method: str, context: int, n: int, progress: Progress) -> dict:
+    from verispec.bench.offline import _prompt
+
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(setup.opts.repeats):  # interleaved, so drift (clocks, other load) hits both alike
+        for cached in (False, True):
+            prompts = [_prompt(setup, context, 2000 + 1000 * r + 100 * cached + i) for i in range(n)]
+            runs[cached].append(run_batch(engines[cached], prompts, setup.opts.gen_tokens)["decode_tok_s"] or 0.0)
+        progress.step(f"{method} ctx {context} x{n} misses, run {r + 1}")
+    rates = {cached: statistics.median(v) for cached, v in runs.items()}
+    return {"test": "misses", "method": method, "context": context, "concurrency": n,
+            "decode_tok_s": rates[True], "decode_tok_s_off": rates[False],
+            "on_vs_off": rates[True] / rates[False] if rates[False] else None}
+
+
+def prefix_markdown(report: BenchReport) -> str:
+    meta = report.meta
+    lines = [f"## verispec bench --prefix-cache: {meta.get('target')} ({meta.get('weights')})",
+             f"device {meta.get('device')}, {meta.get('dtype')}, torch {meta.get('torch')}; medians of "
+             f"{meta['repeats']} prompts; {meta['gen_tokens']} tokens per answer", "",
+             "| method | context | repeated prompt: TTFT cold → cached | cached tokens | speedup |",
+             "|---|---|---|---|---|"]
+    for r in (r for r in report.rows if r["test"] == "repeat"):
+        lines.append(f"| {r['method']} | {r['context']} | {r['cold_ttft_ms']:.1f} → {r['warm_ttft_ms']:.1f} ms | "
+                     f"{r['cached_tokens']:.0f} | {r['ttft_speedup']:.1f}x |")
+    lines += ["", "| method | first prompt | turns | conversation: prompt tokens computed | "
+                  "summed TTFT cached vs off | rendering |", "|---|---|---|---|---|---|"]
+    for r in (r for r in report.rows if r["test"] == "conversation"):
+        lines.append(f"| {r['method']} | {r['context']} | {r['turns']} | {r['computed_tokens']} of {r['prompt_tokens']} "
+                     f"({100 * r['computed_fraction']:.1f}%) | {r['ttft_sum_ms']:.0f} vs {r['ttft_sum_off_ms']:.0f} ms "
+                     f"({r['ttft_speedup']:.1f}x) | {r['rendering']} |")
+    lines += ["", "| method | context | sequences | decode tok/s, all misses: cache on / off | ratio |",
+              "|---|---|---|---|---|"]
+    for r in (r for r in report.rows if r["test"] == "misses"):
+        lines.append(f"| {r['method']} | {r['context']} | {r['concurrency']} | {r['decode_tok_s']:.1f} / "
+                     f"{r['decode_tok_s_off']:.1f} | {r['on_vs_off']:.3f} |")
+    return "\n".join(lines) + "\n"
