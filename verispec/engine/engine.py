@@ -22,16 +22,16 @@ from typing import Callable, Iterator
 import torch
 
 from verispec import log
-from verispec.cache.kv import RecurrentLayerSpec
-from verispec.cache.prefix import PrefixCache, TargetFeatures
-from verispec.cache.paged import (BlockAllocator, CacheBudget, PagedPools, SlotAllocator, kv_bytes_per_token,
-                                  state_bytes_per_slot)
+from verispec.cache.prefix import PrefixCache
+from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
 from verispec.engine import constrained
+from verispec.engine.cache_sizing import size_cache
+from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.output import OutputBuilder
+from verispec.engine.prefix_rows import features_at, prepend_row
 from verispec.engine.params import SamplingParams
-from verispec.engine.proposers import build_proposer
 from verispec.engine.runner import ModelRunner, TargetView
 from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
 from verispec.engine.scheduler import Scheduler
@@ -40,16 +40,11 @@ from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.errors import InvalidRequestError, VerispecError
 from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
-from verispec.loading.model_loader import load_model, parse_device, parse_dtype
-from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
-SNAPSHOT_BUDGET_FRACTION = 0.1  # of the KV budget, for the prefix cache's recurrent-state snapshots
-CPU_KV_CACHE_GB = 2.0  # CPU pools are allocated lazily by the OS: only blocks in use take memory
-PREWARM_PROMPT_TOKENS = 100
 WORKER_IDLE_S = 0.5
 _live_workers: set[threading.Thread] = set()
 
@@ -97,7 +92,7 @@ class Engine:
         # a batched proposer drafts for every sequence in one pass per chained step (spec/batched.py);
         # others get one instance per sequence (Proposer.fork)
         self.batched_drafting = bool(getattr(proposer, "batched", False))
-        self.use_graphs = self._graphs_possible()
+        self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
         if self.device.type == "cuda" and config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
             if split_k.triton is None:
                 log.debug("small-op fusion off: Triton is not installed")
@@ -117,40 +112,12 @@ class Engine:
     def _setup_cache(self) -> None:
         specs = self.model.cache_specs()
         cfg = self.config
-        per_token = max(kv_bytes_per_token(specs, self.dtype), 1)
-        hybrid = any(isinstance(s, RecurrentLayerSpec) for s in specs)
-        num_slots = cfg.max_num_seqs + 1 if hybrid else 0
-        state_bytes = state_bytes_per_slot(specs, self.dtype)
-        if cfg.kv_cache_gb is not None:
-            budget = int(cfg.kv_cache_gb * 2**30)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
-        else:
-            budget = int(CPU_KV_CACHE_GB * 2**30)
-        # prefix-cache snapshots of recurrent state: up to 4 per sequence slot, within a tenth of the budget
-        num_snapshots = 0
-        if hybrid and cfg.prefix_cache:
-            num_snapshots = min(4 * cfg.max_num_seqs, int(SNAPSHOT_BUDGET_FRACTION * budget) // max(state_bytes, 1))
-        budget -= state_bytes * (num_slots + num_snapshots)
-        block = cfg.block_size
-        # never more than every sequence at full context needs (a small model would otherwise take GBs)
-        most = cfg.max_num_seqs * (self.max_model_len + self.num_drafts + 1) + block
-        num_blocks = min(budget // (per_token * block), -(-most // block) + 1)
-        lookahead = self.num_drafts + 1
-        if num_blocks < 2 or (num_blocks - 1) * block < lookahead + 1:
-            raise VerispecError(f"the KV cache budget ({budget / 2**30:.2f} GiB after recurrent state) holds "
-                                f"{max(num_blocks - 1, 0) * block} tokens, too few to serve one sequence; raise "
-                                "--kv-cache-gb or --gpu-memory-utilization")
-        capacity = (num_blocks - 1) * block
-        if capacity - lookahead < self.max_model_len:
-            log.info("the KV cache holds %d tokens, fewer than the %d-token context: serving a context of %d "
-                     "tokens (raise --kv-cache-gb / --gpu-memory-utilization, or set --max-model-len)",
-                     capacity, self.max_model_len, capacity - lookahead)
-            self.max_model_len = capacity - lookahead
+        sizes = size_cache(specs, cfg, self.dtype, self.device, self.max_model_len, self.num_drafts)
+        self.max_model_len = sizes.max_model_len
+        num_blocks, block, num_slots, num_snapshots = (sizes.num_blocks, sizes.block_size, sizes.num_state_slots,
+                                                       sizes.num_snapshots)
         self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device)
-        self.budget = CacheBudget(num_blocks, block, num_slots, num_blocks * block * per_token
-                                  + state_bytes * (num_slots + num_snapshots))
+        self.budget = CacheBudget(num_blocks, block, num_slots, sizes.bytes_total)
         self.blocks = BlockAllocator(num_blocks, block)
         slots = SlotAllocator(num_slots) if num_slots else None
         self.prefix = None
@@ -170,10 +137,10 @@ class Engine:
             # a drafter with K/V rows of its own recomputes its row at a hit's last position
             self.prefix.keep_features = self._drafter_pools() is not None
         log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once; "
-                  "prefix cache %s", num_blocks - 1, block, capacity, self.budget.bytes_total / 2**30,
+                  "prefix cache %s", num_blocks - 1, block, sizes.capacity, self.budget.bytes_total / 2**30,
                   f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs,
                   "off" if self.prefix is None else
-                  f"on ({num_snapshots} recurrent-state snapshots)" if hybrid else "on")
+                  f"on ({num_snapshots} recurrent-state snapshots)" if num_slots else "on")
 
     def _on_allocate(self, blocks: list[int]) -> None:
         self.pools.zero_blocks(blocks)
@@ -225,29 +192,13 @@ class Engine:
         if hasattr(seq.proposer, "attach_target_cache"):
             seq.proposer.attach_target_cache(TargetView(self.runner, seq))
         seq.proposer.reset(seq.prompt_ids)
+
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
-        if config.mtp:
-            from verispec.spec.mtp import MtpHidden
+        """The engine for config.model (a directory, hub id, .gguf file or alias), with its proposer."""
+        from verispec.engine.loading import load_parts
 
-            if config.eagle3:
-                raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
-            if config.mtp_depth < 1:
-                raise VerispecError(f"--mtp-depth must be >= 1, got {config.mtp_depth}")
-            MtpHidden.parse(config.mtp_hidden)
-            from verispec.spec.gemma4_assistant import check_assistant_options
-
-            check_assistant_options(config.num_mtp_tokens, config.assistant_window)
-        device = parse_device(config.device)
-        dtype = parse_dtype(config.dtype, device)
-        model_dir = resolve_model(config.model)
-        t0 = time.perf_counter()
-        model = load_model(model_dir, dtype, device)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
-                  time.perf_counter() - t0)
-        proposer, num_drafts = build_proposer(config, model, model_dir, tokenizer)
-        return cls(model, tokenizer, config, model_dir, proposer=proposer, num_drafts=num_drafts)
+        return cls(*load_parts(config))
 
     # ---- request checks -------------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -462,7 +413,7 @@ class Engine:
         end = start + num_tokens
         ids = seq.token_ids[start:end]
         if self.prefix is not None:
-            self.prefix.on_commit(seq, start, lambda i: self._features(out, 0, i))
+            self.prefix.on_commit(seq, start, lambda i: features_at(out, 0, i))
         if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
             next_token, chunk = seq.token_ids[end], None
         else:
@@ -475,7 +426,7 @@ class Engine:
                               out.pre_norm[0] if out.pre_norm is not None else None)
             hit = seq.prefix_hit
             if hit is not None and hit.features is not None and start == hit.num_tokens:
-                step = _prepend_row(step, seq.token_ids[start - 1], hit.features)
+                step = prepend_row(step, seq.token_ids[start - 1], hit.features)
             seq.prefix_hit = None
             if self.batched_drafting:
                 proposer.observe_rows([(seq, step)])
@@ -483,12 +434,6 @@ class Engine:
                 proposer.observe(step)
         if chunk is not None:
             self._emit(seq, chunk)
-
-    @staticmethod
-    def _features(out, b: int, i: int) -> TargetFeatures:
-        """The target's outputs for batch row b, pass row i (copied: graph outputs are reused)."""
-        return TargetFeatures(out.hidden[b, i].clone(), [a[b, i].clone() for a in out.aux],
-                              out.pre_norm[b, i].clone() if out.pre_norm is not None else None)
 
     def _round(self, seqs: list[Sequence], num_drafts: int) -> None:
         """One speculative round over every decoding sequence: drafts, one target pass, then per
@@ -541,7 +486,7 @@ class Engine:
             tokens, grammar_done = constrained.commit(seq, draft.token_ids[:accepted] + [token])
             chunk = seq.out.push(tokens, out.logits[b, :n], grammar_done=grammar_done)
             if self.prefix is not None:  # after the push: the committed tokens are in seq.token_ids now
-                self.prefix.on_commit(seq, position, lambda i, b=b: self._features(out, b, i), decoding=True)
+                self.prefix.on_commit(seq, position, lambda i, b=b: features_at(out, b, i), decoding=True)
             chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
             chunk.num_rounds = 1
             chunks.append(chunk)
@@ -608,52 +553,15 @@ class Engine:
             logits = constrained.mask_one(self.grammars, seq, logits)
         return sample(apply_penalties(logits, seq.params, seq.history), seq.params, seq.generator)
 
-    # ---- warm-up ----------------------------------------------------------------------------------
+    # ---- warm-up (engine/warmup.py) -----------------------------------------------------------------
     def prewarm(self) -> float:
-        """Capture CUDA graphs, then one short generation, so the first request pays no
-        warm-up. Returns seconds taken."""
-        t0 = time.perf_counter()
-        self.capture_graphs()
-        # a prompt of ~100 tokens and a few speculative rounds: the compiled small ops specialise
-        # on one-token shapes, so a one-token warm-up would leave the first real prefill to
-        # compile its multi-token variants (measured: ~1.8 s added to the first request's TTFT)
-        ids = (self.tokenizer.encode("def hello(world):\n    return world + 1\n\n" * 12) or [0])[:PREWARM_PROMPT_TOKENS]
-        self.generate_all(ids, SamplingParams(max_tokens=2 * (self.num_drafts + 1) + 1, temperature=0.0,
-                                              ignore_eos=True))
-        return time.perf_counter() - t0
-
-    def _graphs_possible(self) -> bool:
-        if self.device.type != "cuda":
-            return False
-        reason = None
-        if not self.config.cuda_graphs:
-            reason = "disabled (--no-cuda-graphs)"
-        elif not split_k.available(self.device):
-            reason = "Triton is not installed, so attention cannot read the cache in place"
-        if reason:
-            log.debug("CUDA graphs off: %s; decode steps run eagerly", reason)
-            return False
-        return True
+        """Capture CUDA graphs, then one short generation, so the first request pays no warm-up.
+        Returns seconds taken."""
+        return warmup.prewarm(self)
 
     def capture_graphs(self) -> float:
         """Capture verify passes (batch buckets x T = 1..k+1) as CUDA graphs. Returns seconds taken."""
-        if not self.use_graphs or self.runner.graphs is not None:
-            return 0.0
-        from verispec.engine.cuda_graphs import BatchGraphs
-
-        t0 = time.perf_counter()
-        capture = self.proposer.capture_layers if self.proposer else ()
-        self.runner.graphs = BatchGraphs(self.runner, self.num_drafts + 1, self.config.max_num_seqs, capture,
-                                         self.blocks.blocks_for(self.max_model_len + self.num_drafts + 1))
-        if self.batched_drafting:
-            self.proposer.capture_batch_graphs(self.runner.graphs.batch_sizes, self.num_drafts + 1,
-                                               self.blocks.blocks_for(self.max_model_len + self.num_drafts + 1))
-        elif self.proposer is not None:
-            self.proposer.capture_graphs(self.num_drafts + 1, self.max_model_len + self.num_drafts + 1)
-        seconds = time.perf_counter() - t0
-        log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens in %.2fs",
-                  self.runner.graphs.batch_sizes, self.num_drafts + 1, seconds)
-        return seconds
+        return warmup.capture_graphs(self)
 
     def _log_request(self, seq: Sequence) -> None:
         stats = seq.stats
@@ -666,18 +574,6 @@ class Engine:
                   "decode=%.1f tok/s, preempted %d times, finish=%s%s", seq.id, stats.prompt_tokens,
                   stats.generated_tokens, stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
                   seq.num_preemptions, seq.out.finish_reason.value if seq.out.finish_reason else None, spec)
-
-
-def _prepend_row(step: TargetStep, token: int, features: TargetFeatures) -> TargetStep:
-    """A prefill step after a prefix hit, led by the hit's last position (its features kept by the
-    prefix cache): the drafter recomputes its own row there, which depends on the first token past
-    the hit."""
-    def cat(row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([row[None].to(rows.dtype), rows])
-
-    return TargetStep([token] + step.token_ids, step.start_position - 1, cat(features.hidden, step.hidden),
-                      [cat(f, a) for f, a in zip(features.aux, step.aux)], step.next_token,
-                      cat(features.pre_norm, step.pre_norm) if step.pre_norm is not None else None)
 
 
 def load_engine(model: str, **kwargs) -> Engine:

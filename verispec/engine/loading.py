@@ -1,0 +1,42 @@
+"""Loading what an Engine is built from: the checkpoint (any format `verispec.loading` reads), its
+tokenizer and the proposer the configuration asks for, with the option checks that need no model."""
+from __future__ import annotations
+
+import time
+
+from verispec import log
+from verispec.config import EngineConfig
+from verispec.engine.proposers import build_proposer
+from verispec.errors import VerispecError
+from verispec.loading.model_loader import load_model, parse_device, parse_dtype
+from verispec.loading.resolve import resolve_model
+from verispec.loading.tokenizer import Tokenizer
+
+
+def check_proposer_options(config: EngineConfig) -> None:
+    if not config.mtp:
+        return
+    from verispec.spec.gemma4_assistant import check_assistant_options
+    from verispec.spec.mtp import MtpHidden
+
+    if config.eagle3:
+        raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
+    if config.mtp_depth < 1:
+        raise VerispecError(f"--mtp-depth must be >= 1, got {config.mtp_depth}")
+    MtpHidden.parse(config.mtp_hidden)
+    check_assistant_options(config.num_mtp_tokens, config.assistant_window)
+
+
+def load_parts(config: EngineConfig) -> tuple:
+    """(model, tokenizer, config, model_dir) plus proposer and num_drafts as keywords' order of Engine()."""
+    check_proposer_options(config)
+    device = parse_device(config.device)
+    dtype = parse_dtype(config.dtype, device)
+    model_dir = resolve_model(config.model)
+    t0 = time.perf_counter()
+    model = load_model(model_dir, dtype, device)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
+              time.perf_counter() - t0)
+    proposer, num_drafts = build_proposer(config, model, model_dir, tokenizer)
+    return model, tokenizer, config, model_dir, proposer, num_drafts
