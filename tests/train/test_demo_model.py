@@ -57,16 +57,16 @@ def test_demo_build_writes_a_transformers_checkpoint(demo_dir):
 
 
 @pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
-def test_generate_without_model_uses_the_demo_with_speculation(demo_dir, monkeypatch, capsys):
+def test_generate_with_demo_uses_its_speculation(demo_dir, monkeypatch, capsys):
     monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", demo_dir / "model")
     chosen = json.loads((demo_dir / "model" / "demo.json").read_text())["speculation"]["method"]
     assert cli_main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "12", "--json",
-                     "--device", "cpu"]) == 0
+                     "--device", "cpu", "--demo"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["stats"]["method"] == chosen
     assert len(result["token_ids"]) >= 1 and result["stats"]["drafted"] > 0
     assert cli_main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "12", "--json",
-                     "--device", "cpu", "--no-spec"]) == 0
+                     "--device", "cpu", "--no-spec", "--demo"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["stats"]["method"] == "ar"
     assert plain["token_ids"] == result["token_ids"]  # speculation changes nothing (greedy)

@@ -105,6 +105,26 @@ def eval_prompts(heldout: torch.Tensor, count: int, length: int) -> list[list[in
     return prompts
 
 
+def _prefill(model: CausalLM, ids: torch.Tensor, total_len: int):
+    """ids [B, P] through a fresh cache of total_len rows -> (cache, last hidden [B, H])."""
+    b, p = ids.shape
+    cache = model.make_cache(total_len, batch_size=b)
+    positions = torch.arange(p, device=ids.device)[None].expand(b, -1)
+    hidden = model(ids, positions, cache).hidden[:, -1]
+    cache.commit(p)
+    return cache, hidden
+
+
+def _next_tokens(model: CausalLM, hidden: torch.Tensor, num_real_tokens: int, sampled_rows: torch.Tensor,
+                 generator: torch.Generator) -> torch.Tensor:
+    """hidden [B, H] -> the next token per row [B]: greedy, or drawn at temperature 1 where sampled_rows."""
+    logits = model.logits(hidden).float()
+    logits[:, num_real_tokens:] = float("-inf")
+    greedy = logits.argmax(-1)
+    drawn = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+    return torch.where(sampled_rows, drawn, greedy)
+
+
 @torch.no_grad()
 def generate_continuations(model: CausalLM, prompts: torch.Tensor, total_len: int, num_real_tokens: int,
                            batch_size: int, seed: int) -> torch.Tensor:
@@ -121,18 +141,11 @@ def generate_continuations(model: CausalLM, prompts: torch.Tensor, total_len: in
     for start in range(0, prompts.shape[0], batch_size):
         ids = prompts[start:start + batch_size].to(device)
         b, p = ids.shape
-        cache = model.make_cache(total_len, batch_size=b)
-        positions = torch.arange(p, device=device)[None].expand(b, -1)
-        hidden = model(ids, positions, cache).hidden[:, -1]
-        cache.commit(p)
+        cache, hidden = _prefill(model, ids, total_len)
         sampled_rows = (torch.arange(start, start + b, device=device) % 2) == 1
         rows = [ids]
         for pos in range(p, total_len):
-            logits = model.logits(hidden).float()
-            logits[:, num_real_tokens:] = float("-inf")
-            greedy = logits.argmax(-1)
-            drawn = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-            token = torch.where(sampled_rows, drawn, greedy)[:, None]
+            token = _next_tokens(model, hidden, num_real_tokens, sampled_rows, generator)[:, None]
             rows.append(token)
             if pos + 1 == total_len:
                 break
@@ -214,18 +227,11 @@ def generate_answers(model: CausalLM, prompt_ids: list[list[int]], num_rows: int
         p = min(total_len, min(len(q) for q in queues))
         ids = torch.tensor([q[:p] for q in queues], device=device)
         queues = [q[p:] for q in queues]
-        cache = model.make_cache(total_len, batch_size=b)
-        positions = torch.arange(p, device=device)[None].expand(b, -1)
-        hidden = model(ids, positions, cache).hidden[:, -1]
-        cache.commit(p)
+        cache, hidden = _prefill(model, ids, total_len)
         sampled_rows = (torch.arange(start, start + b, device=device) % 2) == 1
         rows = [ids]
         for pos in range(p, total_len):
-            logits = model.logits(hidden).float()
-            logits[:, num_real_tokens:] = float("-inf")
-            greedy = logits.argmax(-1)
-            drawn = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-            chosen = torch.where(sampled_rows, drawn, greedy)
+            chosen = _next_tokens(model, hidden, num_real_tokens, sampled_rows, generator)
             forced = [q.pop(0) if q else -1 for q in queues]
             forced_t = torch.tensor(forced, device=device)
             token = torch.where(forced_t >= 0, forced_t, chosen)
