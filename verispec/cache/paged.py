@@ -188,18 +188,29 @@ class PagedPools:
         self.values: list[torch.Tensor | None] = []
         self.conv_states: dict[int, torch.Tensor] = {}  # [state slots, conv_dim, kernel - 1]
         self.ssm_states: dict[int, torch.Tensor] = {}  # [state slots, H, Dk, Dv] float32
-        for i, spec in enumerate(specs):
+        for spec in specs:
             if isinstance(spec, LayerCacheSpec):
                 self.keys.append(alloc(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
                 self.values.append(alloc(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
-                continue
-            self.keys.append(None)
-            self.values.append(None)
+            else:
+                self.keys.append(None)
+                self.values.append(None)
+        # Recurrent layers of one shape share one stacked tensor ([layers, slots, ...]; each layer's
+        # state is a view of it), so taking or restoring a slot's whole state (prefix-cache
+        # snapshots) is one copy per stack, not two per layer.
+        groups: dict[tuple, list[int]] = {}
+        for i, spec in enumerate(specs):
             if isinstance(spec, RecurrentLayerSpec):
-                self.conv_states[i] = torch.zeros(num_state_slots, spec.conv_dim, spec.conv_kernel - 1,
-                                                  dtype=dtype, device=device)
-                self.ssm_states[i] = torch.zeros(num_state_slots, spec.num_heads, spec.key_dim, spec.value_dim,
-                                                 dtype=torch.promote_types(dtype, torch.float32), device=device)
+                key = (spec.conv_dim, spec.conv_kernel, spec.num_heads, spec.key_dim, spec.value_dim)
+                groups.setdefault(key, []).append(i)
+        self._state_stacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (conv_dim, kernel, heads, key_dim, value_dim), layers in groups.items():
+            conv = torch.zeros(len(layers), num_state_slots, conv_dim, kernel - 1, dtype=dtype, device=device)
+            ssm = torch.zeros(len(layers), num_state_slots, heads, key_dim, value_dim,
+                              dtype=torch.promote_types(dtype, torch.float32), device=device)
+            self._state_stacks.append((conv, ssm))
+            for j, i in enumerate(layers):
+                self.conv_states[i], self.ssm_states[i] = conv[j], ssm[j]
 
         if self.lazy:
             self.zero_blocks([SCRATCH])
@@ -216,19 +227,19 @@ class PagedPools:
 
     @property
     def recurrent_layers(self) -> list[int]:
-        return list(self.conv_states)
+        return sorted(self.conv_states)
 
     def clear_state(self, slot: int) -> None:
         """A fresh sequence's recurrent state: zeros."""
-        for i in self.conv_states:
-            self.conv_states[i][slot].zero_()
-            self.ssm_states[i][slot].zero_()
+        for conv, ssm in self._state_stacks:
+            conv[:, slot].zero_()
+            ssm[:, slot].zero_()
 
     def copy_state(self, src: int, dst: int) -> None:
         """Recurrent state slot src -> dst (a prefix-cache snapshot taken or restored)."""
-        for i in self.conv_states:
-            self.conv_states[i][dst].copy_(self.conv_states[i][src])
-            self.ssm_states[i][dst].copy_(self.ssm_states[i][src])
+        for conv, ssm in self._state_stacks:
+            conv[:, dst].copy_(conv[:, src])
+            ssm[:, dst].copy_(ssm[:, src])
 
     def copy_block(self, src: int, dst: int) -> None:
         """K/V rows of block src -> block dst, every layer (a shared block made private)."""
