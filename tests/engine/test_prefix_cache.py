@@ -231,3 +231,44 @@ def test_prefix_cache_off(tiny_models):
     engine.generate_all(ids, params)
     assert engine.generate_all(ids, params).stats.cached_tokens == 0
     assert engine.prefix is None and engine.blocks.num_cached == 0
+
+
+def test_shared_prefixes_under_load_with_cancels_leak_nothing(tiny_models):
+    """Twelve requests over three shared prefixes at once, a tight budget (preemption and eviction),
+    every third one cancelled mid-way: the rest equal their cache-off outputs, and afterwards no
+    block is held or referenced."""
+    d = tiny_models.get("prefix-qwen3", "qwen3", **SHAPE)
+    cold = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK, prefix_cache=False)
+    g = torch.Generator().manual_seed(21)
+    vocab = cold.model.vocab_size
+    bases = [torch.randint(3, vocab, (36,), generator=g).tolist() for _ in range(3)]
+    prompts = [bases[i % 3] + torch.randint(3, vocab, (5 + i,), generator=g).tolist() for i in range(12)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [cold.generate_all(p, params).token_ids for p in prompts]
+    per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * 16 * 8
+    warm = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK, max_model_len=80,
+                       kv_cache_gb=(14 * BLOCK + 8) * per_token / 2**30, prefill_step_size=16)
+    got: list[list] = [[] for _ in prompts]
+    cancels = [threading.Event() for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(item):
+            got[i].append(item)
+            if i % 3 == 2 and len(got[i]) == 2:
+                cancels[i].set()
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                done.release()
+        return sink
+
+    for i, p in enumerate(prompts):
+        warm.submit(p, params, sink_for(i), cancels[i])
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    for i, chunks in enumerate(got):
+        assert not any(isinstance(c, BaseException) for c in chunks), chunks[-1]
+        if i % 3 != 2:
+            assert [t for c in chunks for t in c.token_ids] == want[i], f"request {i}"
+    assert warm.blocks.num_used == 0
+    assert all(warm.blocks.refs(b) == 0 for b in range(warm.blocks.num_blocks))
+    assert warm.prefix.stats.hits > 0 and warm.scheduler.num_preemptions > 0
