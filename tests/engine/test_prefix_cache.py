@@ -102,10 +102,22 @@ def check_hits_change_nothing(base: Engine, make_proposer, k: int, label: str, s
     _, prompts = prompt_set(base.model.vocab_size, seed)
     cold = with_proposer(base, make_proposer(), k, prefix_cache=False)
     warm = with_proposer(base, make_proposer(), k)
-    want = [cold.generate_all(p, q) for p, q in zip(prompts, PARAMS)]
-    got = [warm.generate_all(p, q) for p, q in zip(prompts, PARAMS)]
+    drafted = {id(cold): [], id(warm): []}
+    for engine in (cold, warm):  # every round's drafts, request by request (they run one at a time)
+        def recording(seqs, counts, engine=engine, real=engine._propose):
+            drafts = real(seqs, counts)
+            drafted[id(engine)].append([d.token_ids for d in drafts])
+            return drafts
+        engine._propose = recording
+    want, got = [], []
+    for p, q in zip(prompts, PARAMS):
+        want.append(cold.generate_all(p, q))
+        got.append(warm.generate_all(p, q))
+    # a hit never changes what is drafted (the drafter saw the same state as after a full prefill)
+    assert drafted[id(warm)] == drafted[id(cold)], f"{label}: drafts changed by a prefix hit"
     for i, (w, g) in enumerate(zip(want, got)):
         assert g.token_ids == w.token_ids, f"{label}: request {i} changed by its prefix hit"
+        assert (g.stats.drafted, g.stats.accepted) == (w.stats.drafted, w.stats.accepted), f"{label}: request {i}"
         if PARAMS[i].logprobs:
             assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-9)
     assert [g.stats.cached_tokens for g in got] == expected_hits(prompts), label
