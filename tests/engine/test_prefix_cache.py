@@ -284,3 +284,24 @@ def test_shared_prefixes_under_load_with_cancels_leak_nothing(tiny_models):
     assert warm.blocks.num_used == 0
     assert all(warm.blocks.refs(b) == 0 for b in range(warm.blocks.num_blocks))
     assert warm.prefix.stats.hits > 0 and warm.scheduler.num_preemptions > 0
+
+
+def test_requests_arriving_together_compute_a_common_prefix_once(tiny_models, tmp_path):
+    """Four requests with one 50-token prefix submitted at once (and n=2 of one prompt): the first
+    computes the prefix, the others wait for its blocks and hit them; outputs equal the cache-off ones."""
+    d = tiny_models.get("prefix-qwen3", "qwen3", **SHAPE)
+    base = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK, prefill_step_size=16)
+    make = eagle3_for(base, tmp_path / "eagle3")
+    g = torch.Generator().manual_seed(8)
+    shared = torch.randint(3, base.model.vocab_size, (50,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, base.model.vocab_size, (3 + i,), generator=g).tolist() for i in range(3)]
+    prompts.append(list(prompts[0]))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    cold = with_proposer(base, make(), 2, prefix_cache=False)
+    want = [cold.generate_all(p, params).token_ids for p in prompts]
+    warm = with_proposer(base, make(), 2)
+    results = warm.generate_batch(prompts, params)
+    assert [r.token_ids for r in results] == want
+    cached = [r.stats.cached_tokens for r in results]
+    assert cached[0] == 0 and all(c >= 3 * BLOCK for c in cached[1:]), cached
+    assert warm.blocks.num_used == 0
