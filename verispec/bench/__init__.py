@@ -16,9 +16,9 @@ def run_bench(opts: BenchOptions) -> BenchReport:
     """Measure, write the files asked for, print the Markdown table to stdout."""
     opts.check()
     if opts.prefix_cache:
-        from verispec.bench.prefix import run_prefix
+        from verispec.bench.prefix import run_prefix, run_prefix_http
 
-        report = run_prefix(opts)
+        report = run_prefix_http(opts) if opts.http else run_prefix(opts)
     elif opts.http:
         from verispec.bench.http import run_http
 

@@ -126,6 +126,37 @@ class ServerClient:
         return RequestResult(prompt, int(usage["prompt_tokens"]) if usage else None, completion,
                              usage is not None, ttft, decode)
 
+    def chat_turn(self, messages: list[dict], max_tokens: int) -> dict:
+        """One streamed chat request (greedy): the reply's text, TTFT and usage, with the prompt
+        tokens the server says came from its cache (`prompt_tokens_details.cached_tokens`; None
+        when it does not report them)."""
+        body = {"model": self.model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        text, usage, t_first = [], None, None
+        try:
+            t_sent = time.perf_counter()
+            with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise VerispecError(f"{self.url}/v1/chat/completions answered HTTP {resp.status_code}: "
+                                        f"{_error_message(resp)}")
+                for line in resp.iter_lines():
+                    data = line[5:].strip() if line.startswith("data:") else None
+                    if not data or data == "[DONE]":
+                        continue
+                    event = json.loads(data)
+                    for choice in event.get("choices") or []:
+                        piece = (choice.get("delta") or {}).get("content")
+                        if piece:
+                            t_first = t_first if t_first is not None else time.perf_counter()
+                            text.append(piece)
+                    usage = event.get("usage") or usage
+        except self.httpx.TransportError as exc:
+            raise VerispecError(f"cannot reach {self.url}: {_reason(exc)}") from None
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        return {"text": "".join(text), "ttft_ms": (t_first - t_sent) * 1000 if t_first is not None else None,
+                "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}
+
     def spec_counters(self) -> tuple[float, float] | None:
         """(drafted, accepted) totals from /metrics, when the server exports them."""
         try:

@@ -178,8 +178,10 @@ class BenchOptions:
             raise VerispecError("--json-schema is measured offline (-m / --shape), not over HTTP")
         if self.json_schema is not None:
             load_json_schema(self.json_schema)  # a bad file fails before any work
-        if self.prefix_cache and (self.http or self.compare or self.json_schema is not None):
-            raise VerispecError("--prefix-cache is measured offline (-m / --shape), without --compare or --json-schema")
+        if self.prefix_cache and (self.compare or self.json_schema is not None):
+            raise VerispecError("--prefix-cache is measured without --compare or --json-schema")
+        if self.prefix_cache and self.http and self.endpoint is not Endpoint.CHAT:
+            raise VerispecError("--prefix-cache over HTTP replays chat conversations: use --endpoint chat")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
         return self

@@ -61,6 +61,77 @@ def run_prefix(opts: BenchOptions) -> BenchReport:
     return BenchReport("prefix", meta, rows)
 
 
+def run_prefix_http(opts: BenchOptions) -> BenchReport:
+    """Over HTTP (--url / --serve, any OpenAI-compatible server that reports
+    usage.prompt_tokens_details.cached_tokens): the repeated prompt and the conversation rows."""
+    import contextlib
+
+    from verispec.bench.http import ServerClient, served
+
+    configs = [(opts.url, None)] if opts.url else [(s, s) for s in opts.serve]
+    progress = Progress(len(configs) * len(opts.contexts) * (2 * opts.repeats + TURNS))
+    rows: list[dict] = []
+    try:
+        for label, serve_args in configs:
+            with contextlib.ExitStack() as stack:
+                url, _ = stack.enter_context(served(serve_args, opts)) if serve_args is not None else (label, None)
+                client = ServerClient(url, opts)
+                stack.callback(client.close)
+                for context in opts.contexts:
+                    rows.append(_http_repeat_row(client, label, context, opts, progress))
+                    rows.append(_http_conversation_row(client, label, context, opts, progress))
+    finally:
+        progress.close()
+    meta = run_metadata(opts)
+    meta.update({"target": ", ".join(c for c, _ in configs), "weights": "over HTTP", "turns": TURNS})
+    return BenchReport("prefix", meta, rows)
+
+
+def _user(words: int, seed: str) -> list[dict]:
+    return [{"role": "user", "content": random_words(words, seed)}]
+
+
+def _http_repeat_row(client, label: str, context: int, opts: BenchOptions, progress: Progress) -> dict:
+    cold, warm, cached = [], [], []
+    for r in range(opts.repeats):
+        messages = _user(max(context // 2, 8), f"http repeat {context} {r}")
+        cold.append(client.chat_turn(messages, 1)["ttft_ms"])
+        progress.step(f"{label} ctx {context} cold {r + 1}")
+        again = client.chat_turn(messages, 1)
+        warm.append(again["ttft_ms"])
+        cached.append(again["cached_tokens"] or 0)
+        progress.step(f"{label} ctx {context} repeat {r + 1}")
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"test": "repeat", "method": label, "context": context, "cold_ttft_ms": c, "warm_ttft_ms": w,
+            "cached_tokens": statistics.median(cached), "ttft_speedup": c / w if w else None}
+
+
+def _http_conversation_row(client, label: str, context: int, opts: BenchOptions, progress: Progress) -> dict:
+    from verispec.errors import VerispecError
+
+    messages = _user(max(context // 2, 8), f"http turn 0 ctx {context}")
+    total = cached = turns = 0
+    ttft = 0.0
+    for turn in range(TURNS):
+        try:
+            reply = client.chat_turn(messages, opts.gen_tokens)
+        except VerispecError as exc:
+            if turn == 0 or "context length" not in str(exc):
+                raise
+            progress.note(f"{label}: the conversation outgrew the server's context after {turn} turns")
+            break
+        turns += 1
+        total += reply["prompt_tokens"] or 0
+        cached += reply["cached_tokens"] or 0
+        ttft += reply["ttft_ms"] or 0.0
+        progress.step(f"{label} ctx {context} turn {turn + 1}")
+        messages = messages + [{"role": "assistant", "content": reply["text"]}] + \
+            _user(NEW_MESSAGE_WORDS, f"http turn {turn + 1} {context}")
+    return {"test": "conversation", "method": label, "context": context, "turns": turns, "prompt_tokens": total,
+            "computed_tokens": total - cached, "computed_fraction": (total - cached) / total if total else None,
+            "ttft_sum_ms": ttft, "ttft_sum_off_ms": None, "ttft_speedup": None, "rendering": "HTTP chat"}
+
+
 def _one_token(engine, ids: list[int]):
     return engine.generate_all(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)).stats
 
@@ -139,7 +210,7 @@ def _miss_row(setup, engines: dict, method: str, context: int, n: int, progress:
 def prefix_markdown(report: BenchReport) -> str:
     meta = report.meta
     lines = [f"## verispec bench --prefix-cache: {meta.get('target')} ({meta.get('weights')})",
-             f"device {meta.get('device')}, {meta.get('dtype')}, torch {meta.get('torch')}; medians of "
+             f"device {meta.get('device', 'of the server')}, {meta.get('dtype', '')}, torch {meta.get('torch')}; medians of "
              f"{meta['repeats']} prompts; {meta['gen_tokens']} tokens per answer", "",
              "| method | context | repeated prompt: TTFT cold → cached | cached tokens | speedup |",
              "|---|---|---|---|---|"]
@@ -149,9 +220,12 @@ def prefix_markdown(report: BenchReport) -> str:
     lines += ["", "| method | first prompt | turns | conversation: prompt tokens computed | "
                   "summed TTFT cached vs off | rendering |", "|---|---|---|---|---|---|"]
     for r in (r for r in report.rows if r["test"] == "conversation"):
+        ttft = (f"{r['ttft_sum_ms']:.0f} vs {r['ttft_sum_off_ms']:.0f} ms ({r['ttft_speedup']:.1f}x)"
+                if r["ttft_sum_off_ms"] is not None else f"{r['ttft_sum_ms']:.0f} ms (no cache-off run over HTTP)")
         lines.append(f"| {r['method']} | {r['context']} | {r['turns']} | {r['computed_tokens']} of {r['prompt_tokens']} "
-                     f"({100 * r['computed_fraction']:.1f}%) | {r['ttft_sum_ms']:.0f} vs {r['ttft_sum_off_ms']:.0f} ms "
-                     f"({r['ttft_speedup']:.1f}x) | {r['rendering']} |")
+                     f"({100 * (r['computed_fraction'] or 0):.1f}%) | {ttft} | {r['rendering']} |")
+    if not any(r["test"] == "misses" for r in report.rows):  # over HTTP
+        return "\n".join(lines) + "\n"
     lines += ["", "| method | context | sequences | decode tok/s, all misses: cache on / off | ratio |",
               "|---|---|---|---|---|"]
     for r in (r for r in report.rows if r["test"] == "misses"):
