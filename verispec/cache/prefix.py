@@ -73,7 +73,6 @@ class PrefixStats:
     hits: int = 0  # ... and reused at least one block
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # ... and reused
-    snapshots_taken: int = 0
 
 
 class PrefixCache:
@@ -96,24 +95,30 @@ class PrefixCache:
         blocks.on_evict = self._on_evict
 
     @property
-    def num_snapshot_slots(self) -> int:
-        return len(self._free_snapshots) + len(self._snapshots)
-
-    @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
     # ---- admission ----------------------------------------------------------------------------------
-    def match(self, seq, max_tokens: int) -> PrefixHit | None:
-        """The longest usable cached prefix of seq's tokens, at most max_tokens long (whole blocks),
-        its blocks shared (a reference taken on each). None on a miss."""
-        hashes = seq.full_block_hashes(max_tokens // self.block_size)
+    def hit_blocks(self, seq) -> int:
+        """Whole blocks a hit may cover: at least one prompt token is always computed (the next
+        token needs its logits)."""
+        return max(seq.prefill_target - 1, 0) // self.block_size
+
+    def _registered_run(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks `hashes` start with."""
         found: list[int] = []
         for block_hash in hashes:
             block = self.blocks.lookup(block_hash)
             if block is None:
                 break
             found.append(block)
+        return found
+
+    def match(self, seq) -> PrefixHit | None:
+        """The longest usable cached prefix of seq's tokens (whole blocks, at most hit_blocks), its
+        blocks shared (a reference taken on each). None on a miss."""
+        hashes = seq.full_block_hashes(self.hit_blocks(seq))
+        found = self._registered_run(hashes)
         # where the hit ends, the recurrent state (hybrid models) and the drafter's features must be kept
         while found and not self._resumable(found[-1], hashes[len(found) - 1]):
             found.pop()
@@ -129,6 +134,21 @@ class PrefixCache:
         for block in found:
             self.blocks.share(block)
         return hit
+
+    def being_computed(self, seq, running) -> bool:
+        """True when a sequence of `running` is prefilling the block `seq` would hit next (requests
+        with a common prefix arriving together, n > 1 choices): waiting for it costs at most that
+        prefill, and saves computing the same blocks twice."""
+        limit = self.hit_blocks(seq)
+        if seq.block_table or limit < 1:
+            return False
+        hashes = seq.full_block_hashes(limit)
+        nxt = len(self._registered_run(hashes))
+        if nxt == limit:
+            return False
+        size = self.block_size
+        return any(other.in_prefill and other.num_cached <= nxt * size and other.prefill_target >= (nxt + 1) * size
+                   and other.full_block_hashes(nxt + 1)[nxt] == hashes[nxt] for other in running)
 
     def record(self, seq) -> None:
         """Count an admitted sequence's lookup (its prompt tokens, and the hit it took, if any); the
@@ -182,7 +202,6 @@ class PrefixCache:
         slot = self._free_snapshots.pop()
         self.pools.copy_state(seq.state_slot, slot)
         self._snapshots[block_hash] = slot
-        self.stats.snapshots_taken += 1
         if decoding:
             seq.decode_snapshot = block_hash
 

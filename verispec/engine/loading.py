@@ -28,7 +28,7 @@ def check_proposer_options(config: EngineConfig) -> None:
 
 
 def load_parts(config: EngineConfig) -> tuple:
-    """(model, tokenizer, config, model_dir) plus proposer and num_drafts as keywords' order of Engine()."""
+    """Engine's arguments, in its order: (model, tokenizer, config, model_dir, proposer, num_drafts)."""
     check_proposer_options(config)
     device = parse_device(config.device)
     dtype = parse_dtype(config.dtype, device)

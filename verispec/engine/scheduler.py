@@ -131,7 +131,7 @@ class Scheduler:
             seq = self.waiting[0]
             if self.slots is not None and self.slots.num_free == 0:
                 break
-            if self._prefix_being_computed(seq):
+            if self.prefix is not None and self.prefix.being_computed(seq, self.running):
                 break  # admitted once that block is registered: a hit instead of computing it twice
             self._take_prefix(seq)
             used = self._plan_chunk(plan, seq, budget, admitting=True)
@@ -149,34 +149,11 @@ class Scheduler:
             budget -= used
         return plan
 
-    def _prefix_being_computed(self, seq: Sequence) -> bool:
-        """True when a running sequence's prefill is computing the block this one would hit next
-        (requests with a common prefix arriving together, n > 1 choices): waiting for it costs at
-        most that prefill, and saves computing the same blocks twice."""
-        if self.prefix is None or seq.block_table:
-            return False
-        size = self.blocks.block_size
-        limit = (seq.prefill_target - 1) // size  # whole blocks a hit may cover
-        if limit < 1:
-            return False
-        hashes = seq.full_block_hashes(limit)
-        nxt = 0
-        while nxt < limit and self.blocks.lookup(hashes[nxt]) is not None:
-            nxt += 1
-        if nxt == limit:
-            return False
-        for other in self.running:
-            if (other.in_prefill and other.num_cached <= nxt * size and other.prefill_target >= (nxt + 1) * size
-                    and other.full_block_hashes(nxt + 1)[nxt] == hashes[nxt]):
-                return True
-        return False
-
     def _take_prefix(self, seq: Sequence) -> None:
         """A sequence about to be admitted takes the cached blocks its tokens start with."""
         if self.prefix is None or seq.block_table:
             return
-        limit = seq.prefill_target - 1  # at least one token is computed: the next token needs its logits
-        hit = self.prefix.match(seq, limit) if limit >= self.blocks.block_size else None
+        hit = self.prefix.match(seq)
         if hit is not None and self.prefix.keep_features:
             # the drafter rewrites its row at the hit's last position: that block becomes private
             if self.blocks.num_free == 0:

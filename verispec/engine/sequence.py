@@ -13,7 +13,7 @@ import time
 from enum import Enum
 from typing import Callable
 
-from verispec.cache.prefix import chain_hashes
+from verispec.cache.prefix import ROOT_HASH, chain_hashes
 from verispec.engine.output import OutputBuilder
 from verispec.engine.params import SamplingParams
 from verispec.engine.types import GenerationChunk, GenerationStats
@@ -79,9 +79,8 @@ class Sequence:
         have = len(self._block_hashes)
         if count > have:
             size = self.block_size
-            parent = self._block_hashes[-1] if have else None
-            tokens = self.token_ids[have * size:count * size]
-            self._block_hashes += chain_hashes(tokens, size, parent) if parent else chain_hashes(tokens, size)
+            parent = self._block_hashes[-1] if have else ROOT_HASH
+            self._block_hashes += chain_hashes(self.token_ids[have * size:count * size], size, parent)
         return self._block_hashes[:count]
 
     @property
