@@ -80,21 +80,10 @@ class ServerClient:
         except (ValueError, KeyError, IndexError, TypeError):
             raise VerispecError(f"{self.url}/v1/models did not list a model") from None
 
-    def stream(self, prompt: str, max_tokens: int) -> RequestResult:
-        endpoint = self.opts.endpoint
-        body = {"model": self.model_id, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
-        if endpoint is Endpoint.CHAT:
-            path = "/v1/chat/completions"
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            path = "/v1/completions"
-            body["prompt"] = prompt
-        t_first = t_last = None
-        text_chunks = 0
-        usage = None
+    def _events(self, path: str, body: dict) -> Iterator[tuple[float, dict]]:
+        """POST a streaming request; yields (arrival time, event) per server-sent event until [DONE].
+        An HTTP error status or an error event mid-stream raises a VerispecError naming it."""
         try:
-            t_sent = time.perf_counter()
             with self.client.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
                     resp.read()
@@ -109,15 +98,32 @@ class ServerClient:
                     event = json.loads(data)
                     if "error" in event:
                         raise VerispecError(f"{self.url}{path} failed mid-stream: {event['error'].get('message')}")
-                    for choice in event.get("choices") or []:
-                        if _generated_text(choice):
-                            t_first = t_first if t_first is not None else now
-                            t_last = now
-                            text_chunks += 1
-                    if event.get("usage"):
-                        usage = event["usage"]
+                    yield now, event
         except self.httpx.TransportError as exc:
             raise VerispecError(f"cannot reach {self.url}: {_reason(exc)}") from None
+
+    def stream(self, prompt: str, max_tokens: int) -> RequestResult:
+        endpoint = self.opts.endpoint
+        body = {"model": self.model_id, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if endpoint is Endpoint.CHAT:
+            path = "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            path = "/v1/completions"
+            body["prompt"] = prompt
+        t_first = t_last = None
+        text_chunks = 0
+        usage = None
+        t_sent = time.perf_counter()
+        for now, event in self._events(path, body):
+            for choice in event.get("choices") or []:
+                if _generated_text(choice):
+                    t_first = t_first if t_first is not None else now
+                    t_last = now
+                    text_chunks += 1
+            if event.get("usage"):
+                usage = event["usage"]
         completion = int(usage["completion_tokens"]) if usage else text_chunks
         ttft = (t_first - t_sent) * 1000 if t_first is not None else None
         decode = None
@@ -133,26 +139,14 @@ class ServerClient:
         body = {"model": self.model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}
         text, usage, t_first = [], None, None
-        try:
-            t_sent = time.perf_counter()
-            with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    raise VerispecError(f"{self.url}/v1/chat/completions answered HTTP {resp.status_code}: "
-                                        f"{_error_message(resp)}")
-                for line in resp.iter_lines():
-                    data = line[5:].strip() if line.startswith("data:") else None
-                    if not data or data == "[DONE]":
-                        continue
-                    event = json.loads(data)
-                    for choice in event.get("choices") or []:
-                        piece = (choice.get("delta") or {}).get("content")
-                        if piece:
-                            t_first = t_first if t_first is not None else time.perf_counter()
-                            text.append(piece)
-                    usage = event.get("usage") or usage
-        except self.httpx.TransportError as exc:
-            raise VerispecError(f"cannot reach {self.url}: {_reason(exc)}") from None
+        t_sent = time.perf_counter()
+        for now, event in self._events("/v1/chat/completions", body):
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    t_first = t_first if t_first is not None else now
+                    text.append(piece)
+            usage = event.get("usage") or usage
         details = (usage or {}).get("prompt_tokens_details") or {}
         return {"text": "".join(text), "ttft_ms": (t_first - t_sent) * 1000 if t_first is not None else None,
                 "prompt_tokens": (usage or {}).get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}

@@ -13,15 +13,19 @@ The cache-off numbers come from an engine built with `prefix_cache=False` on the
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 
 from verispec.bench.concurrency import run_batch
+from verispec.bench.http import ServerClient, served
+from verispec.bench.offline import _capture_graphs, _engine, _free, _prompt, setup_target
 from verispec.bench.options import BenchOptions
 from verispec.bench.progress import Progress
 from verispec.bench.prompts import random_words
 from verispec.bench.report import BenchReport, run_metadata
 from verispec.engine.params import SamplingParams
+from verispec.errors import VerispecError
 
 TURNS = 10
 NEW_MESSAGE_TOKENS = 64  # token-level conversations: random ids per new user message
@@ -29,8 +33,6 @@ NEW_MESSAGE_WORDS = 40  # chat conversations: words per new user message
 
 
 def run_prefix(opts: BenchOptions) -> BenchReport:
-    from verispec.bench.offline import _capture_graphs, _engine, _free, _prompt, setup_target
-
     setup = setup_target(opts)
     n = (opts.concurrency or (8,))[0]
     progress = Progress(len(opts.methods) * len(opts.contexts) * (3 * opts.repeats + TURNS) + 1)
@@ -47,7 +49,11 @@ def run_prefix(opts: BenchOptions) -> BenchReport:
                 engines[cached] = engine
             progress.step(f"{method.value} engines ready")
             for context in opts.contexts:
-                rows.append(_repeat_row(setup, engines[True], method.value, context, progress))
+                def send(r, engine=engines[True], context=context):
+                    stats = _one_token(engine, _prompt(setup, context, 500 + r))
+                    return stats.ttft_ms, stats.cached_tokens
+
+                rows.append(_repeat_row(method.value, context, opts.repeats, progress, send))
                 rows.append(_conversation_row(setup, engines, method.value, context, progress))
                 rows.append(_miss_row(setup, engines, method.value, context, n, progress))
             del engines
@@ -64,10 +70,6 @@ def run_prefix(opts: BenchOptions) -> BenchReport:
 def run_prefix_http(opts: BenchOptions) -> BenchReport:
     """Over HTTP (--url / --serve, any OpenAI-compatible server that reports
     usage.prompt_tokens_details.cached_tokens): the repeated prompt and the conversation rows."""
-    import contextlib
-
-    from verispec.bench.http import ServerClient, served
-
     configs = [(opts.url, None)] if opts.url else [(s, s) for s in opts.serve]
     progress = Progress(len(configs) * len(opts.contexts) * (2 * opts.repeats + TURNS))
     rows: list[dict] = []
@@ -78,7 +80,11 @@ def run_prefix_http(opts: BenchOptions) -> BenchReport:
                 client = ServerClient(url, opts)
                 stack.callback(client.close)
                 for context in opts.contexts:
-                    rows.append(_http_repeat_row(client, label, context, opts, progress))
+                    def send(r, client=client, context=context):
+                        reply = client.chat_turn(_user(max(context // 2, 8), f"http repeat {context} {r}"), 1)
+                        return reply["ttft_ms"], reply["cached_tokens"]
+
+                    rows.append(_repeat_row(label, context, opts.repeats, progress, send))
                     rows.append(_http_conversation_row(client, label, context, opts, progress))
     finally:
         progress.close()
@@ -91,24 +97,7 @@ def _user(words: int, seed: str) -> list[dict]:
     return [{"role": "user", "content": random_words(words, seed)}]
 
 
-def _http_repeat_row(client, label: str, context: int, opts: BenchOptions, progress: Progress) -> dict:
-    cold, warm, cached = [], [], []
-    for r in range(opts.repeats):
-        messages = _user(max(context // 2, 8), f"http repeat {context} {r}")
-        cold.append(client.chat_turn(messages, 1)["ttft_ms"])
-        progress.step(f"{label} ctx {context} cold {r + 1}")
-        again = client.chat_turn(messages, 1)
-        warm.append(again["ttft_ms"])
-        cached.append(again["cached_tokens"] or 0)
-        progress.step(f"{label} ctx {context} repeat {r + 1}")
-    c, w = statistics.median(cold), statistics.median(warm)
-    return {"test": "repeat", "method": label, "context": context, "cold_ttft_ms": c, "warm_ttft_ms": w,
-            "cached_tokens": statistics.median(cached), "ttft_speedup": c / w if w else None}
-
-
 def _http_conversation_row(client, label: str, context: int, opts: BenchOptions, progress: Progress) -> dict:
-    from verispec.errors import VerispecError
-
     messages = _user(max(context // 2, 8), f"http turn 0 ctx {context}")
     total = cached = turns = 0
     ttft = 0.0
@@ -136,17 +125,16 @@ def _one_token(engine, ids: list[int]):
     return engine.generate_all(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)).stats
 
 
-def _repeat_row(setup, engine, method: str, context: int, progress: Progress) -> dict:
-    from verispec.bench.offline import _prompt
-
+def _repeat_row(method: str, context: int, repeats: int, progress: Progress, send) -> dict:
+    """`send(r)` sends the r-th distinct prompt of about `context` tokens for one token and returns
+    (TTFT ms, cached tokens); each prompt is sent twice: cold, then again."""
     cold, warm, cached = [], [], []
-    for r in range(setup.opts.repeats):
-        ids = _prompt(setup, context, 500 + r)
-        cold.append(_one_token(engine, ids).ttft_ms)
+    for r in range(repeats):
+        cold.append(send(r)[0])
         progress.step(f"{method} ctx {context} cold {r + 1}")
-        again = _one_token(engine, ids)
-        warm.append(again.ttft_ms)
-        cached.append(again.cached_tokens)
+        ttft, hit = send(r)
+        warm.append(ttft)
+        cached.append(hit or 0)
         progress.step(f"{method} ctx {context} repeat {r + 1}")
     c, w = statistics.median(cold), statistics.median(warm)
     return {"test": "repeat", "method": method, "context": context, "cold_ttft_ms": c, "warm_ttft_ms": w,
@@ -155,8 +143,6 @@ def _repeat_row(setup, engine, method: str, context: int, progress: Progress) ->
 
 def _conversation_row(setup, engines: dict, method: str, context: int, progress: Progress) -> dict:
     """The same conversation (the cached engine's answers) sent to both engines turn by turn."""
-    from verispec.bench.offline import _prompt
-
     tokenizer = setup.target.tokenizer
     chat = not setup.target.random and getattr(tokenizer, "has_chat_template", False)
     rng = random.Random(f"conversation {context}")
@@ -193,8 +179,6 @@ def _conversation_row(setup, engines: dict, method: str, context: int, progress:
 
 
 def _miss_row(setup, engines: dict, method: str, context: int, n: int, progress: Progress) -> dict:
-    from verispec.bench.offline import _prompt
-
     runs: dict[bool, list[float]] = {True: [], False: []}
     for r in range(setup.opts.repeats):  # interleaved, so drift (clocks, other load) hits both alike
         for cached in (False, True):
