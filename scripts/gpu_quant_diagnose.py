@@ -106,9 +106,11 @@ def path_counts_and_profile(bits: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the path counts and profile (scripts/gpu_quant_tiles.py times the kernel)")
     args = parser.parse_args()
     result = {"layers": [], "device": torch.cuda.get_device_name()}
-    for bits in (4, 8):
+    for bits in () if args.decode_only else (4, 8):
         for n, k in ((4096, 4096), (12288, 4096), (4096, 12288)):
             result["layers"] += layer_times(n, k, bits)
     result["decode"] = path_counts_and_profile(4)

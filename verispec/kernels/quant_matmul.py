@@ -17,6 +17,7 @@ into one GEMM instead (QuantizedLinear.forward).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -64,7 +65,8 @@ if triton is not None:
                                stride_xm, stride_wn, stride_sn, stride_ys, stride_ym, K: tl.constexpr,
                                K_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                                ZERO_POINT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK_WORDS: tl.constexpr,
+                               W_FIRST: tl.constexpr, HALF_DOT: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)  # which slice of K (split-K); each writes its own partial sums
         pid_m = tl.program_id(2)
@@ -74,40 +76,84 @@ if triton is not None:
         mask_n = offs_n < N
         rows_w = WQ + offs_n[:, None].to(tl.int64) * stride_wn
         rows_s = offs_n[:, None].to(tl.int64) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if W_FIRST:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            k = pid_k * K_PER_SPLIT + k0 + tl.arange(0, BLOCK_K)
+            k_start = pid_k * K_PER_SPLIT + k0
+            k = k_start + tl.arange(0, BLOCK_K)
             mask_k = k < K
             x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            wmask = mask_n[:, None] & mask_k[None, :]
-            bit = k * BITS
-            word = bit // 32
-            shift = (bit % 32).to(tl.uint32)
-            lo = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
-            q = lo >> shift[None, :]
-            if 32 % BITS != 0:
-                # values that cross into the next word take their high bits from it
-                crosses = (shift + BITS) > 32
-                hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
-                hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
-                q = tl.where(crosses[None, :], q | hi, q)
-            q = (q & ((1 << BITS) - 1)).to(tl.float32)
-            group = (k // GROUP)[None, :]
-            s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-            o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-            if ZERO_POINT:
-                w = (q - o) * s
+            if UNPACK_WORDS:
+                # power-of-two bits: no value crosses a word, so load each word once (contiguous)
+                # and split it into its 32/BITS values; the group's scale and offset are loaded
+                # once per group and broadcast over its columns
+                PER_WORD: tl.constexpr = 32 // BITS
+                word = k_start // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+                words = tl.load(rows_w + word[None, :], mask=mask_n[:, None] & (word < K // PER_WORD)[None, :],
+                                other=0).to(tl.uint32, bitcast=True)
+                shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
+                q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+                q = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+                group = k_start // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                gmask = mask_n[:, None] & (group < K // GROUP)[None, :]
+                s = tl.load(S + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+                o = tl.load(O + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+                if ZERO_POINT:
+                    w = tl.reshape((q - o) * s, [BLOCK_N, BLOCK_K])
+                else:
+                    w = tl.reshape(q * s + o, [BLOCK_N, BLOCK_K])
             else:
-                w = q * s + o
-            # float32 operands either way: half-precision activations are exact in TF32, and the
-            # decoded weights keep more bits there than a round to bf16 would
-            if IEEE:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+                wmask = mask_n[:, None] & mask_k[None, :]
+                bit = k * BITS
+                word = bit // 32
+                shift = (bit % 32).to(tl.uint32)
+                lo = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+                q = lo >> shift[None, :]
+                if 32 % BITS != 0:
+                    # values that cross into the next word take their high bits from it
+                    crosses = (shift + BITS) > 32
+                    hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
+                    hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
+                    q = tl.where(crosses[None, :], q | hi, q)
+                q = (q & ((1 << BITS) - 1)).to(tl.float32)
+                group = (k // GROUP)[None, :]
+                s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+                o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+                if ZERO_POINT:
+                    w = (q - o) * s
+                else:
+                    w = q * s + o
+            if HALF_DOT:
+                # half-precision activations with the decoded weight rounded to their dtype
+                w = w.to(X.dtype.element_ty)
+                if W_FIRST:
+                    acc += tl.dot(w, tl.trans(x))
+                else:
+                    acc += tl.dot(x, tl.trans(w))
             else:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="tf32")
-        tl.store(Y + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+                # float32 operands: half-precision activations are exact in TF32, and the decoded
+                # weights keep more bits there than a round to bf16 would
+                x = x.to(tl.float32)
+                if W_FIRST:
+                    if IEEE:
+                        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                    else:
+                        acc += tl.dot(w, tl.trans(x), input_precision="tf32")
+                else:
+                    if IEEE:
+                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                    else:
+                        acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+        out = Y + pid_k * stride_ys
+        if W_FIRST:
+            tl.store(out + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
+                     mask=mask_n[:, None] & mask_m[None, :])
+        else:
+            tl.store(out + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_n[None, :])
 
 
 @functools.cache
@@ -115,7 +161,36 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, block_k: int = 64) -> int:
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """How the kernel walks one weight: tile sizes, launch shape and the unpacking / product form.
+    Chosen from the weight's shape and format only (`tile_config`), never from M, so a row's sum
+    runs in the same order in a decode step, a verify pass or a batch."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    unpack_words: bool = True  # load whole words and split them (bits 2/4/8 only)
+    w_first: bool = True  # W as the product's left operand: y^T = W x^T (the 16 rows are the narrow side)
+    half_dot: bool = False  # multiply in the activations' dtype (bf16/fp16) instead of TF32
+
+    def fits(self, bits: int, group_size: int, dtype: torch.dtype) -> "TileConfig":
+        """This config with what the format or dtype cannot use turned off."""
+        words = self.unpack_words and 32 % bits == 0 and self.block_k % group_size == 0
+        half = self.half_dot and dtype in (torch.float16, torch.bfloat16)
+        return dataclasses.replace(self, unpack_words=words, half_dot=half)
+
+
+DEFAULT_TILES = TileConfig()
+
+
+def tile_config(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype) -> TileConfig:
+    """The tile configuration for a weight [n, k] of `bits` and `group_size` (not M-dependent)."""
+    return DEFAULT_TILES.fits(bits, group_size, dtype)
+
+
+def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, block_k: int = 128) -> int:
     """Slices of K per output tile, so that a matrix with few output tiles still spreads over
     every multiprocessor (about two programs each); a power of two. It depends on the weight's
     shape and the device only, never on M: decode and verify passes sum in the same order."""
@@ -127,8 +202,8 @@ def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, blo
 
 
 def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                   bits: int, group_size: int, zero_point: bool = False, block_n: int = 64,
-                   block_k: int = 64, split_k: int | None = None) -> torch.Tensor:
+                   bits: int, group_size: int, zero_point: bool = False, split_k: int | None = None,
+                   tiles: TileConfig | None = None) -> torch.Tensor:
     """x [M, K] (float32, float16 or bfloat16); packed [N, W] int32; scales, offsets
     [N, K/group_size] -> y [M, N] in x's dtype, accumulated in float32. With split_k > 1 (default:
     `default_split_k`) each slice of K writes float32 partial sums, added in a fixed order."""
@@ -142,14 +217,16 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     if packed.dtype != torch.int32:
         packed = packed.view(torch.int32)
     x, packed, scales, offsets = x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
-    split_k = split_k or default_split_k(n, k, x.device, block_n, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    cfg = (tiles or tile_config(n, k, bits, group_size, x.dtype)).fits(bits, group_size, x.dtype)
+    split_k = split_k or default_split_k(n, k, x.device, cfg.block_n, cfg.block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
     y = torch.empty(split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, BLOCK_M))
+    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, BLOCK_M))
     _dequant_matmul_kernel[grid](x, packed, scales, offsets, y, m, n,
                                  x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
                                  K=k, K_PER_SPLIT=k_per_split, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
-                                 IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
-                                 BLOCK_N=block_n, BLOCK_K=block_k)
+                                 IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
+                                 BLOCK_K=cfg.block_k, UNPACK_WORDS=cfg.unpack_words, W_FIRST=cfg.w_first,
+                                 HALF_DOT=cfg.half_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)

@@ -1,0 +1,169 @@
+"""On the lent GPU: the fused dequant-matmul's forms and tile sizes swept over the Qwen3-8B layer
+shapes, each timed under a CUDA graph (as the engine runs it: no launch overhead in the number)
+against a bf16 F.linear of the same shape. Chooses, per bits, the configuration with the least
+summed time over one decode step's layers at M = 1, reports its GB/s and the implied decode
+step, and checks every timed configuration against the torch reference.
+
+  python3 scripts/gpu_quant_tiles.py [--out DIR] [--quick]
+
+The table printed last is what `quant_matmul.tile_config` should be set to (the choice may not
+depend on M: each row's sum must run in the same order in decode and verify passes).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verispec.kernels import quant_matmul as qm  # noqa: E402
+from verispec.quant import mlx_affine  # noqa: E402
+
+# Qwen3-8B: merged qkv, o, merged gate_up, down (x 36 layers), lm_head (x 1)
+LAYERS = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
+          ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1)]
+
+
+def graph_time_us(fn, reps: int = 20, iters: int = 10) -> float:
+    """Median time of one call, measured as a CUDA graph of `reps` calls replayed `iters` times."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+class Layer:
+    def __init__(self, n: int, k: int, bits: int, group: int = 64):
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        self.n, self.k, self.bits, self.group = n, k, bits, group
+        self.packed, self.scales, self.biases = mlx_affine.quantize(weight, mlx_affine.AffineSpec(bits, group))
+        self.weight = weight
+        self.bytes = self.packed.numel() * 4 + self.scales.numel() * self.scales.element_size() * 2
+
+    def run(self, x, tiles):
+        return qm.dequant_matmul(x, self.packed, self.scales, self.biases, self.bits, self.group, tiles=tiles)
+
+    def error(self, x, tiles) -> float:
+        y = self.run(x, tiles).double()
+        ref = qm.dequant_matmul_reference(x.double(), self.packed, self.scales, self.biases, self.bits, self.group)
+        return float((y - ref).norm() / ref.norm())
+
+
+def forms():
+    for words, first, half in itertools.product((True, False), (True, False), (True, False)):
+        yield qm.TileConfig(unpack_words=words, w_first=first, half_dot=half)
+
+
+def tile_grid(form: qm.TileConfig, quick: bool):
+    block_n = (32, 64, 128)
+    block_k = (128, 256) if quick else (64, 128, 256, 512)
+    warps = (4, 8)
+    stages = (2, 4) if quick else (1, 2, 3, 4)
+    for bn, bk, w, s in itertools.product(block_n, block_k, warps, stages):
+        yield dataclasses.replace(form, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+
+
+def time_config(layers, tiles, ms=(1,)) -> dict | None:
+    """Summed decode-step time of one configuration over the model's layers, or None if it fails."""
+    total, per_layer = {m: 0.0 for m in ms}, {}
+    try:
+        for name, n, k, count in LAYERS:
+            layer = layers[(n, k)]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                err = layer.error(x, tiles)
+                if not err < 2e-2:
+                    print(f"  {tiles}: {name} M={m} relative error {err:.2e}: rejected", flush=True)
+                    return None
+                t = graph_time_us(lambda: layer.run(x, tiles))
+                per_layer[f"{name} M={m}"] = t
+                total[m] += t * count
+    except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
+        print(f"  {tiles}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        return None
+    return {"tiles": dataclasses.asdict(tiles), "step_us": total, "per_layer_us": per_layer}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="a smaller tile grid")
+    parser.add_argument("--budget-s", type=float, default=300, help="stop sweeping tiles after this long")
+    args = parser.parse_args()
+    began = time.time()
+    result = {"device": torch.cuda.get_device_name(), "bits": {}}
+    bf16 = {}
+    for name, n, k, count in LAYERS:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16[f"{name} M={m}"] = graph_time_us(lambda: F.linear(x, w))
+        del w
+    bf16_step = sum(bf16[f"{name} M=1"] * count for name, n, k, count in LAYERS)
+    result["bf16_per_layer_us"], result["bf16_step_us"] = bf16, bf16_step
+    print(f"bf16 F.linear step (M=1): {bf16_step:.0f} us", flush=True)
+    for bits in (4, 8):
+        layers = {(n, k): Layer(n, k, bits) for _, n, k, _ in LAYERS}
+        weight_bytes = sum(layers[(n, k)].bytes * count for _, n, k, count in LAYERS)
+        rows = []
+        for form in forms():
+            row = time_config(layers, form, ms=(1, 4, 16))
+            if row:
+                rows.append(row)
+                print(f"{bits}-bit form {form}: step M=1 {row['step_us'][1]:.0f} us, M=4 {row['step_us'][4]:.0f}, "
+                      f"M=16 {row['step_us'][16]:.0f}", flush=True)
+        best_form = min(rows, key=lambda r: r["step_us"][1])
+        form = qm.TileConfig(**best_form["tiles"])
+        sweep = []
+        for tiles in tile_grid(form, args.quick):
+            if time.time() - began > args.budget_s * (1 if bits == 8 else 0.5):
+                print("  tile sweep stopped: time budget", flush=True)
+                break
+            row = time_config(layers, tiles)
+            if row:
+                sweep.append(row)
+        best = min(sweep + [best_form], key=lambda r: r["step_us"][1])
+        final = time_config(layers, qm.TileConfig(**best["tiles"]), ms=(1, 4, 16))
+        result["bits"][bits] = {"forms": rows, "sweep": sweep, "best": final, "weight_bytes": weight_bytes}
+        del layers
+    print("\n| bits | best tiles | step us M=1 | M=4 | M=16 | GB/s M=1 | vs bf16 F.linear step |")
+    print("|---|---|---|---|---|---|---|")
+    for bits, r in result["bits"].items():
+        b = r["best"]
+        t = b["tiles"]
+        desc = (f"n{t['block_n']} k{t['block_k']} w{t['num_warps']} s{t['num_stages']} words{int(t['unpack_words'])} "
+                f"wfirst{int(t['w_first'])} half{int(t['half_dot'])}")
+        print(f"| {bits} | {desc} | {b['step_us'][1]:.0f} | {b['step_us'][4]:.0f} | {b['step_us'][16]:.0f} | "
+              f"{r['weight_bytes'] / b['step_us'][1] / 1e3:.0f} | {bf16_step / b['step_us'][1]:.2f}x |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "quant_tiles.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
