@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import sys
 import time
@@ -74,18 +73,34 @@ class Layer:
         return float((y - ref).norm() / ref.norm())
 
 
-def forms():
-    for words, first, half in itertools.product((True, False), (True, False), (True, False)):
-        yield qm.TileConfig(unpack_words=words, w_first=first, half_dot=half)
+FAMILIES = {
+    # tensor-core tile (tl.dot) with whole-word unpacking, both operand orders
+    "dot": qm.TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, unpack_words=True, w_first=True,
+                         half_dot=True),
+    # CUDA-core products, the decoded weights stay in registers
+    "fma": qm.TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=2, fma_rows=4),
+}
+AXES = {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256, 512), "num_warps": (2, 4, 8),
+        "num_stages": (1, 2, 3, 4), "w_first": (True, False)}
 
 
-def tile_grid(form: qm.TileConfig, quick: bool):
-    block_n = (32, 64, 128)
-    block_k = (128, 256) if quick else (64, 128, 256, 512)
-    warps = (4, 8)
-    stages = (2, 4) if quick else (1, 2, 3, 4)
-    for bn, bk, w, s in itertools.product(block_n, block_k, warps, stages):
-        yield dataclasses.replace(form, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+def descend(layers, start: qm.TileConfig, deadline: float, family: str) -> dict:
+    """Coordinate descent from `start` over AXES on the summed M=1 step time."""
+    best = time_config(layers, start)
+    improved = True
+    while improved and time.time() < deadline:
+        improved = False
+        for axis, values in AXES.items():
+            if family == "fma" and axis == "w_first":
+                continue
+            for value in values:
+                if time.time() > deadline or value == getattr(qm.TileConfig(**best["tiles"]), axis):
+                    continue
+                row = time_config(layers, dataclasses.replace(qm.TileConfig(**best["tiles"]), **{axis: value}))
+                if row and row["step_us"][1] < best["step_us"][1] * 0.98:
+                    print(f"  {family}: {axis}={value}: {row['step_us'][1]:.0f} us", flush=True)
+                    best, improved = row, True
+    return best
 
 
 def time_config(layers, tiles, ms=(1,)) -> dict | None:
@@ -100,6 +115,8 @@ def time_config(layers, tiles, ms=(1,)) -> dict | None:
                 if not err < 2e-2:
                     print(f"  {tiles}: {name} M={m} relative error {err:.2e}: rejected", flush=True)
                     return None
+                if m > 1 and not torch.equal(layer.run(x[:1], tiles)[0], layer.run(x, tiles)[0]):
+                    print(f"  {tiles}: {name} row 0 alone != row 0 of {m} rows (sum order depends on M)", flush=True)
                 t = graph_time_us(lambda: layer.run(x, tiles))
                 per_layer[f"{name} M={m}"] = t
                 total[m] += t * count
@@ -130,26 +147,22 @@ def main() -> None:
     for bits in (4, 8):
         layers = {(n, k): Layer(n, k, bits) for _, n, k, _ in LAYERS}
         weight_bytes = sum(layers[(n, k)].bytes * count for _, n, k, count in LAYERS)
-        rows = []
-        for form in forms():
-            row = time_config(layers, form, ms=(1, 4, 16))
-            if row:
-                rows.append(row)
-                print(f"{bits}-bit form {form}: step M=1 {row['step_us'][1]:.0f} us, M=4 {row['step_us'][4]:.0f}, "
-                      f"M=16 {row['step_us'][16]:.0f}", flush=True)
-        best_form = min(rows, key=lambda r: r["step_us"][1])
-        form = qm.TileConfig(**best_form["tiles"])
-        sweep = []
-        for tiles in tile_grid(form, args.quick):
-            if time.time() - began > args.budget_s * (1 if bits == 8 else 0.5):
-                print("  tile sweep stopped: time budget", flush=True)
-                break
-            row = time_config(layers, tiles)
-            if row:
-                sweep.append(row)
-        best = min(sweep + [best_form], key=lambda r: r["step_us"][1])
-        final = time_config(layers, qm.TileConfig(**best["tiles"]), ms=(1, 4, 16))
-        result["bits"][bits] = {"forms": rows, "sweep": sweep, "best": final, "weight_bytes": weight_bytes}
+        found = {}
+        for family, start in FAMILIES.items():
+            deadline = began + args.budget_s * (0.25, 0.5, 0.75, 1.0)[(bits == 8) * 2 + (family == "fma")]
+            best = descend(layers, start, deadline, family)
+            found[family] = time_config(layers, qm.TileConfig(**best["tiles"]), ms=(1, 4, 16))
+            if family == "fma":  # the rows per program, at the descended tiles
+                for rows in (1, 2):
+                    row = time_config(layers, dataclasses.replace(qm.TileConfig(**best["tiles"]), fma_rows=rows),
+                                      ms=(1, 4, 16))
+                    if row:
+                        found[f"fma rows {rows}"] = row
+            for name, row in found.items():
+                print(f"{bits}-bit {name}: {row['tiles']}: step M=1 {row['step_us'][1]:.0f} us, "
+                      f"M=4 {row['step_us'][4]:.0f}, M=16 {row['step_us'][16]:.0f}", flush=True)
+        result["bits"][bits] = {"found": found, "weight_bytes": weight_bytes,
+                                "best": min(found.values(), key=lambda r: r["step_us"][1] + r["step_us"][4] / 4)}
         del layers
     print("\n| bits | best tiles | step us M=1 | M=4 | M=16 | GB/s M=1 | vs bf16 F.linear step |")
     print("|---|---|---|---|---|---|---|")
@@ -157,7 +170,7 @@ def main() -> None:
         b = r["best"]
         t = b["tiles"]
         desc = (f"n{t['block_n']} k{t['block_k']} w{t['num_warps']} s{t['num_stages']} words{int(t['unpack_words'])} "
-                f"wfirst{int(t['w_first'])} half{int(t['half_dot'])}")
+                f"wfirst{int(t['w_first'])} half{int(t['half_dot'])} fma{t['fma_rows']}")
         print(f"| {bits} | {desc} | {b['step_us'][1]:.0f} | {b['step_us'][4]:.0f} | {b['step_us'][16]:.0f} | "
               f"{r['weight_bytes'] / b['step_us'][1] / 1e3:.0f} | {bf16_step / b['step_us'][1]:.2f}x |")
     if args.out:

@@ -32,6 +32,7 @@ except ImportError:  # CPU-only installs: the layers dequantize with torch inste
     tl = None
 
 BLOCK_M = 16  # rows per tile: tl.dot's smallest, and a decode or verify pass fits in one
+FMA_MAX_ROWS = 16  # passes up to this many rows may take the CUDA-core kernel (TileConfig.fma_rows)
 FUSED_MAX_ROWS = 128  # passes up to this many rows take the kernel (a guess until measured on GPU)
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -156,6 +157,75 @@ if triton is not None:
                      mask=mask_m[:, None] & mask_n[None, :])
 
 
+    @triton.jit
+    def _dequant_gemv_kernel(X, WQ, S, O, Y, M, N,
+                             stride_xm, stride_wn, stride_sn, stride_ys, stride_ym, K: tl.constexpr,
+                             K_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                             ZERO_POINT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """Few rows (decode / verify): products and sums on the CUDA cores, no tensor-core tile, so
+        the decoded weights never leave the registers. Power-of-two bits only. Each of the ROWS
+        rows of a program runs the same code with its own accumulator, so a row's sum does not
+        depend on the other rows of the pass."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        PER_WORD: tl.constexpr = 32 // BITS
+        WORDS: tl.constexpr = BLOCK_K // PER_WORD
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows_w = WQ + offs_n[:, None].to(tl.int64) * stride_wn
+        rows_s = offs_n[:, None].to(tl.int64) * stride_sn
+        slot = tl.arange(0, PER_WORD)
+        shifts = (slot * BITS).to(tl.uint32)
+        row0 = pid_m * ROWS
+        acc0 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            k_start = pid_k * K_PER_SPLIT + k0
+            word = k_start // PER_WORD + tl.arange(0, WORDS)
+            wmask = mask_n[:, None] & (word < K // PER_WORD)[None, :]
+            words = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+            q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            # integer to float by the exponent trick (2**23 + q, exact), cheaper than a conversion
+            q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            group = (word * PER_WORD) // GROUP
+            s = tl.load(S + rows_s + group[None, :], mask=wmask, other=0.0).to(tl.float32)[:, :, None]
+            o = tl.load(O + rows_s + group[None, :], mask=wmask, other=0.0).to(tl.float32)[:, :, None]
+            if ZERO_POINT:
+                w = (q - o) * s
+            else:
+                w = q * s + o
+            kk = word[:, None] * PER_WORD + slot[None, :]  # [WORDS, PER_WORD]
+            kmask = kk < K
+            x = tl.load(X + row0 * stride_xm + kk, mask=kmask & (row0 < M), other=0.0).to(tl.float32)
+            acc0 += tl.sum(w * x[None, :, :], axis=2)
+            # rows past M are skipped at run time: a decode step costs one row's products
+            if ROWS > 1:
+                if row0 + 1 < M:
+                    x = tl.load(X + (row0 + 1) * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+                    acc1 += tl.sum(w * x[None, :, :], axis=2)
+            if ROWS > 2:
+                if row0 + 2 < M:
+                    x = tl.load(X + (row0 + 2) * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+                    acc2 += tl.sum(w * x[None, :, :], axis=2)
+                if row0 + 3 < M:
+                    x = tl.load(X + (row0 + 3) * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+                    acc3 += tl.sum(w * x[None, :, :], axis=2)
+        out = Y + pid_k * stride_ys + offs_n
+        tl.store(out + row0 * stride_ym, tl.sum(acc0, axis=1).to(Y.dtype.element_ty), mask=mask_n & (row0 < M))
+        if ROWS > 1:
+            tl.store(out + (row0 + 1) * stride_ym, tl.sum(acc1, axis=1).to(Y.dtype.element_ty),
+                     mask=mask_n & (row0 + 1 < M))
+        if ROWS > 2:
+            tl.store(out + (row0 + 2) * stride_ym, tl.sum(acc2, axis=1).to(Y.dtype.element_ty),
+                     mask=mask_n & (row0 + 2 < M))
+            tl.store(out + (row0 + 3) * stride_ym, tl.sum(acc3, axis=1).to(Y.dtype.element_ty),
+                     mask=mask_n & (row0 + 3 < M))
+
+
 @functools.cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -174,12 +244,14 @@ class TileConfig:
     unpack_words: bool = True  # load whole words and split them (bits 2/4/8 only)
     w_first: bool = True  # W as the product's left operand: y^T = W x^T (the 16 rows are the narrow side)
     half_dot: bool = False  # multiply in the activations' dtype (bf16/fp16) instead of TF32
+    fma_rows: int = 0  # > 0: passes up to FMA_MAX_ROWS rows take the CUDA-core kernel, this many rows a program (1, 2 or 4)
 
     def fits(self, bits: int, group_size: int, dtype: torch.dtype) -> "TileConfig":
         """This config with what the format or dtype cannot use turned off."""
         words = self.unpack_words and 32 % bits == 0 and self.block_k % group_size == 0
         half = self.half_dot and dtype in (torch.float16, torch.bfloat16)
-        return dataclasses.replace(self, unpack_words=words, half_dot=half)
+        fma = self.fma_rows if 32 % bits == 0 and group_size % (32 // bits) == 0 else 0
+        return dataclasses.replace(self, unpack_words=words, half_dot=half, fma_rows=fma)
 
 
 DEFAULT_TILES = TileConfig()
@@ -222,6 +294,14 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
     y = torch.empty(split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    if cfg.fma_rows and m <= FMA_MAX_ROWS:
+        grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.fma_rows))
+        _dequant_gemv_kernel[grid](x, packed, scales, offsets, y, m, n,
+                                   x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
+                                   K=k, K_PER_SPLIT=k_per_split, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
+                                   ROWS=cfg.fma_rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, BLOCK_M))
     _dequant_matmul_kernel[grid](x, packed, scales, offsets, y, m, n,
                                  x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
