@@ -4,7 +4,7 @@ against a bf16 F.linear of the same shape. Chooses, per bits, the configuration 
 summed time over one decode step's layers at M = 1, reports its GB/s and the implied decode
 step, and checks every timed configuration against the torch reference.
 
-  python3 scripts/gpu_quant_tiles.py [--out DIR] [--quick]
+  python3 scripts/gpu_quant_tiles.py [--out DIR] [--families slots,dot,fma] [--budget-s S]
 
 The table printed last is what `quant_matmul.tile_config` should be set to (the choice may not
 depend on M: each row's sum must run in the same order in decode and verify passes).
@@ -79,8 +79,10 @@ FAMILIES = {
                          half_dot=True),
     # CUDA-core products, the decoded weights stay in registers
     "fma": qm.TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=2, fma_rows=4),
+    # tensor-core tile per bit slot of the words (no reshape); block_k set per bits below
+    "slots": qm.TileConfig(block_n=64, num_warps=4, num_stages=3, slots=True, w_first=True, half_dot=True),
 }
-AXES = {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256, 512), "num_warps": (2, 4, 8),
+AXES = {"block_n": (32, 64, 128, 256), "block_k": (128, 256, 512, 1024), "num_warps": (2, 4, 8),
         "num_stages": (1, 2, 3, 4), "w_first": (True, False)}
 
 
@@ -129,7 +131,7 @@ def time_config(layers, tiles, ms=(1,)) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="a smaller tile grid")
+    parser.add_argument("--families", default="slots,dot,fma", help="which kernel forms to descend from")
     parser.add_argument("--budget-s", type=float, default=300, help="stop sweeping tiles after this long")
     args = parser.parse_args()
     began = time.time()
@@ -148,8 +150,13 @@ def main() -> None:
         layers = {(n, k): Layer(n, k, bits) for _, n, k, _ in LAYERS}
         weight_bytes = sum(layers[(n, k)].bytes * count for _, n, k, count in LAYERS)
         found = {}
-        for family, start in FAMILIES.items():
-            deadline = began + args.budget_s * (0.25, 0.5, 0.75, 1.0)[(bits == 8) * 2 + (family == "fma")]
+        families = args.families.split(",")
+        for index, family in enumerate(families):
+            start = FAMILIES[family]
+            if family == "slots":
+                start = dataclasses.replace(start, block_k=qm.WORDS_PER_TILE * 32 // bits)
+            share = ((bits == 8) * len(families) + index + 1) / (2 * len(families))
+            deadline = began + args.budget_s * share
             best = descend(layers, start, deadline, family)
             found[family] = time_config(layers, qm.TileConfig(**best["tiles"]), ms=(1, 4, 16))
             if family == "fma":  # the rows per program, at the descended tiles
@@ -176,6 +183,9 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "quant_tiles.json").write_text(json.dumps(result, indent=1))
+        # for VERISPEC_QUANT_TILES (per bits)
+        (Path(args.out) / "best_tiles.json").write_text(json.dumps(
+            {bits: r["best"]["tiles"] for bits, r in result["bits"].items()}))
 
 
 if __name__ == "__main__":

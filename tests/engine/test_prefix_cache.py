@@ -68,17 +68,21 @@ def test_allocator_shares_keeps_and_evicts_least_recent_first():
 # ---- engine identity -------------------------------------------------------------------------------
 def prompt_set(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
     """A 37-token shared prefix (2 full blocks + 5) and prompts over it: a hit ending mid-prompt
-    after 2 blocks, one sharing exactly 2 blocks, a repeat of the first (its hit capped one token
-    short), and one sharing nothing."""
+    after 2 blocks, one of exactly 3 blocks sharing 2, one sharing exactly 2 blocks, a repeat of
+    the first (its hit capped one token short), one sharing nothing, and a repeat of the 3-block
+    prompt (a hit of the whole prompt: its last block copied and its last token recomputed where
+    the cache allows that, else capped a block short)."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     base = ids(37)
     a = base + ids(6)
-    return base, [a, base + ids(9), base[:2 * BLOCK] + ids(4), list(a), ids(21)]
+    aligned = base + ids(3 * BLOCK - 37)
+    return base, [a, aligned, base[:2 * BLOCK] + ids(4), list(a), ids(21), list(aligned)]
 
 
-def expected_hits(prompts: list[list[int]]) -> list[int]:
-    return [0, 2 * BLOCK, 2 * BLOCK, (len(prompts[0]) - 1) // BLOCK * BLOCK, 0]
+def expected_hits(prompts: list[list[int]], whole_prompt_hits: bool) -> list[int]:
+    repeat_aligned = len(prompts[1]) - 1 if whole_prompt_hits else len(prompts[1]) - BLOCK
+    return [0, 2 * BLOCK, 2 * BLOCK, (len(prompts[0]) - 1) // BLOCK * BLOCK, 0, repeat_aligned]
 
 
 PARAMS = [
@@ -87,6 +91,7 @@ PARAMS = [
     SamplingParams(max_tokens=NEW, temperature=0.8, top_k=30, seed=11, ignore_eos=True),
     SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2),
     SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2),
 ]
 
 
@@ -120,11 +125,12 @@ def check_hits_change_nothing(base: Engine, make_proposer, k: int, label: str, s
         assert (g.stats.drafted, g.stats.accepted) == (w.stats.drafted, w.stats.accepted), f"{label}: request {i}"
         if PARAMS[i].logprobs:
             assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-9)
-    assert [g.stats.cached_tokens for g in got] == expected_hits(prompts), label
+    hits = expected_hits(prompts, warm.prefix.whole_prompt_hits)
+    assert [g.stats.cached_tokens for g in got] == hits, label
     assert all(w.stats.cached_tokens == 0 for w in want)
     assert warm.blocks.num_used == 0 and warm.blocks.num_cached > 0, f"{label}: blocks leaked"
     stats = warm.prefix.stats
-    assert stats.hits == 3 and stats.hit_tokens == sum(expected_hits(prompts))
+    assert stats.hits == 4 and stats.hit_tokens == sum(hits)
 
 
 def eagle3_for(engine: Engine, directory):

@@ -73,17 +73,20 @@ def test_split_k_matches_reference(split_k, dtype):
 
 TILE_VARIANTS = ([kernel.TileConfig(unpack_words=u, w_first=f, half_dot=h, block_k=bk)
                   for u in (True, False) for f in (True, False) for h in (True, False) for bk in (128, 256)]
-                 + [kernel.TileConfig(fma_rows=r, block_k=bk) for r in (1, 2, 4) for bk in (64, 256)])
+                 + [kernel.TileConfig(fma_rows=r, block_k=bk) for r in (1, 2, 4) for bk in (64, 256)]
+                 + [kernel.TileConfig(slots=True, w_first=f, half_dot=h, block_k=bk)
+                    for f in (True, False) for h in (True, False) for bk in (64, 256)])
 
 
 @pytest.mark.parametrize("tiles", TILE_VARIANTS, ids=lambda t: f"words{int(t.unpack_words)}-wfirst{int(t.w_first)}"
-                                                           f"-half{int(t.half_dot)}-fma{t.fma_rows}-k{t.block_k}")
+                                                           f"-half{int(t.half_dot)}-slots{int(t.slots)}-fma{t.fma_rows}-k{t.block_k}")
 @pytest.mark.parametrize("bits,group,zero_point", [(4, 64, False), (8, 32, True), (2, 128, False), (3, 64, False)])
 def test_every_tile_form_matches_reference(tiles, bits, group, zero_point):
     """Each unpacking / operand-order / product-dtype form the tile sweep may pick, with a
     partial last K tile (K = 384) and split-K, in float32 and bf16 (half_dot applies to bf16 only)."""
     if tiles.half_dot and DEVICE == "cpu":
-        pytest.skip("Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16): checked on CUDA")
+        pytest.skip("Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16; dequant_matmul "
+                    "turns half_dot off there): checked on CUDA")
     n, k, m = 72, 384, 5
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
         packed, scales, offsets = random_operands(n, k, bits, group, zero_point, dtype, bits + group)

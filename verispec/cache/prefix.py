@@ -6,8 +6,10 @@ own token ids, so equal hashes mean equal tokens at equal positions from the sta
 nothing else). Every full, committed block of every sequence is registered under its hash in the
 `BlockAllocator`, which keeps blocks nobody holds until their memory is needed (LRU).
 
-A hit of M tokens (whole blocks; at least one prompt token is always computed, since the next
-token needs its logits) shares those blocks and starts the prefill at position M. Two things are
+A hit of M tokens (whole blocks) shares those blocks and starts the prefill at position M. At
+least one prompt token is always computed, since the next token needs its logits: a hit that
+covers the whole prompt copies its last block and recomputes just the prompt's last token there
+(`whole_prompt_hits`; hybrid models and feature-keeping drafters stop a block short instead). Two things are
 not K/V and are kept beside the blocks:
 
 - Recurrent state (Gated DeltaNet layers of Qwen3.5/3.6). It cannot be rebuilt from K/V, so it is
@@ -62,7 +64,7 @@ class TargetFeatures:
 @dataclass
 class PrefixHit:
     blocks: list[int]  # the sequence's first blocks (the last one a private copy when `copied`)
-    num_tokens: int  # positions reused: len(blocks) * block_size
+    num_tokens: int  # positions reused: len(blocks) * block_size (one less when the hit covers the whole prompt)
     snapshot_slot: int | None = None  # recurrent state after num_tokens positions (hybrid models)
     features: TargetFeatures | None = None  # the target's outputs at position num_tokens - 1 (drafters)
 
@@ -99,9 +101,20 @@ class PrefixCache:
         return len(self._snapshots)
 
     # ---- admission ----------------------------------------------------------------------------------
+    @property
+    def whole_prompt_hits(self) -> bool:
+        """A prompt cached to its last token may hit all its blocks: its last block is then copied
+        and only the last token computed (one decode-sized pass instead of a block of prefill).
+        Not on hybrid models (the recurrent state is snapshotted at block edges only) nor with a
+        drafter that keeps features (they are kept at block edges only)."""
+        return not self.hybrid and not self.keep_features
+
     def hit_blocks(self, seq) -> int:
-        """Whole blocks a hit may cover: at least one prompt token is always computed (the next
-        token needs its logits)."""
+        """Whole blocks a hit may cover. At least one prompt token is always computed (the next
+        token needs its logits): either the hit stops a block short of the prompt's last token, or
+        (`whole_prompt_hits`) it covers the prompt and the scheduler recomputes the last token."""
+        if self.whole_prompt_hits:
+            return seq.prefill_target // self.block_size
         return max(seq.prefill_target - 1, 0) // self.block_size
 
     def _registered_run(self, hashes: list[bytes]) -> list[int]:

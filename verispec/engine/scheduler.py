@@ -154,18 +154,26 @@ class Scheduler:
         if self.prefix is None or seq.block_table:
             return
         hit = self.prefix.match(seq)
-        if hit is not None and self.prefix.keep_features:
-            # the drafter rewrites its row at the hit's last position: that block becomes private
-            if self.blocks.num_free == 0:
-                self.blocks.free(hit.blocks)
-                hit = None
-            else:
+        whole = hit is not None and hit.num_tokens >= seq.prefill_target
+        if hit is not None and (self.prefix.keep_features or whole):
+            # the hit's last block is rewritten (the drafter's row at its last position, or the
+            # prompt's last token): that block becomes a private copy
+            if self.blocks.num_free > 0:
                 [copy] = self.blocks.allocate(1)
                 self.on_copy(hit.blocks[-1], copy)
                 self.blocks.free([hit.blocks[-1]])
                 hit.blocks[-1] = copy
+            elif whole and len(hit.blocks) > 1:  # no block to copy into: stop the hit a block short
+                self.blocks.free([hit.blocks.pop()])
+                hit.num_tokens -= self.blocks.block_size
+                whole = False
+            else:
+                self.blocks.free(hit.blocks)
+                hit = None
         if hit is None:
             return
+        if whole:
+            hit.num_tokens = seq.prefill_target - 1  # the last token is computed again, in the copy
         seq.block_table = list(hit.blocks)
         seq.num_cached = hit.num_tokens
         seq.num_registered = len(hit.blocks)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 
 import torch
 
@@ -67,7 +69,7 @@ if triton is not None:
                                K_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                                ZERO_POINT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK_WORDS: tl.constexpr,
-                               W_FIRST: tl.constexpr, HALF_DOT: tl.constexpr):
+                               W_FIRST: tl.constexpr, HALF_DOT: tl.constexpr, SLOTS: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)  # which slice of K (split-K); each writes its own partial sums
         pid_m = tl.program_id(2)
@@ -81,73 +83,118 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            k_start = pid_k * K_PER_SPLIT + k0
-            k = k_start + tl.arange(0, BLOCK_K)
-            mask_k = k < K
-            x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if UNPACK_WORDS:
-                # power-of-two bits: no value crosses a word, so load each word once (contiguous)
-                # and split it into its 32/BITS values; the group's scale and offset are loaded
-                # once per group and broadcast over its columns
-                PER_WORD: tl.constexpr = 32 // BITS
-                word = k_start // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-                words = tl.load(rows_w + word[None, :], mask=mask_n[:, None] & (word < K // PER_WORD)[None, :],
-                                other=0).to(tl.uint32, bitcast=True)
-                shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
-                q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-                q = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // GROUP, GROUP])
-                group = k_start // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                gmask = mask_n[:, None] & (group < K // GROUP)[None, :]
-                s = tl.load(S + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-                o = tl.load(O + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-                if ZERO_POINT:
-                    w = tl.reshape((q - o) * s, [BLOCK_N, BLOCK_K])
-                else:
-                    w = tl.reshape(q * s + o, [BLOCK_N, BLOCK_K])
-            else:
-                wmask = mask_n[:, None] & mask_k[None, :]
-                bit = k * BITS
-                word = bit // 32
-                shift = (bit % 32).to(tl.uint32)
-                lo = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
-                q = lo >> shift[None, :]
-                if 32 % BITS != 0:
-                    # values that cross into the next word take their high bits from it
-                    crosses = (shift + BITS) > 32
-                    hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
-                    hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
-                    q = tl.where(crosses[None, :], q | hi, q)
-                q = (q & ((1 << BITS) - 1)).to(tl.float32)
-                group = (k // GROUP)[None, :]
-                s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-                o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-                if ZERO_POINT:
-                    w = (q - o) * s
-                else:
-                    w = q * s + o
-            if HALF_DOT:
-                # half-precision activations with the decoded weight rounded to their dtype
-                w = w.to(X.dtype.element_ty)
-                if W_FIRST:
-                    acc += tl.dot(w, tl.trans(x))
-                else:
-                    acc += tl.dot(x, tl.trans(w))
-            else:
-                # float32 operands: half-precision activations are exact in TF32, and the decoded
-                # weights keep more bits there than a round to bf16 would
-                x = x.to(tl.float32)
-                if W_FIRST:
-                    if IEEE:
-                        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        if SLOTS:
+            # power-of-two bits, one product per bit slot: slot i of every word of the tile holds
+            # columns 8w+i (4 bits), so the slot's values form a [BLOCK_N, WORDS] operand in the
+            # words' own layout (unpacking is elementwise: no reshape, and the packed words, not
+            # the decoded values, are what the product's operand layout is converted from);
+            # the activations' matching columns are a strided load
+            PER_WORD: tl.constexpr = 32 // BITS
+            WORDS: tl.constexpr = BLOCK_K // PER_WORD
+            for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+                word = (pid_k * K_PER_SPLIT + k0) // PER_WORD + tl.arange(0, WORDS)
+                wmask = mask_n[:, None] & (word < K // PER_WORD)[None, :]
+                words = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+                group = (word * PER_WORD) // GROUP  # a word's values share a group (GROUP % PER_WORD == 0)
+                s = tl.load(S + rows_s + group[None, :], mask=wmask, other=0.0).to(tl.float32)
+                o = tl.load(O + rows_s + group[None, :], mask=wmask, other=0.0).to(tl.float32)
+                for i in tl.static_range(PER_WORD):
+                    q = (words >> (i * BITS)) & ((1 << BITS) - 1)
+                    # integer to float by the exponent trick (2**23 + q, exact): no conversion unit
+                    q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    if ZERO_POINT:
+                        w = (q - o) * s
                     else:
-                        acc += tl.dot(w, tl.trans(x), input_precision="tf32")
-                else:
-                    if IEEE:
-                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                        w = q * s + o
+                    col = word * PER_WORD + i
+                    x = tl.load(X + offs_m[:, None] * stride_xm + col[None, :],
+                                mask=mask_m[:, None] & (col < K)[None, :], other=0.0)
+                    if HALF_DOT:
+                        w = w.to(X.dtype.element_ty)
+                        if W_FIRST:
+                            acc += tl.dot(w, tl.trans(x))
+                        else:
+                            acc += tl.dot(x, tl.trans(w))
                     else:
-                        acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+                        x = x.to(tl.float32)
+                        if W_FIRST:
+                            if IEEE:
+                                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                            else:
+                                acc += tl.dot(w, tl.trans(x), input_precision="tf32")
+                        else:
+                            if IEEE:
+                                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                            else:
+                                acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+        else:
+            for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+                k_start = pid_k * K_PER_SPLIT + k0
+                k = k_start + tl.arange(0, BLOCK_K)
+                mask_k = k < K
+                x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :],
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                if UNPACK_WORDS:
+                    # power-of-two bits: no value crosses a word, so load each word once (contiguous)
+                    # and split it into its 32/BITS values; the group's scale and offset are loaded
+                    # once per group and broadcast over its columns
+                    PER_WORD: tl.constexpr = 32 // BITS
+                    word = k_start // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+                    words = tl.load(rows_w + word[None, :], mask=mask_n[:, None] & (word < K // PER_WORD)[None, :],
+                                    other=0).to(tl.uint32, bitcast=True)
+                    shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
+                    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+                    q = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+                    group = k_start // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                    gmask = mask_n[:, None] & (group < K // GROUP)[None, :]
+                    s = tl.load(S + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+                    o = tl.load(O + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+                    if ZERO_POINT:
+                        w = tl.reshape((q - o) * s, [BLOCK_N, BLOCK_K])
+                    else:
+                        w = tl.reshape(q * s + o, [BLOCK_N, BLOCK_K])
+                else:
+                    wmask = mask_n[:, None] & mask_k[None, :]
+                    bit = k * BITS
+                    word = bit // 32
+                    shift = (bit % 32).to(tl.uint32)
+                    lo = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+                    q = lo >> shift[None, :]
+                    if 32 % BITS != 0:
+                        # values that cross into the next word take their high bits from it
+                        crosses = (shift + BITS) > 32
+                        hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
+                        hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
+                        q = tl.where(crosses[None, :], q | hi, q)
+                    q = (q & ((1 << BITS) - 1)).to(tl.float32)
+                    group = (k // GROUP)[None, :]
+                    s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+                    o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+                    if ZERO_POINT:
+                        w = (q - o) * s
+                    else:
+                        w = q * s + o
+                if HALF_DOT:
+                    # half-precision activations with the decoded weight rounded to their dtype
+                    w = w.to(X.dtype.element_ty)
+                    if W_FIRST:
+                        acc += tl.dot(w, tl.trans(x))
+                    else:
+                        acc += tl.dot(x, tl.trans(w))
+                else:
+                    # float32 operands: half-precision activations are exact in TF32, and the decoded
+                    # weights keep more bits there than a round to bf16 would
+                    x = x.to(tl.float32)
+                    if W_FIRST:
+                        if IEEE:
+                            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                        else:
+                            acc += tl.dot(w, tl.trans(x), input_precision="tf32")
+                    else:
+                        if IEEE:
+                            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                        else:
+                            acc += tl.dot(x, tl.trans(w), input_precision="tf32")
         out = Y + pid_k * stride_ys
         if W_FIRST:
             tl.store(out + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
@@ -244,22 +291,42 @@ class TileConfig:
     unpack_words: bool = True  # load whole words and split them (bits 2/4/8 only)
     w_first: bool = True  # W as the product's left operand: y^T = W x^T (the 16 rows are the narrow side)
     half_dot: bool = False  # multiply in the activations' dtype (bf16/fp16) instead of TF32
+    slots: bool = False  # one product per bit slot of the words (bits 2/4/8): no reshape of the decoded tile
     fma_rows: int = 0  # > 0: passes up to FMA_MAX_ROWS rows take the CUDA-core kernel, this many rows a program (1, 2 or 4)
 
     def fits(self, bits: int, group_size: int, dtype: torch.dtype) -> "TileConfig":
         """This config with what the format or dtype cannot use turned off."""
         words = self.unpack_words and 32 % bits == 0 and self.block_k % group_size == 0
         half = self.half_dot and dtype in (torch.float16, torch.bfloat16)
-        fma = self.fma_rows if 32 % bits == 0 and group_size % (32 // bits) == 0 else 0
-        return dataclasses.replace(self, unpack_words=words, half_dot=half, fma_rows=fma)
+        pow2 = 32 % bits == 0 and group_size % (32 // bits) == 0
+        return dataclasses.replace(self, unpack_words=words, half_dot=half, slots=self.slots and pow2,
+                                   fma_rows=self.fma_rows if pow2 else 0)
 
 
-DEFAULT_TILES = TileConfig()
+DEFAULT_TILES = TileConfig(block_n=64, num_warps=4, num_stages=3, slots=True, w_first=True, half_dot=True)
+WORDS_PER_TILE = 64  # the default K tile is this many packed words, whatever the bits
+
+
+@functools.cache
+def _override() -> dict:
+    """VERISPEC_QUANT_TILES='{"block_n": 128, ...}': TileConfig fields for every weight (a tuning
+    knob for scripts/gpu_quant_tiles.py's findings; unknown fields are an error)."""
+    raw = os.environ.get("VERISPEC_QUANT_TILES")
+    if not raw:
+        return {}
+    fields = json.loads(raw)
+    unknown = set(fields) - {f.name for f in dataclasses.fields(TileConfig)}
+    if unknown:
+        raise ValueError(f"VERISPEC_QUANT_TILES: unknown fields {sorted(unknown)} "
+                         f"(accepted: {', '.join(f.name for f in dataclasses.fields(TileConfig))})")
+    return fields
 
 
 def tile_config(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype) -> TileConfig:
     """The tile configuration for a weight [n, k] of `bits` and `group_size` (not M-dependent)."""
-    return DEFAULT_TILES.fits(bits, group_size, dtype)
+    block_k = WORDS_PER_TILE * 32 // bits if 32 % bits == 0 else 128
+    cfg = dataclasses.replace(DEFAULT_TILES, block_k=block_k, **_override())
+    return cfg.fits(bits, group_size, dtype)
 
 
 def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, block_k: int = 128) -> int:
@@ -290,6 +357,8 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
         packed = packed.view(torch.int32)
     x, packed, scales, offsets = x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
     cfg = (tiles or tile_config(n, k, bits, group_size, x.dtype)).fits(bits, group_size, x.dtype)
+    if x.device.type != "cuda":  # Triton's interpreter (tests on CPU) multiplies bf16 tiles wrongly
+        cfg = dataclasses.replace(cfg, half_dot=False)
     split_k = split_k or default_split_k(n, k, x.device, cfg.block_n, cfg.block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
@@ -308,5 +377,6 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
                                  K=k, K_PER_SPLIT=k_per_split, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
                                  IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
                                  BLOCK_K=cfg.block_k, UNPACK_WORDS=cfg.unpack_words, W_FIRST=cfg.w_first,
-                                 HALF_DOT=cfg.half_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                 HALF_DOT=cfg.half_dot, SLOTS=cfg.slots, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages)
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
