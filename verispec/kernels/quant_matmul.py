@@ -303,8 +303,11 @@ class TileConfig:
                                    fma_rows=self.fma_rows if pow2 else 0)
 
 
-DEFAULT_TILES = TileConfig(block_n=64, num_warps=4, num_stages=3, slots=True, w_first=True, half_dot=True)
-WORDS_PER_TILE = 64  # the default K tile is this many packed words, whatever the bits
+# the fastest measured on an H200 (scripts/gpu_quant_tiles.py, docs/benchmarks.md): whole-word
+# unpacking, W as the left operand, bf16 products for bf16 activations
+DEFAULT_TILES = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, unpack_words=True, w_first=True,
+                           half_dot=True)
+WORDS_PER_TILE = 64  # the slot form's K tile starts at this many packed words (the tile sweep)
 
 
 @functools.cache
@@ -324,9 +327,7 @@ def _override() -> dict:
 
 def tile_config(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype) -> TileConfig:
     """The tile configuration for a weight [n, k] of `bits` and `group_size` (not M-dependent)."""
-    block_k = WORDS_PER_TILE * 32 // bits if 32 % bits == 0 else 128
-    cfg = dataclasses.replace(DEFAULT_TILES, block_k=block_k, **_override())
-    return cfg.fits(bits, group_size, dtype)
+    return dataclasses.replace(DEFAULT_TILES, **_override()).fits(bits, group_size, dtype)
 
 
 def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, block_k: int = 128) -> int:
