@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.demo.build import pretrain
+from verispec.demo.pretrain import pretrain
 from verispec.demo.tiny import build_tiny_model, build_tiny_qwen3_5
 
 SNIPPETS = [

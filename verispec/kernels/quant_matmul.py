@@ -144,7 +144,9 @@ if triton is not None:
                                     other=0).to(tl.uint32, bitcast=True)
                     shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
                     q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-                    q = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // GROUP, GROUP])
+                    # integer to float by the exponent trick (2**23 + q, exact): no conversion unit
+                    q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    q = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP])
                     group = k_start // GROUP + tl.arange(0, BLOCK_K // GROUP)
                     gmask = mask_n[:, None] & (group < K // GROUP)[None, :]
                     s = tl.load(S + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
@@ -166,7 +168,7 @@ if triton is not None:
                         hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
                         hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
                         q = tl.where(crosses[None, :], q | hi, q)
-                    q = (q & ((1 << BITS) - 1)).to(tl.float32)
+                    q = ((q & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                     group = (k // GROUP)[None, :]
                     s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
                     o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
