@@ -27,7 +27,8 @@ class LLM:
             from verispec.demo.default import default_device_type
 
             chosen = default_model(default_device_type(engine_options.get("device")))
-            model, engine_options = chosen.model, {**chosen.speculation, **engine_options}
+            defaults = {**chosen.speculation, **({"dtype": chosen.dtype} if chosen.dtype else {})}
+            model, engine_options = chosen.model, {**defaults, **engine_options}
         self.engine = load_engine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 

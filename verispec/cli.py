@@ -229,6 +229,8 @@ def _apply_default_model(args) -> None:
     chosen = default_model(default_device_type(args.device), demo=args.demo)
     args.model = chosen.model
     args.default_served_name = chosen.served_name
+    if chosen.dtype and getattr(args, "dtype", None) is None:
+        args.dtype = chosen.dtype
     if args.no_spec or args.mtp or args.eagle3:
         return
     spec = chosen.speculation

@@ -44,7 +44,10 @@ def test_smollm2_answers_a_chat_through_the_openai_client():
     from verispec.engine.engine import load_engine
     from verispec.server.app import create_app
 
-    engine = load_engine("smollm2", dtype="float32", device="cpu")
+    from verispec.default_model import SMOLLM2_DTYPE_BY_DEVICE
+
+    # what `make serve` runs on a CPU: the default model in its measured CPU dtype
+    engine = load_engine("smollm2", dtype=SMOLLM2_DTYPE_BY_DEVICE["cpu"], device="cpu")
     with live_server(create_app(engine, "smollm2")) as server:
         client = openai_client(server)
         out = client.chat.completions.create(

@@ -116,3 +116,18 @@ def test_cli_demo_flag(wheel):
     assert cli._engine_config(args).model == str(demo_default.DEMO_MODEL_DIR)
     with pytest.raises(VerispecError, match="--demo .* cannot be combined with -m"):
         cli._engine_config(cli.build_parser().parse_args(["generate", "--prompt", "x", "--demo", "-m", "smollm2"]))
+
+
+def test_default_model_dtype_per_device_and_dtype_overrides(wheel, drafter, logs):
+    """SmolLM2 computes in float16 on a CPU (measured fastest there; --dtype wins), and in the
+    general default elsewhere; the demo model keeps the general default."""
+    assert dm.default_model("cpu").dtype == "float16" and dm.default_model("cuda").dtype is None
+    assert "in float16 (measured fastest on cpu; --dtype overrides)" in logs.text
+    args = cli.build_parser().parse_args(["serve", "--device", "cpu"])
+    assert cli._engine_config(args).dtype == "float16"
+    args = cli.build_parser().parse_args(["serve", "--device", "cpu", "--dtype", "float32"])
+    assert cli._engine_config(args).dtype == "float32"
+    args = cli.build_parser().parse_args(["serve", "--device", "cpu", "-m", str(wheel)])
+    assert cli._engine_config(args).dtype is None  # a named model: the general default
+    if demo_default.demo_model_dir() is not None:
+        assert dm.default_model("cpu", demo=True).dtype is None
