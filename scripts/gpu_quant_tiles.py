@@ -4,7 +4,7 @@ against a bf16 F.linear of the same shape. Chooses, per bits, the configuration 
 summed time over one decode step's layers at M = 1, reports its GB/s and the implied decode
 step, and checks every timed configuration against the torch reference.
 
-  python3 scripts/gpu_quant_tiles.py [--out DIR] [--families slots,dot,fma] [--budget-s S]
+  python3 scripts/gpu_quant_tiles.py [--out DIR] [--families dot,x-first,tf32] [--budget-s S]
 
 The table printed last is what `quant_matmul.tile_config` should be set to (the choice may not
 depend on M: each row's sum must run in the same order in decode and verify passes).
@@ -73,14 +73,13 @@ class Layer:
         return float((y - ref).norm() / ref.norm())
 
 
+# the default form (whole words split in registers, W the left operand, bf16 products) and its
+# operand-order / product-dtype neighbours; the per-bit-slot and CUDA-core forms the fifth session
+# tried were slower (docs/benchmarks.md) and are gone from the kernel
 FAMILIES = {
-    # tensor-core tile (tl.dot) with whole-word unpacking, both operand orders
-    "dot": qm.TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, unpack_words=True, w_first=True,
-                         half_dot=True),
-    # CUDA-core products, the decoded weights stay in registers
-    "fma": qm.TileConfig(block_n=64, block_k=256, num_warps=4, num_stages=2, fma_rows=4),
-    # tensor-core tile per bit slot of the words (no reshape); block_k set per bits below
-    "slots": qm.TileConfig(block_n=64, num_warps=4, num_stages=3, slots=True, w_first=True, half_dot=True),
+    "dot": qm.DEFAULT_TILES,
+    "x-first": dataclasses.replace(qm.DEFAULT_TILES, w_first=False),
+    "tf32": dataclasses.replace(qm.DEFAULT_TILES, half_dot=False),
 }
 AXES = {"block_n": (32, 64, 128, 256), "block_k": (128, 256, 512, 1024), "num_warps": (2, 4, 8),
         "num_stages": (1, 2, 3, 4), "w_first": (True, False)}
@@ -93,8 +92,6 @@ def descend(layers, start: qm.TileConfig, deadline: float, family: str) -> dict:
     while improved and time.time() < deadline:
         improved = False
         for axis, values in AXES.items():
-            if family == "fma" and axis == "w_first":
-                continue
             for value in values:
                 if time.time() > deadline or value == getattr(qm.TileConfig(**best["tiles"]), axis):
                     continue
@@ -131,7 +128,7 @@ def time_config(layers, tiles, ms=(1,)) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--families", default="slots,dot,fma", help="which kernel forms to descend from")
+    parser.add_argument("--families", default="dot,x-first,tf32", help="which kernel forms to descend from")
     parser.add_argument("--budget-s", type=float, default=300, help="stop sweeping tiles after this long")
     args = parser.parse_args()
     began = time.time()
@@ -141,7 +138,7 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16[f"{name} M={m}"] = graph_time_us(lambda: F.linear(x, w))
+            bf16[f"{name} M={m}"] = graph_time_us(lambda x=x, w=w: F.linear(x, w))
         del w
     bf16_step = sum(bf16[f"{name} M=1"] * count for name, n, k, count in LAYERS)
     result["bf16_per_layer_us"], result["bf16_step_us"] = bf16, bf16_step
@@ -153,18 +150,10 @@ def main() -> None:
         families = args.families.split(",")
         for index, family in enumerate(families):
             start = FAMILIES[family]
-            if family == "slots":
-                start = dataclasses.replace(start, block_k=qm.WORDS_PER_TILE * 32 // bits)
             share = ((bits == 8) * len(families) + index + 1) / (2 * len(families))
             deadline = began + args.budget_s * share
             best = descend(layers, start, deadline, family)
             found[family] = time_config(layers, qm.TileConfig(**best["tiles"]), ms=(1, 4, 16))
-            if family == "fma":  # the rows per program, at the descended tiles
-                for rows in (1, 2):
-                    row = time_config(layers, dataclasses.replace(qm.TileConfig(**best["tiles"]), fma_rows=rows),
-                                      ms=(1, 4, 16))
-                    if row:
-                        found[f"fma rows {rows}"] = row
             for name, row in found.items():
                 print(f"{bits}-bit {name}: {row['tiles']}: step M=1 {row['step_us'][1]:.0f} us, "
                       f"M=4 {row['step_us'][4]:.0f}, M=16 {row['step_us'][16]:.0f}", flush=True)
@@ -177,7 +166,7 @@ def main() -> None:
         b = r["best"]
         t = b["tiles"]
         desc = (f"n{t['block_n']} k{t['block_k']} w{t['num_warps']} s{t['num_stages']} words{int(t['unpack_words'])} "
-                f"wfirst{int(t['w_first'])} half{int(t['half_dot'])} fma{t['fma_rows']}")
+                f"wfirst{int(t['w_first'])} half{int(t['half_dot'])}")
         print(f"| {bits} | {desc} | {b['step_us'][1]:.0f} | {b['step_us'][4]:.0f} | {b['step_us'][16]:.0f} | "
               f"{r['weight_bytes'] / b['step_us'][1] / 1e3:.0f} | {bf16_step / b['step_us'][1]:.2f}x |")
     if args.out:

@@ -2,7 +2,7 @@
 # One device call (~9 min): the quant kernel's default (whole-word) form re-timed after the
 # exponent-trick change, then the #14 decode numbers with the best tiles found, then the #13 16K
 # repeated-prompt numbers after whole-prompt hits, on the Qwen3-8B shape and the Qwen3.6-27B
-# hybrid shape. Results under $OUT; the tables last. FAMILIES=slots,fma,dot widens the sweep.
+# hybrid shape. Results under $OUT; the tables last. FAMILIES=dot,x-first,tf32 widens the sweep.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 timeout 100 python3 scripts/gpu_quant_tiles.py --families "${FAMILIES:-dot}" --budget-s 60 --out "$OUT" > "$OUT/tiles.log" 2>&1

@@ -71,15 +71,12 @@ def test_split_k_matches_reference(split_k, dtype):
     assert float((y.double() - ref).norm() / ref.norm()) < tol
 
 
-TILE_VARIANTS = ([kernel.TileConfig(unpack_words=u, w_first=f, half_dot=h, block_k=bk)
-                  for u in (True, False) for f in (True, False) for h in (True, False) for bk in (128, 256)]
-                 + [kernel.TileConfig(fma_rows=r, block_k=bk) for r in (1, 2, 4) for bk in (64, 256)]
-                 + [kernel.TileConfig(slots=True, w_first=f, half_dot=h, block_k=bk)
-                    for f in (True, False) for h in (True, False) for bk in (64, 256)])
+TILE_VARIANTS = [kernel.TileConfig(unpack_words=u, w_first=f, half_dot=h, block_k=bk)
+                 for u in (True, False) for f in (True, False) for h in (True, False) for bk in (128, 256)]
 
 
 @pytest.mark.parametrize("tiles", TILE_VARIANTS, ids=lambda t: f"words{int(t.unpack_words)}-wfirst{int(t.w_first)}"
-                                                           f"-half{int(t.half_dot)}-slots{int(t.slots)}-fma{t.fma_rows}-k{t.block_k}")
+                                                           f"-half{int(t.half_dot)}-k{t.block_k}")
 @pytest.mark.parametrize("bits,group,zero_point", [(4, 64, False), (8, 32, True), (2, 128, False), (3, 64, False)])
 def test_every_tile_form_matches_reference(tiles, bits, group, zero_point):
     """Each unpacking / operand-order / product-dtype form the tile sweep may pick, with a
