@@ -311,3 +311,44 @@ def test_requests_arriving_together_compute_a_common_prefix_once(tiny_models, tm
     cached = [r.stats.cached_tokens for r in results]
     assert cached[0] == 0 and all(c >= 3 * BLOCK for c in cached[1:]), cached
     assert warm.blocks.num_used == 0
+
+
+def test_whole_prompt_hit_copies_its_last_block_or_stops_a_block_short_without_room():
+    """Admission of a prompt cached to its last token: with a free block, the last block becomes a
+    private copy (on_copy called) and only the last token is left to compute; with none free (all
+    held), the hit stops a block short instead, sharing nothing it cannot back."""
+    from types import SimpleNamespace
+
+    from verispec.cache.paged import BlockAllocator
+    from verispec.cache.prefix import PrefixCache
+    from verispec.engine.scheduler import Scheduler
+    from verispec.engine.sequence import Sequence
+
+    prompt = list(range(100, 100 + 3 * BLOCK))
+
+    def setup(num_blocks: int):
+        blocks = BlockAllocator(num_blocks, BLOCK)
+        prefix = PrefixCache(blocks, SimpleNamespace(recurrent_layers=[]), [], keep_features=False)
+        copies = []
+        scheduler = Scheduler(blocks, None, 4, 256, 256, on_free=lambda seq: None, prefix=prefix,
+                              on_copy=lambda src, dst: copies.append((src, dst)))
+        seq = lambda: Sequence(prompt, SamplingParams(max_tokens=4), 4, SimpleNamespace(history=[], token_ids=[]),  # noqa: E731
+                               None, "ar", lambda chunk: None, block_size=BLOCK)
+        earlier = seq()
+        cached = blocks.allocate(3)  # an earlier request computed the prompt and finished
+        for block, block_hash in zip(cached, earlier.full_block_hashes(3)):
+            blocks.register(block, block_hash)
+        blocks.free(cached)
+        return blocks, scheduler, copies, cached, seq()
+
+    blocks, scheduler, copies, cached, seq = setup(num_blocks=6)  # 5 usable: 3 cached + 2 free
+    scheduler._take_prefix(seq)
+    assert seq.num_cached == 3 * BLOCK - 1 and seq.prefix_hit.num_tokens == 3 * BLOCK - 1
+    assert seq.block_table[:2] == cached[:2] and seq.block_table[2] not in cached
+    assert copies == [(cached[2], seq.block_table[2])]
+    assert blocks.refs(cached[2]) == 0 and blocks.num_cached_idle == 1  # the original stays cached
+
+    blocks, scheduler, copies, cached, seq = setup(num_blocks=4)  # 3 usable, all of them the cached prompt
+    scheduler._take_prefix(seq)
+    assert seq.num_cached == 2 * BLOCK and seq.block_table == cached[:2] and copies == []
+    assert blocks.refs(cached[2]) == 0 and blocks.num_free == 1  # the last block given back, still cached
