@@ -93,8 +93,12 @@ class Engine:
         # others get one instance per sequence (Proposer.fork)
         self.batched_drafting = bool(getattr(proposer, "batched", False))
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
-        if self.device.type == "cuda" and config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
-            if split_k.triton is None:
+        if config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
+            if self.device.type != "cuda":
+                # merged projections only (q/k/v and gate/up as one GEMM each): on a CPU a decode
+                # step's time is largely per-call overhead of small matrix products
+                model.fuse_small_ops(compile=False)
+            elif split_k.triton is None:
                 log.debug("small-op fusion off: Triton is not installed")
             else:
                 model.fuse_small_ops()  # compiled on first use: prewarm pays for it
