@@ -8,28 +8,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import graph_time_us
+
 from verispec.kernels.decode_attention import decode_attention
-
-CALLS = 20  # attention calls per graph replay: timing per call excludes launch overhead
-
-
-def graph_time_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_timing import graph_time_us  # noqa: E402
 from verispec.kernels import quant_matmul as qm  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 
@@ -31,37 +32,11 @@ LAYERS = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 409
           ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1)]
 
 
-def graph_time_us(fn, reps: int = 20, iters: int = 10) -> float:
-    """Median time of one call, measured as a CUDA graph of `reps` calls replayed `iters` times."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 class Layer:
     def __init__(self, n: int, k: int, bits: int, group: int = 64):
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        self.n, self.k, self.bits, self.group = n, k, bits, group
+        self.bits, self.group = bits, group
         self.packed, self.scales, self.biases = mlx_affine.quantize(weight, mlx_affine.AffineSpec(bits, group))
-        self.weight = weight
         self.bytes = self.packed.numel() * 4 + self.scales.numel() * self.scales.element_size() * 2
 
     def run(self, x, tiles):
@@ -116,7 +91,7 @@ def time_config(layers, tiles, ms=(1,)) -> dict | None:
                     return None
                 if m > 1 and not torch.equal(layer.run(x[:1], tiles)[0], layer.run(x, tiles)[0]):
                     print(f"  {tiles}: {name} row 0 alone != row 0 of {m} rows (sum order depends on M)", flush=True)
-                t = graph_time_us(lambda: layer.run(x, tiles))
+                t = graph_time_us(lambda: layer.run(x, tiles), iters=10)
                 per_layer[f"{name} M={m}"] = t
                 total[m] += t * count
     except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
@@ -138,7 +113,7 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16[f"{name} M={m}"] = graph_time_us(lambda x=x, w=w: F.linear(x, w))
+            bf16[f"{name} M={m}"] = graph_time_us(lambda x=x, w=w: F.linear(x, w), iters=10)
         del w
     bf16_step = sum(bf16[f"{name} M=1"] * count for name, n, k, count in LAYERS)
     result["bf16_per_layer_us"], result["bf16_step_us"] = bf16, bf16_step

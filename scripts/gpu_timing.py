@@ -1,0 +1,30 @@
+"""Timing one GPU call without its launch overhead, for the tuning scripts (gpu_*_tune / tiles)."""
+from __future__ import annotations
+
+import torch
+
+
+def graph_time_us(fn, reps: int = 20, iters: int = 15) -> float:
+    """Median microseconds of one `fn()` call, measured as a CUDA graph of `reps` calls replayed
+    `iters` times (warmed up on a side stream first, as capture needs)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps)
+    return sorted(times)[len(times) // 2]
