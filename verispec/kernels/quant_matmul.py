@@ -66,7 +66,7 @@ if triton is not None:
     def _dequant_matmul_kernel(X, WQ, S, O, Y, M, N,
                                stride_xm, stride_wn, stride_sn, stride_ys, stride_ym, K: tl.constexpr,
                                K_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                               ZERO_POINT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                               ZERO_POINT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK_WORDS: tl.constexpr,
                                W_FIRST: tl.constexpr, HALF_DOT: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -142,15 +142,9 @@ if triton is not None:
                 # weights keep more bits there than a round to bf16 would
                 x = x.to(tl.float32)
                 if W_FIRST:
-                    if IEEE:
-                        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
-                    else:
-                        acc += tl.dot(w, tl.trans(x), input_precision="tf32")
+                    acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
                 else:
-                    if IEEE:
-                        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                    else:
-                        acc += tl.dot(x, tl.trans(w), input_precision="tf32")
+                    acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         out = Y + pid_k * stride_ys
         if W_FIRST:
             tl.store(out + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
@@ -250,7 +244,8 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     _dequant_matmul_kernel[grid](x, packed, scales, offsets, y, m, n,
                                  x.stride(0), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
                                  K=k, K_PER_SPLIT=k_per_split, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point,
-                                 IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n,
-                                 BLOCK_K=cfg.block_k, UNPACK_WORDS=cfg.unpack_words, W_FIRST=cfg.w_first,
+                                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=BLOCK_M,
+                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNPACK_WORDS=cfg.unpack_words,
+                                 W_FIRST=cfg.w_first,
                                  HALF_DOT=cfg.half_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
