@@ -37,6 +37,11 @@ def weight_bytes(model: CausalLM) -> int:
         table_bytes = sum(t.numel() * t.element_size() for t in list(table.parameters()) + list(table.buffers()))
         total -= table_bytes
         total += table_bytes // embedding.shape[0]
+    # a 4-bit layer given torch's int4 kernel beside its checkpoint words reads only tinygemm's copy
+    # in a decode step (models/layers/quant_linear.convert_for_builtin_int4)
+    for module in model.modules():
+        if getattr(module, "int4_packed", None) is not None and not module.released():
+            total -= module.checkpoint_bytes()
     return total
 
 

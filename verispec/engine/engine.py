@@ -27,6 +27,7 @@ from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAl
 from verispec.config import EngineConfig, env
 from verispec.engine import constrained
 from verispec.engine.cache_sizing import size_cache
+from verispec.models.layers.quant_linear import convert_for_builtin_int4
 from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.output import OutputBuilder
@@ -102,6 +103,10 @@ class Engine:
                 log.debug("small-op fusion off: Triton is not installed")
             else:
                 model.fuse_small_ops()  # compiled on first use: prewarm pays for it
+        if self.device.type == "cuda":
+            # after merging projections (one converted matrix per merged layer), before sizing the
+            # KV cache (the checkpoint's words are released)
+            convert_for_builtin_int4(model, self.dtype)
         self._setup_cache()
         self._prototype_free = True  # the proposer itself (its drafter graphs) serves one sequence
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()

@@ -3,6 +3,10 @@ under the checkpoint's own names (so loading is a copy, no conversion step).
 
 Packed values are int32 buffers (the uint32 bits of the file); scales and offsets are float
 parameters, so `next(model.parameters())` still gives the model's dtype. Forward:
+- 4-bit layers on CUDA in bfloat16, once `use_builtin_int4` has converted them (the engine does
+  at start, see `convert_for_builtin_int4`): torch's built-in int4 product (tinygemm,
+  kernels/int4_builtin.py) for passes of at most int4_builtin.MAX_ROWS rows, or for every pass
+  when the checkpoint's words were released (VERISPEC_QUANT_KERNEL=builtin);
 - CUDA with Triton, at most FUSED_MAX_ROWS rows (decode / verify, and batches of them): the
   fused dequant-matmul kernel, which reads the packed weight once per 16 rows and sums each row
   in the same order whatever the pass's width (speculative verify == plain decode, row by row);
@@ -13,13 +17,15 @@ Each format names its tensors itself (`MLXAffineLinear`: weight / scales / biase
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from verispec import log
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import quant_matmul
+from verispec.kernels import int4_builtin, quant_matmul
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -50,6 +56,10 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = float_param(out_features) if bias else None
+        # tinygemm's layout and its [K/group, N, 2] bfloat16 (scale, zero) pairs, once use_builtin_int4
+        # ran; buffers, so .to() moves them and the roofline counts them
+        self.register_buffer("int4_packed", None, persistent=False)
+        self.register_buffer("int4_scale_zero", None, persistent=False)
 
     # the tensors of one format; overridden per format
     def packed_values(self) -> torch.Tensor:
@@ -64,6 +74,39 @@ class QuantizedLinear(nn.Module):
     def finish_loading(self) -> None:
         """Checks and derived tensors once the checkpoint's tensors are in place."""
 
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        """The packed values, scales and offsets as attributes (released after conversion)."""
+        raise NotImplementedError
+
+    def released(self) -> bool:
+        """The checkpoint's tensors were dropped for tinygemm's copy (use_builtin_int4)."""
+        return self.packed_values().numel() == 0
+
+    def checkpoint_bytes(self) -> int:
+        return sum(getattr(self, name).numel() * getattr(self, name).element_size()
+                   for name in self.checkpoint_tensor_names())
+
+    def builtin_int4_reason(self, dtype: torch.dtype) -> str | None:
+        """Why this layer cannot take torch's int4 kernel in `dtype` (None: it can)."""
+        return int4_builtin.unsupported_reason(self.packed_values().device, dtype, self.bits, self.group_size,
+                                               self.out_features, self.in_features)
+
+    def use_builtin_int4(self, release: bool = True) -> None:
+        """Re-lays the weight out for tinygemm (kernels/int4_builtin.py); with `release`, drops the
+        checkpoint's tensors (an embedding sharing them keeps its own reference), and every pass
+        then takes tinygemm; without, wider passes keep the Triton kernel / dequantized GEMM."""
+        q = unpack_rows(self.packed_values(), self.bits, self.in_features)  # [N, K]
+        self.int4_packed = int4_builtin.pack(q)
+        self.int4_scale_zero = int4_builtin.scales_and_zeros(self.group_scales(), self.group_offsets(),
+                                                             self.zero_point)
+        del q
+        if not release:
+            return
+        for name in self.checkpoint_tensor_names():
+            old = getattr(self, name)
+            empty = torch.empty(0, dtype=old.dtype, device=old.device)
+            setattr(self, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model)."""
         compute = torch.promote_types(dtype, torch.float32)
@@ -77,6 +120,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         rows = x.numel() // self.in_features
+        if self.int4_packed is not None and (rows <= int4_builtin.MAX_ROWS or self.released()):
+            y = int4_builtin.matmul(x.reshape(rows, self.in_features).contiguous(), self.int4_packed,
+                                    self.group_size, self.int4_scale_zero)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
             y = quant_matmul.dequant_matmul(x.reshape(rows, self.in_features), self.packed_values(),
                                             self.group_scales(), self.group_offsets(), self.bits,
@@ -113,6 +161,9 @@ class MLXAffineLinear(QuantizedLinear):
 
     def packed_values(self) -> torch.Tensor:
         return self.weight
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        return ("weight", "scales", "biases")
 
     def group_scales(self) -> torch.Tensor:
         return self.scales
@@ -161,6 +212,9 @@ class PackedIntLinear(QuantizedLinear):
 
     def packed_values(self) -> torch.Tensor:
         return self.weight_packed
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        return ("weight_packed", "weight_scale", "zeros") + (() if self.symmetric else ("weight_zero_point",))
 
     def group_scales(self) -> torch.Tensor:
         return self.weight_scale
@@ -251,6 +305,37 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., sum N]
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | builtin | triton
+
+
+def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
+    """Gives every eligible 4-bit layer under `root` torch's int4 kernel (kernels/int4_builtin.py)
+    for decode and verify passes; the others keep the Triton kernel, each reason logged once under
+    VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks: auto (default) keeps the checkpoint's words too,
+    for wider passes (batches, prefill), at twice the quantized weights' memory; builtin drops
+    them (least memory; every pass on tinygemm, which is slow from 16 rows: see docs/benchmarks.md);
+    triton converts nothing. Returns how many layers were converted."""
+    choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
+    if choice not in ("auto", "builtin", "triton"):
+        raise UnsupportedModelError(f"{QUANT_KERNEL_ENV}={choice!r}: accepted values are auto, builtin, triton")
+    if choice == "triton":
+        return 0
+    converted, reasons = 0, set()
+    for module in root.modules():
+        if not isinstance(module, QuantizedLinear) or module.int4_packed is not None:
+            continue
+        reason = module.builtin_int4_reason(dtype)
+        if reason is None:
+            module.use_builtin_int4(release=choice == "builtin")
+            converted += 1
+        elif reason not in reasons:
+            reasons.add(reason)
+            log.debug("quantized layers with %s keep the Triton dequant-matmul kernel", reason)
+    if converted:
+        log.debug("torch's int4 kernel (tinygemm) takes %d quantized layers", converted)
+    return converted
 
 
 def merge_quantized(layers: list[nn.Module]) -> nn.Module:
