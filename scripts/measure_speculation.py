@@ -6,7 +6,8 @@ Each configuration (plain, then EAGLE3 at each --drafts count) runs the engine a
 does (CUDA graphs and prewarm on CUDA), greedy, stopping at the model's end of turn, over the same
 prompts: decode tok/s (generated tokens after the first / decode time), acceptance, tokens per
 target pass, and whether the output is token-for-token plain greedy's. A speculative
-configuration becomes the default only if it beats plain decoding; otherwise the default is plain.
+configuration becomes the default only if it beats plain decoding and its output is plain
+greedy's on every prompt; otherwise the default is plain.
 
 The record (--record, e.g. the drafter directory's speculation.json) keeps other device types'
 entries, so the GPU run and a CPU run fill one table:
@@ -62,6 +63,26 @@ def measure(config, prompts: list[list[int]], max_tokens: int) -> tuple[dict, li
     return row, outputs
 
 
+def choose_default(rows: list[dict], num_prompts: int, max_tokens: int) -> tuple[dict, str]:
+    """The device's default speculation from the measured rows (plain first) and why."""
+    plain = rows[0]
+    # lossless or nothing: a configuration whose greedy output differs from plain greedy on any
+    # prompt (half-precision products summed in a width-dependent order, e.g. on a CPU) is never
+    # the default, however fast
+    exact = [r for r in rows if r["identical_to_plain_greedy"] == f"{num_prompts}/{num_prompts}"]
+    best = max(exact, key=lambda r: r["decode_tok_per_s"])
+    choice = ({"method": "none"} if best is plain else
+              {"method": "eagle3", "draft_block": int(best["config"].split("-")[1])})
+    rival = best if best is not plain else max(rows[1:], key=lambda r: r["decode_tok_per_s"], default=plain)
+    why = (f"measured {time.strftime('%Y-%m-%d')} on {plain['device']}: {rival['config']} {rival['decode_tok_per_s']} "
+           f"tok/s vs plain {plain['decode_tok_per_s']} tok/s (greedy, {num_prompts} held-out chat prompts, "
+           f"up to {max_tokens} tokens)")
+    if rival not in exact:
+        why += (f"; not chosen: its greedy output equals plain greedy's on {rival['identical_to_plain_greedy']} "
+                f"prompts only in {str(rows[0]['device']).split(', ')[-1].rstrip(')')}")
+    return choice, why
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", required=True, help="the target (directory, .gguf, or smollm2)")
@@ -102,15 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['config']:9s} {row['decode_tok_per_s']:9.1f} tok/s  acceptance {row['acceptance']}  "
               f"tokens/round {row['tokens_per_round']}  identical {row['identical_to_plain_greedy']}  {row['device']}",
               flush=True)
-    plain = rows[0]
-    best = max(rows, key=lambda r: r["decode_tok_per_s"])
+    choice, why = choose_default(rows, len(prompts), args.max_tokens)
     device_type = rows[0]["device"].split(" ")[0]
-    choice = ({"method": "none"} if best is plain else
-              {"method": "eagle3", "draft_block": int(best["config"].split("-")[1])})
-    rival = best if best is not plain else max(rows[1:], key=lambda r: r["decode_tok_per_s"], default=plain)
-    why = (f"measured {time.strftime('%Y-%m-%d')} on {plain['device']}: {rival['config']} {rival['decode_tok_per_s']} "
-           f"tok/s vs plain {plain['decode_tok_per_s']} tok/s (greedy, {len(prompts)} held-out chat prompts, "
-           f"up to {args.max_tokens} tokens)")
     print(f"default on {device_type}: {choice} ({why})")
     if args.record:
         path = Path(args.record)

@@ -68,7 +68,7 @@ def drafter_speculation(drafter_dir: Path, device_type: str) -> tuple[dict, str]
         draft_block = int(entry.get("draft_block", 2))
         return ({"eagle3": str(drafter_dir), "draft_block": draft_block},
                 f"EAGLE3 drafter, {draft_block} drafts per round on {device_type} ({why})")
-    return {}, f"plain decoding on {device_type}: measured faster than the drafter ({why})"
+    return {}, f"plain decoding on {device_type}, as measured ({why})"
 
 
 def demo_default(device_type: str) -> DefaultModel:
