@@ -117,4 +117,27 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window)
     k, v = cache.gather(layer)
+    if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
+        return per_row_attention(q, k, v, inputs.positions, window, scale)
     return sdpa(q, k, v, inputs.mask(window), scale)
+
+
+def per_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      window: int | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D] at `positions` [B, T] over gathered k/v [B, Hkv, S, D] -> [B, Hq, T, D]:
+    each query row attends over exactly the keys it sees, unmasked — the very call a one-token
+    decode of that row makes. A masked pass over T rows sums differently from one row over its
+    own keys (torch's CPU kernels block by shape; 1e-7 apart in float32), which flips near-ties:
+    a verify pass then disagrees with plain decoding (SmolLM2 in float16: 2-4 of 16 prompts).
+    Per row, a row's result depends on neither the pass's width nor the batch. CPU short
+    passes only (decode / verify); CUDA reads the cache in place with the split-K kernel."""
+    if q.dtype == torch.float16:
+        k, v = k.float(), v.float()  # once, not per row (sdpa attends float16 in float32 on a CPU)
+    out = torch.empty_like(q)
+    for b, row_positions in enumerate(positions.tolist()):
+        for t, position in enumerate(row_positions):
+            end = max(position + 1, 1)  # padding rows of a ragged batch: any key, output unused
+            start = max(0, end - window) if window is not None else 0
+            out[b, :, t] = sdpa(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, start:end], v[b:b + 1, :, start:end],
+                                None, scale)[0, :, 0]
+    return out
