@@ -20,13 +20,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_quant_tiles import LAYERS  # noqa: E402
 from gpu_timing import graph_time_us  # noqa: E402
 from verispec.kernels import int4_builtin, quant_matmul as qm  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 from verispec.quant.packing import unpack_rows  # noqa: E402
-
-LAYERS = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
-          ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1)]
 
 
 def main() -> None:

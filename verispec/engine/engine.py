@@ -27,7 +27,6 @@ from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAl
 from verispec.config import EngineConfig, env
 from verispec.engine import constrained
 from verispec.engine.cache_sizing import size_cache
-from verispec.models.layers.quant_linear import convert_for_builtin_int4
 from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.output import OutputBuilder
@@ -43,6 +42,7 @@ from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
+from verispec.models.layers.quant_linear import convert_for_builtin_int4
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
@@ -105,7 +105,7 @@ class Engine:
                 model.fuse_small_ops()  # compiled on first use: prewarm pays for it
         if self.device.type == "cuda":
             # after merging projections (one converted matrix per merged layer), before sizing the
-            # KV cache (the checkpoint's words are released)
+            # KV cache (tinygemm's copy, and with VERISPEC_QUANT_KERNEL=builtin the words released)
             convert_for_builtin_int4(model, self.dtype)
         self._setup_cache()
         self._prototype_free = True  # the proposer itself (its drafter graphs) serves one sequence

@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 
 import torch
 
+from verispec.config import env
 from verispec.quant.packing import unpack_rows
 
 try:
@@ -190,7 +190,7 @@ DEFAULT_TILES = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, u
 def _override() -> dict:
     """VERISPEC_QUANT_TILES='{"block_n": 128, ...}': TileConfig fields for every weight (a tuning
     knob for scripts/gpu_quant_tiles.py's findings; unknown fields are an error)."""
-    raw = os.environ.get("VERISPEC_QUANT_TILES")
+    raw = env().quant_tiles
     if not raw:
         return {}
     fields = json.loads(raw)

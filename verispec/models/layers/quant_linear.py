@@ -17,13 +17,12 @@ Each format names its tensors itself (`MLXAffineLinear`: weight / scales / biase
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from verispec import log
+from verispec.config import env
 from verispec.errors import UnsupportedModelError
 from verispec.kernels import int4_builtin, quant_matmul
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
@@ -317,7 +316,7 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
     for wider passes (batches, prefill), at twice the quantized weights' memory; builtin drops
     them (least memory; every pass on tinygemm, which is slow from 16 rows: see docs/benchmarks.md);
     triton converts nothing. Returns how many layers were converted."""
-    choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
+    choice = env().quant_kernel
     if choice not in ("auto", "builtin", "triton"):
         raise UnsupportedModelError(f"{QUANT_KERNEL_ENV}={choice!r}: accepted values are auto, builtin, triton")
     if choice == "triton":
