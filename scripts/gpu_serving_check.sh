@@ -5,6 +5,8 @@
 #   bench8:   qwen3-8b shape, 512-token prompts, 128 tokens: --concurrency 1,8,32,64 plain
 #   spec8:    qwen3-8b + random EAGLE3 of the real shape, k=3, at 1 and 8 sequences (verify/decode)
 #   demo:     the demo model served over HTTP to 1 and 8 clients
+#   demoproc: the demo model over HTTP, engine in its own process (--engine-process) vs one process,
+#             with its MTP head and without speculation
 # Results under $OUT; a short table last.
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -31,4 +33,9 @@ fi
 if has demo; then
   timeout 400 python3 -m verispec bench "--serve=" "--serve=--no-spec" --contexts 512 --gen-tokens 256 --repeats 1 \
       --concurrency 1,8 --out "$OUT/demo_http" 2>&1 | grep -E "^\||error|Error" | head -8
+fi
+if has demoproc; then
+  timeout 500 python3 -m verispec bench "--serve=--demo --engine-process" "--serve=--demo" \
+      "--serve=--demo --no-spec --engine-process" "--serve=--demo --no-spec" --contexts 512 --gen-tokens 256 --repeats 1 \
+      --concurrency 1,8 --out "$OUT/demo_proc" 2>&1 | grep -E "^\||error|Error" | head -14
 fi

@@ -1,3 +1,4 @@
 from verispec.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned engine process imports it
+    raise SystemExit(main())

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prewarm", action="store_true", help="skip the warm-up generation at start")
     serve.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
                        help="refuse request bodies larger than this with a 413 (default 8 MiB)")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run the engine in a process of its own, so that its steps and the server's "
+                            "streaming do not share one GIL (default: one process; see the README)")
 
     gen = sub.add_parser("generate", help="generate from one prompt and print the result")
     _add_model_args(gen)
@@ -308,7 +311,12 @@ def cmd_serve(args) -> int:
     served = args.served_model_name or args.model
     config = _engine_config(args)  # no -m: picks the default model and its served name
     served = served or args.default_served_name
-    engine = Engine.load(config)
+    if args.engine_process:
+        from verispec.engine.process import EngineProcess
+
+        engine = EngineProcess(config)
+    else:
+        engine = Engine.load(config)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=served, prewarm=not args.no_prewarm, max_request_bytes=args.max_request_bytes)
     return 0

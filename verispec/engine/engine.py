@@ -25,10 +25,11 @@ from verispec import log
 from verispec.cache.prefix import PrefixCache
 from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
-from verispec.engine import constrained
+from verispec.engine import constrained, cpu_threads
 from verispec.engine.cache_sizing import size_cache
 from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
+from verispec.engine.limits import RequestLimits
 from verispec.engine.output import OutputBuilder
 from verispec.engine.prefix_rows import features_at, prepend_row
 from verispec.engine.params import SamplingParams
@@ -116,6 +117,13 @@ class Engine:
         self.last_num_drafts = 0  # drafts per sequence chosen for the last decode step (/metrics)
         # per round: (sequences, tokens per sequence, draft+inputs ms, launch ms, device wait ms, host after ms)
         self.round_timings: collections.deque = collections.deque(maxlen=4096)
+        self._release_caller_threads()
+
+    def _release_caller_threads(self) -> None:
+        """On a CPU, free the OpenMP pool of the thread that loaded the model or submitted work, so
+        that the worker's is the only one (engine/cpu_threads.py: two pools halve decode speed)."""
+        if self.device.type == "cpu" and threading.current_thread() is not self._thread:
+            cpu_threads.release_thread_pool()
 
     # ---- the paged cache --------------------------------------------------------------------------
     def _setup_cache(self) -> None:
@@ -209,30 +217,26 @@ class Engine:
 
         return cls(*load_parts(config))
 
-    # ---- request checks -------------------------------------------------------------------
+    # ---- request checks (engine/limits.py, shared with the engine process's proxy) ------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The number of new tokens this request may produce; raises on a request that cannot fit."""
-        if num_prompt_tokens < 1:
-            raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens, which leaves no room in this model's "
-                f"context length of {self.max_model_len}", param="messages", code="context_length_exceeded")
-        if params.max_tokens is None:
-            return min(self.config.default_max_tokens, room)
-        if params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds this "
-                f"model's context length of {self.max_model_len} (at most {room} new tokens fit)",
-                param="max_tokens", code="context_length_exceeded")
-        return params.max_tokens
+        return self.limits.max_new_tokens(num_prompt_tokens, params)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.model.vocab_size}); got {bad[:5]}", param="prompt")
+        self.limits.check_prompt_ids(prompt_ids)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.max_model_len, self.model.vocab_size, self.config.default_max_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def method(self) -> str:
+        """The speculation method ("ar": none)."""
+        return self.proposer.method if self.proposer is not None else "ar"
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[object], None],
@@ -245,10 +249,11 @@ class Engine:
         history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
         generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
-        method = self.proposer.method if self.proposer is not None else "ar"
+        method = self.method
         seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size)
         if params.grammar is not None:  # one matcher per sequence (n choices each get their own)
             seq.constraint = self.grammars.constraint(params.grammar)
+        self._release_caller_threads()
         self._inbox.put(seq)
         self._ensure_worker()
         with self._wake:

@@ -66,4 +66,9 @@ def run_server(engine, host: str, port: int, api_key: str | None, served_model_n
                  engine.config.max_num_seqs, engine.max_model_len,
                  f"; drafts per round by batch size {engine.draft_schedule.describe()}" if engine.num_drafts else "")
     log.info("serving %s at http://%s:%d/v1", served_model_name or engine.model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        close = getattr(engine, "close", None)  # an engine in its own process (engine/process.py) stops
+        if close is not None:
+            close()

@@ -183,8 +183,8 @@ def _default_seed(engine: Engine, num_choices: int) -> int | None:
 
 
 def _vocab_size(engine: Engine) -> int:
-    model = getattr(engine, "model", None)  # test doubles have only a tokenizer
-    return model.vocab_size if model is not None else engine.tokenizer.vocab_size
+    vocab_size = getattr(engine, "vocab_size", None)  # test doubles have only a tokenizer
+    return vocab_size if vocab_size is not None else engine.tokenizer.vocab_size
 
 
 def _template_message(index: int, message: ChatMessage) -> dict:

@@ -1,0 +1,87 @@
+"""The caller's OpenMP pool is freed once the engine is built and after each submit, so the engine's
+worker thread is the only one computing with a pool (engine/cpu_threads.py). Each check runs in a
+fresh Python process: pools are per process and per thread, and pytest's own process has others."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads through /proc")
+
+# a parallel elementwise op on the calling thread, then the number of OS threads of the process
+PRELUDE = textwrap.dedent("""
+    import os, time, torch
+    torch.set_num_threads(2)
+    def threads():
+        time.sleep(0.2)  # a released helper exits asynchronously
+        return len(os.listdir("/proc/self/task"))
+    def parallel_op():
+        x = torch.zeros(1 << 22)
+        x.add_(1)
+""")
+
+
+def run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_release_frees_the_calling_threads_pool():
+    out = run("""
+        from verispec.engine.cpu_threads import release_thread_pool
+        before = threads()
+        parallel_op()
+        with_pool = threads()
+        released = release_thread_pool()
+        print(before, with_pool, released, threads())
+    """)
+    before, with_pool, released, after = out.split()
+    assert int(with_pool) == int(before) + 1  # one helper thread for 2 OpenMP threads
+    assert released == "True"
+    assert int(after) == int(before)
+
+
+def test_release_targets_torchs_runtime_when_another_libgomp_is_loaded():
+    """sentencepiece's wheel bundles its own libgomp; pausing that one would leave torch's pool."""
+    pytest.importorskip("sentencepiece")
+    out = run("""
+        import sentencepiece  # loads its own OpenMP runtime before torch's pool is looked up
+        from verispec.engine.cpu_threads import release_thread_pool
+        before = threads()
+        parallel_op()
+        release_thread_pool()
+        print(before, threads())
+    """)
+    before, after = out.split()
+    assert after == before
+
+
+ENGINE_RUN = """
+    from verispec.config import EngineConfig
+    from verispec.engine.engine import Engine
+    from verispec.engine.params import SamplingParams
+    from verispec.engine.cpu_threads import release_thread_pool
+    engine = Engine.load(EngineConfig(model={model!r}, device="cpu", dtype="float32", kv_cache_gb=0.05,
+                                      max_model_len=256))
+    parallel_op()  # the caller computes after the engine was built: its submit must free that pool too
+    {before_submit}
+    result = engine.generate_all([1, 2, 3, 4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    print(len(result.token_ids), threads())
+"""
+
+
+def test_engine_leaves_no_pool_on_the_callers_thread(qwen3_dir):
+    """After a request, the process has the threads of a run whose caller freed its pool by hand
+    (the main thread, the worker and its helper, other libraries' threads): not the caller's
+    helper on top."""
+    engine_run = run(ENGINE_RUN.format(model=str(qwen3_dir), before_submit="pass"))
+    by_hand = run(ENGINE_RUN.format(model=str(qwen3_dir), before_submit="release_thread_pool()"))
+    generated, threads_engine = engine_run.split()
+    assert generated == "8"
+    assert threads_engine == by_hand.split()[1]

@@ -1,0 +1,129 @@
+"""The engine in its own process (engine/process.py): the same outputs as the engine in the
+server's process, requests refused before they start, a client that leaves frees its blocks, and a
+dead engine process fails its open requests instead of hanging them."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.server.server_helpers import live_server, openai_client
+from verispec.config import EngineConfig
+from verispec.engine.engine import Engine
+from verispec.engine.params import SamplingParams
+from verispec.engine.process import EngineProcess, EngineProcessError
+from verispec.errors import InvalidRequestError, ModelNotFoundError
+from verispec.server.app import create_app
+
+MAX_TOKENS = 12
+
+
+def engine_config(model_dir, **overrides) -> EngineConfig:
+    fields = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_gb=0.05, max_model_len=256,
+                  prefix_cache=False, max_num_seqs=8)
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def engine_process(qwen3_dir):
+    engine = EngineProcess(engine_config(qwen3_dir))
+    yield engine
+    engine.close()
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 200 + 5 for j in range(3 + 5 * i)] for i in range(n)]
+
+
+def test_outputs_equal_the_in_process_engine_under_concurrent_clients(engine_process, qwen3_dir):
+    """6 clients at once through HTTP and the engine process == each prompt alone in this process."""
+    local = Engine.load(engine_config(qwen3_dir))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [local.generate_all(p, greedy).text for p in prompts(6)]
+    local.shutdown()
+    with live_server(create_app(engine_process, "tiny")) as server:
+        client = openai_client(server)
+
+        def ask(prompt_ids):
+            reply = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=MAX_TOKENS,
+                                              temperature=0.0, extra_body={"ignore_eos": True})
+            return reply.choices[0]
+
+        with ThreadPoolExecutor(6) as pool:
+            choices = list(pool.map(ask, prompts(6)))
+    assert [c.finish_reason for c in choices] == ["length"] * 6
+    assert [c.text for c in choices] == expected
+    assert all(expected)
+
+
+def test_requests_that_cannot_fit_are_refused_at_submit(engine_process):
+    with pytest.raises(InvalidRequestError, match="context length"):
+        engine_process.submit([5] * 300, SamplingParams(max_tokens=4), lambda item: None)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine_process.submit([10 ** 9], SamplingParams(max_tokens=4), lambda item: None)
+    with live_server(create_app(engine_process, "tiny")) as server:
+        with pytest.raises(openai.BadRequestError):
+            openai_client(server).completions.create(model="tiny", prompt=[5] * 300, max_tokens=4)
+        ok = openai_client(server).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
+                                                      temperature=0.0)
+        assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_cancel_returns_the_blocks(engine_process):
+    """A request cancelled mid-generation (a client that left) frees every block it held."""
+    assert engine_process.load_stats()["kv_blocks_used"] == 0
+    first = threading.Event()
+    items = []
+
+    def sink(item):
+        items.append(item)
+        first.set()
+
+    cancel = threading.Event()
+    engine_process.submit(list(range(5, 105)), SamplingParams(max_tokens=140, temperature=0.0, ignore_eos=True),
+                          sink, cancel)
+    assert first.wait(60)
+    held = engine_process.load_stats()["kv_blocks_used"]
+    assert held > 0
+    cancel.set()
+    deadline = time.monotonic() + 60
+    while engine_process.load_stats()["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_process.load_stats()["kv_blocks_used"] == 0
+    assert engine_process.load_stats()["running"] == 0
+
+
+def test_a_dead_engine_process_fails_its_requests(qwen3_dir):
+    engine = EngineProcess(engine_config(qwen3_dir, max_model_len=8192, kv_cache_gb=0.2))
+    try:
+        started, ended = threading.Event(), threading.Event()
+        items = []
+
+        def sink(item):
+            items.append(item)
+            started.set()
+            if isinstance(item, BaseException):
+                ended.set()
+
+        # long enough to be still running when the process is killed just after its first chunk
+        engine.submit(list(range(5, 50)), SamplingParams(max_tokens=engine.max_model_len - 45, temperature=0.0,
+                                                         ignore_eos=True), sink)
+        assert started.wait(60)
+        os.kill(engine.pid, signal.SIGKILL)
+        assert ended.wait(30), "the open request was never told the engine died"
+        assert isinstance(items[-1], EngineProcessError)
+        with pytest.raises(EngineProcessError, match="engine process"):
+            engine.submit([5, 6, 7], SamplingParams(max_tokens=4), lambda item: None)
+    finally:
+        engine.close()
+
+
+def test_a_loading_error_is_raised_in_the_parent(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        EngineProcess(engine_config(tmp_path / "no-such-model"))

@@ -1,0 +1,80 @@
+"""One OpenMP pool at a time on the CPU: the engine's worker thread computes, nobody else holds one.
+
+torch's CPU kernels run their parallel regions on OpenMP (libgomp in the Linux wheels). libgomp
+keeps a pool of helper threads for every thread that has run a parallel region, and when the
+threads it manages outnumber the CPUs it cuts the helpers' spin-wait between regions to about a
+hundred iterations: each region then wakes its helpers through the kernel, tens of microseconds,
+and a decode step of a small model runs hundreds of regions of a few microseconds each. The model
+is loaded and the engine built on the caller's thread (one pool), and the engine computes on its
+worker thread (a second pool): on a 2-core machine SmolLM2-135M decoded at half speed, 21-24
+instead of 40-48 tok/s (`python scripts/cpu_thread_pools.py`, docs/benchmarks.md).
+
+`release_thread_pool()` frees the calling thread's pool (OpenMP 5's `omp_pause_resource_all`,
+soft pause: the pool is rebuilt if that thread computes again). The engine calls it after it is
+built and after each submit (the caller's thread may have made small tensors there); its worker
+thread's own pool goes away when the worker exits after an idle spell.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from verispec import log
+
+OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")  # GNU, Intel, LLVM: each implements OpenMP 5's pause
+OMP_PAUSE_SOFT = 1
+
+_lock = threading.Lock()
+_pause = None  # the runtime's omp_pause_resource_all, once looked up
+_looked_up = False
+
+
+def _torch_openmp_library() -> str | None:
+    """The path of torch's own OpenMP runtime as this process loaded it (None if none is found).
+    Other wheels bundle their own copies (sentencepiece has a libgomp too): pausing one of those
+    would leave torch's pools as they are."""
+    import torch
+
+    package = os.path.dirname(os.path.realpath(torch.__file__))
+    homes = (package + os.sep, package + ".libs" + os.sep)  # torch/lib, or auditwheel's torch.libs
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if (os.path.basename(path).startswith(OPENMP_LIBRARIES) and ".so" in path
+                        and os.path.realpath(path).startswith(homes)):
+                    return path
+    except OSError:  # not Linux: no /proc
+        return None
+    return None
+
+
+def _pause_function():
+    global _pause, _looked_up
+    with _lock:
+        if not _looked_up:
+            _looked_up = True
+            path = _torch_openmp_library()
+            if path is None:
+                log.debug("torch's OpenMP runtime was not found in this process: thread pools are left as they are")
+            else:
+                function = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+                if function is None:
+                    log.debug("%s has no omp_pause_resource_all (OpenMP < 5): thread pools are left as they are",
+                              path)
+                else:
+                    function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+                    _pause = function
+        return _pause
+
+
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP helper threads. True if the runtime did."""
+    pause = _pause_function()
+    if pause is None:
+        return False
+    rc = pause(OMP_PAUSE_SOFT)
+    if rc != 0:
+        log.debug("omp_pause_resource_all returned %d: this thread's OpenMP pool stays", rc)
+    return rc == 0
