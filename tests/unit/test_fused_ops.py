@@ -80,3 +80,21 @@ def test_causal_conv_matches_conv1d():
         window = torch.randn(2, 24, 3 + t, generator=gen, dtype=torch.float64)
         ref = torch.nn.functional.silu(torch.nn.functional.conv1d(window, weight[:, None, :], groups=24))
         torch.testing.assert_close(fused.causal_conv_silu(window, weight), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_prewarm_prefills_every_length_class_once_unsplit(tiny_models, monkeypatch):
+    """warmup.warm_prompt_lengths: 16 consecutive prompt lengths (every residue mod 16) at one and
+    at two 64-token chunks, each one prefill pass of its whole length (no prefix hit, no split)."""
+    from verispec.engine import warmup
+
+    engine = load_engine(str(tiny_models.get("qwen3", "qwen3")), device="cpu", dtype="float32", kv_cache_gb=0.05,
+                         max_model_len=256)
+    seen = []
+    original = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill",
+                        lambda seq, n, *a, **k: (seen.append(n), original(seq, n, *a, **k))[1])
+    warmup.warm_prompt_lengths(engine)
+    expected = [n for first in warmup.WARM_LENGTH_STARTS for n in range(first, first + warmup.WARM_LENGTHS_PER_START)]
+    assert sorted(seen) == sorted(expected)
+    for first in warmup.WARM_LENGTH_STARTS:
+        assert {n % 16 for n in range(first, first + warmup.WARM_LENGTHS_PER_START)} == set(range(16))

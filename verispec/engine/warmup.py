@@ -56,4 +56,27 @@ def prewarm(engine) -> float:
     ids = (engine.tokenizer.encode("def hello(world):\n    return world + 1\n\n" * 12) or [0])[:PREWARM_PROMPT_TOKENS]
     engine.generate_all(ids, SamplingParams(max_tokens=2 * (engine.num_drafts + 1) + 1, temperature=0.0,
                                             ignore_eos=True))
+    if engine.device.type == "cuda":
+        warm_prompt_lengths(engine)
     return time.perf_counter() - t0
+
+
+# Prompt lengths prewarm prefills once each (one token generated). Triton kernels specialise on
+# their integer arguments' divisibility by 16 (lengths, and strides derived from them), and the
+# Gated DeltaNet chunk kernels also on the number of 64-token chunks: on the H200 the demo model's
+# first chunk took 0.6-5 s at each prompt length whose class the process had not compiled yet
+# (scripts/gpu_prefill_stall.py: ptxas runs inside the prefill). 16 consecutive lengths cover every
+# residue mod 16, at one and at two chunks. Triton's on-disk cache keeps them for the next start.
+WARM_LENGTH_STARTS = (17, PREWARM_PROMPT_TOKENS)
+WARM_LENGTHS_PER_START = 16
+
+
+def warm_prompt_lengths(engine) -> None:
+    vocab = engine.num_real_tokens
+    for first in WARM_LENGTH_STARTS:  # one batch per group: within the step's token budget, unsplit
+        lengths = [n for n in range(first, first + WARM_LENGTHS_PER_START) if n < engine.max_model_len]
+        # token ids that differ from the first one on, so that no prompt hits another's cached
+        # prefix (a hit would prefill only the tail: another length)
+        prompts = [[(1000003 * n + 7919 * j) % vocab for j in range(n)] for n in lengths]
+        if prompts:
+            engine.generate_batch(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
