@@ -12,6 +12,7 @@ from verispec.loading.gguf import GGUFCheckpoint
 from verispec.loading.gguf.quants import AFFINE_TYPES, AffineQuantized, dense, read_tensor
 
 from tests.gguf.conftest import ALL_TYPES, CASES, TIED
+from tests.models.test_checkpoints import our_logits
 
 
 def hf_from_gguf(path):
@@ -79,3 +80,21 @@ def test_affine_description(gguf_files, qtype):
 
 def test_all_types_covered():
     assert {t for a, t in CASES if a == "llama"} == set(ALL_TYPES)
+
+
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_1"), ("qwen3", "Q4_0"), ("gemma3", "Q4_1")])
+def test_4bit_weights_kept_quantized_compute_what_the_dense_load_does(gguf_files, arch, qtype):
+    """Q4_0 / Q4_1 linears loaded as quantized layers (what CUDA in bfloat16 gets, for torch's int4
+    kernel) dequantize to the library's values: in float32 on the CPU the logits equal the dense load's."""
+    from verispec.loading.model_loader import load_model
+    from verispec.models.layers.quant_linear import MLXAffineLinear
+
+    case = gguf_files.get(arch, qtype)
+    dense = load_model(case.path, torch.float32, torch.device("cpu"))
+    kept = load_model(case.path, torch.float32, torch.device("cpu"), keep_gguf_4bit=True)
+    layers = [m for m in kept.modules() if isinstance(m, MLXAffineLinear)]
+    assert layers and all(m.bits == 4 and m.group_size == 32 for m in layers)
+    assert not any(isinstance(m, MLXAffineLinear) for m in dense.modules())
+    ids = [3, 17, 42, 99, 7, 250, 11, 64]
+    with torch.inference_mode():
+        torch.testing.assert_close(our_logits(kept, ids), our_logits(dense, ids), atol=1e-5, rtol=1e-5)

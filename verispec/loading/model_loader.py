@@ -51,27 +51,36 @@ def read_config(model_dir: Path) -> dict:
         raise VerispecError(f"could not read {path}: {exc}") from exc
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+               keep_gguf_4bit: bool | None = None) -> CausalLM:
     """A checkpoint directory (config.json + safetensors; quantized formats load as stored) or a
-    GGUF file (see resolve_model; its weights arrive dequantized)."""
+    GGUF file (see resolve_model). A GGUF's Q4_0 / Q4_1 linear weights stay quantized where torch's
+    int4 kernel runs (CUDA, bfloat16; `keep_gguf_4bit` overrides), the rest arrive dequantized."""
+    from verispec.loading.gguf import QUANTIZATION_CONFIG, keeps_4bit
     from verispec.quant import loading as quant_loading
 
     if is_gguf(model_dir):
         gguf = GGUFCheckpoint(model_dir)
         log.debug("%s", gguf.describe())
-        config, tensors, shapes_of = gguf.config, gguf.tensors(), None
+        reason = keeps_4bit(device, dtype)
+        keep = reason is None if keep_gguf_4bit is None else keep_gguf_4bit
+        kept = gguf.kept_4bit_names() if keep else set()
+        if reason is not None and keep_gguf_4bit is None and gguf.kept_4bit_names():
+            log.debug("GGUF %s: 4-bit weights dequantized %s", gguf.path.name, reason)
+        config = dict(gguf.config, quantization=QUANTIZATION_CONFIG) if kept else gguf.config
+        tensors = gguf.tensors_for_model(kept)
+        shapes = gguf.checkpoint_shapes(kept) if kept else None
     else:
         config = quant_loading.with_sidecar_config(read_config(model_dir), model_dir)
         files = checkpoint_files(model_dir)
-        tensors, shapes_of = iter_tensors(files), files
+        tensors, shapes = iter_tensors(files), tensor_shapes(files)
     cls = model_class(config.get("model_type"))
     with torch.device("meta"):
         model = cls(config)
         quantized = False
-        if shapes_of is not None:  # quantized checkpoints: their linears / embeddings become quantized layers
-            shapes = {_our_name(model, name): quant_loading.CheckpointTensor(name, shape)
-                      for name, shape in tensor_shapes(shapes_of).items()}
-            quantized = quant_loading.prepare_model(model, config, shapes) is not None
+        if shapes is not None:  # quantized checkpoints: their linears / embeddings become quantized layers
+            named = {_our_name(model, name): quant_loading.CheckpointTensor(name, shape) for name, shape in shapes.items()}
+            quantized = quant_loading.prepare_model(model, config, named) is not None
     model.to_empty(device=device)
     model.to(dtype)
     _load_weights(model, tensors, dtype, device)

@@ -22,10 +22,15 @@ from verispec import log
 from verispec.errors import ModelNotFoundError, VerispecError
 from verispec.loading.gguf.config import Metadata, hf_config
 from verispec.loading.gguf.names import hf_name, restore
-from verispec.loading.gguf.quants import AFFINE_TYPES, AffineQuantized, dense, logical_shape, read_tensor, \
-    tensor_type_name
+from verispec.loading.gguf.quants import AFFINE_TYPES, GROUP_SIZE, AffineQuantized, dense, logical_shape, \
+    read_tensor, tensor_type_name
 
 SUFFIX = ".gguf"
+# Kept quantized where torch's int4 kernel (tinygemm) takes them: 4-bit groups of 32, on CUDA in
+# bfloat16 (verispec/kernels/int4_builtin.py). Q8_0 stays dense: our 8-bit kernel is slower than a
+# bfloat16 GEMM (docs/benchmarks.md), and on a CPU the float16 GEMM beats dequantizing per call.
+KEPT_4BIT_TYPES = ("Q4_0", "Q4_1")
+QUANTIZATION_CONFIG = {"group_size": GROUP_SIZE, "bits": 4}  # the MLX-affine form the kept weights take
 ROPE_FREQS = "rope_freqs.weight"
 # Token ids llama.cpp also ends generation on besides eos (end of turn / end of message)
 VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
@@ -81,8 +86,7 @@ class GGUFCheckpoint:
         types = self.tensor_types()
         quantized = sorted(t for t in types if t in AFFINE_TYPES)
         if quantized and not keep_affine:
-            log.debug("GGUF %s: %s weights dequantized (no quantized linear layer is wired to GGUF yet)",
-                      self.path.name, ", ".join(quantized))
+            log.debug("GGUF %s: %s weights dequantized", self.path.name, ", ".join(quantized))
         skipped = []
         for t in self.reader.tensors:
             if t.name == ROPE_FREQS:  # read into the config's RoPE parameters
@@ -97,6 +101,47 @@ class GGUFCheckpoint:
             log.debug("GGUF %s: %d tensors not used by the model (e.g. %s)", self.path.name, len(skipped),
                       ", ".join(skipped[:3]))
 
+    def kept_4bit_names(self) -> set[str]:
+        """Hugging Face names of the Q4_0 / Q4_1 linear weights (not the embedding table)."""
+        names = set()
+        for t in self.reader.tensors:
+            name = hf_name(t.name, self.architecture)
+            if (name is not None and tensor_type_name(t) in KEPT_4BIT_TYPES and len(self.tensor_shapes[t.name]) == 2
+                    and name.endswith(".weight") and "embed_tokens" not in name):
+                names.add(name)
+        return names
+
+    def checkpoint_shapes(self, kept: set[str]) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape as `tensors_for_model(kept)` yields it: a kept weight [N, K] as MLX's
+        packed weight [N, K/8] with scales and biases [N, K/32]."""
+        shapes = {}
+        for t in self.reader.tensors:
+            name = hf_name(t.name, self.architecture)
+            if name is None or t.name == ROPE_FREQS:
+                continue
+            shape = self.tensor_shapes[t.name]
+            if name in kept:
+                prefix, (rows, cols) = name[: -len(".weight")], shape
+                shapes[name] = (rows, cols * 4 // 32)
+                shapes[f"{prefix}.scales"] = shapes[f"{prefix}.biases"] = (rows, cols // GROUP_SIZE)
+            else:
+                shapes[name] = shape
+        return shapes
+
+    def tensors_for_model(self, kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """As tensors(), with each kept weight as MLX-affine tensors (packed uint32 words as int32,
+        scales, biases) that dequantize to exactly the library's values; the rest dense."""
+        from verispec.quant.packing import pack_rows
+
+        for name, value in self.tensors(keep_affine=bool(kept)):
+            if name in kept:
+                prefix = name[: -len(".weight")]
+                yield name, pack_rows(value.q, value.bits)
+                yield f"{prefix}.scales", value.scales
+                yield f"{prefix}.biases", value.biases
+            else:
+                yield name, dense(value)
+
     def tokenizer(self):
         from verispec.loading.gguf.tokenizer import gguf_tokenizer
 
@@ -105,6 +150,16 @@ class GGUFCheckpoint:
     def describe(self) -> str:
         types = ", ".join(f"{n} x{c}" for n, c in self.tensor_types().most_common())
         return f"{self.path.name}: GGUF {self.architecture}, tensors {types}"
+
+
+def keeps_4bit(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a GGUF's Q4_0 / Q4_1 weights are dequantized at load on this device and dtype (None:
+    they stay quantized, for torch's int4 kernel)."""
+    if device.type != "cuda":
+        return f"on {device.type} (the float GEMM is faster there than dequantizing per call)"
+    if dtype != torch.bfloat16:
+        return f"in {str(dtype).removeprefix('torch.')} (torch's int4 kernel takes bfloat16)"
+    return None
 
 
 def _field_value(name: str, field):
