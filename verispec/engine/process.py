@@ -185,7 +185,6 @@ class EngineProcess:
         self._process.start()
         child_conn.close()
         info = self._wait_ready()
-        self.info = info
         self.config, self.model_name, self.model_dir = info.config, info.model_name, Path(info.model_dir)
         self.limits, self.method, self.num_drafts = info.limits, info.method, info.num_drafts
         self.max_model_len, self.vocab_size = info.limits.max_model_len, info.limits.vocab_size

@@ -64,8 +64,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         log.debug("%s", gguf.describe())
         reason = keeps_4bit(device, dtype)
         keep = reason is None if keep_gguf_4bit is None else keep_gguf_4bit
-        kept = gguf.kept_4bit_names() if keep else set()
-        if reason is not None and keep_gguf_4bit is None and gguf.kept_4bit_names():
+        four_bit = gguf.kept_4bit_names()
+        kept = four_bit if keep else set()
+        if four_bit and not keep and keep_gguf_4bit is None:
             log.debug("GGUF %s: 4-bit weights dequantized %s", gguf.path.name, reason)
         config = dict(gguf.config, quantization=QUANTIZATION_CONFIG) if kept else gguf.config
         tensors = gguf.tensors_for_model(kept)

@@ -114,6 +114,8 @@ class GGUFCheckpoint:
     def checkpoint_shapes(self, kept: set[str]) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape as `tensors_for_model(kept)` yields it: a kept weight [N, K] as MLX's
         packed weight [N, K/8] with scales and biases [N, K/32]."""
+        from verispec.quant.packing import packed_words
+
         shapes = {}
         for t in self.reader.tensors:
             name = hf_name(t.name, self.architecture)
@@ -122,7 +124,7 @@ class GGUFCheckpoint:
             shape = self.tensor_shapes[t.name]
             if name in kept:
                 prefix, (rows, cols) = name[: -len(".weight")], shape
-                shapes[name] = (rows, cols * 4 // 32)
+                shapes[name] = (rows, packed_words(cols, QUANTIZATION_CONFIG["bits"]))
                 shapes[f"{prefix}.scales"] = shapes[f"{prefix}.biases"] = (rows, cols // GROUP_SIZE)
             else:
                 shapes[name] = shape
