@@ -37,6 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length limit (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode/verify steps eagerly on CUDA")
+    p.add_argument("--no-overlap-decode", action="store_true",
+                   help="wait for each plain greedy decode step before queuing the next (default on CUDA: the "
+                        "next step is queued while the host handles the last one's output)")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
     p.add_argument("--draft-block", type=int, default=None, metavar="K",
@@ -203,6 +206,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
+    bench.add_argument("--no-overlap-decode", action="store_true",
+                       help="offline: wait for each plain decode step before queuing the next")
     bench.add_argument("--quant", default=None, metavar="FORMAT",
                        help="offline: quantize the target's weights first: mlx-4bit | mlx-8bit | mlx-3bit | mlx-6bit "
                             "(group 64, the layers `verispec quantize` writes)")
@@ -282,6 +287,7 @@ def _engine_config(args):
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
                         eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs,
+                        overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
                         mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm",
                         mtp_model=args.mtp_model, num_mtp_tokens=args.num_mtp_tokens or args.mtp_depth,
                         assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
@@ -379,7 +385,8 @@ def cmd_bench(args) -> int:
         model=args.model, shape=args.shape, url=args.url, serve=tuple(args.serve or ()),
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
         dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
-        cuda_graphs=not args.no_cuda_graphs, out=Path(args.out) if args.out else None,
+        cuda_graphs=not args.no_cuda_graphs, overlap_decode=not args.no_overlap_decode,
+        out=Path(args.out) if args.out else None,
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
         seed=args.seed, json_schema=args.json_schema,

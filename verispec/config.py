@@ -85,4 +85,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the free GPU memory (after weights) the KV cache takes
     kv_cache_gb: float | None = None  # the KV cache's size in GiB (CPU default 2; on CUDA overrides the fraction)
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
+    # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
+    overlap_decode: bool | None = None
     draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)

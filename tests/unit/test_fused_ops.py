@@ -83,8 +83,10 @@ def test_causal_conv_matches_conv1d():
 
 
 def test_prewarm_prefills_every_length_class_once_unsplit(tiny_models, monkeypatch):
-    """warmup.warm_prompt_lengths: 16 consecutive prompt lengths (every residue mod 16) at one and
-    at two 64-token chunks, each one prefill pass of its whole length (no prefix hit, no split)."""
+    """warmup.warm_prompt_lengths: every short pass length whose kernels specialise on it (split-K
+    attention to MAX_QUERY_TOKENS, the Gated DeltaNet per-position kernel to 16 tokens), and 16 consecutive prompt lengths (every residue mod 16) at one and at two 64-token
+    chunks, each one prefill pass of its whole length (no prefix hit, no split)."""
+    from verispec.kernels import decode_attention as split_k
     from verispec.engine import warmup
 
     engine = load_engine(str(tiny_models.get("qwen3", "qwen3")), device="cpu", dtype="float32", kv_cache_gb=0.05,
@@ -95,6 +97,6 @@ def test_prewarm_prefills_every_length_class_once_unsplit(tiny_models, monkeypat
                         lambda seq, n, *a, **k: (seen.append(n), original(seq, n, *a, **k))[1])
     warmup.warm_prompt_lengths(engine)
     expected = [n for first in warmup.WARM_LENGTH_STARTS for n in range(first, first + warmup.WARM_LENGTHS_PER_START)]
-    assert sorted(seen) == sorted(expected)
+    assert sorted(seen) == sorted(expected + list(range(1, max(split_k.MAX_QUERY_TOKENS, 16) + 1)))
     for first in warmup.WARM_LENGTH_STARTS:
         assert {n % 16 for n in range(first, first + warmup.WARM_LENGTHS_PER_START)} == set(range(16))

@@ -107,6 +107,7 @@ def run_offline(opts: BenchOptions) -> BenchReport:
         "drafter": drafter_note,
         "tokenizer": "stub (no detokenization cost)" if target.random else "checkpoint's",
         "cuda_graphs": graphs,
+        "overlap_decode": opts.overlap_decode and any(graphs.values()),
         "json_schema": opts.json_schema,
     })
     if grammar is not None and target.random:
@@ -139,6 +140,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
             max_model_len: int | None = None) -> tuple[Engine, str | None]:
     opts, target = setup.opts, setup.target
     config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs,
+                          overlap_decode=None if opts.overlap_decode else False,
                           max_num_seqs=max_num_seqs or max(opts.concurrency or (1,)), prefix_cache=prefix_cache,
                           max_model_len=max_model_len or max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
                           max_num_batched_tokens=max(opts.prefill_step_size, 2048),

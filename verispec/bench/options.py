@@ -147,6 +147,7 @@ class BenchOptions:
     device: str | None = None
     prefill_step_size: int = 2048
     cuda_graphs: bool = True  # the engine's captured decode/verify steps (CUDA with Triton)
+    overlap_decode: bool = True  # plain steps queued ahead of the host's work (engine/overlap.py; with graphs)
     compare: tuple[Peer, ...] = ()
     out: Path | None = None
     bandwidth_tbs: float | None = None

@@ -141,13 +141,18 @@ class _CapturedBatchPass:
             self.commit_graph = GraphedCall(commit, [torch.ones(batch, dtype=torch.long, device=device)],
                                             self.call.pool())
 
-    def __call__(self, seqs, inputs: list[list[int]], starts: list[int]):
+    def __call__(self, seqs, inputs: list[list[int]] | torch.Tensor, starts: list[int]):
+        """inputs: host lists, or a device tensor [B, T] (overlapped decoding feeds the previous
+        step's tokens without a round trip to the host)."""
         from verispec.engine.runner import PassOutput
 
         b, t = len(seqs), self.num_tokens
         width = self.call.inputs[2].shape[1]
         pad = self.batch - b
-        ids = torch.tensor(inputs + [[0] * t] * pad, dtype=torch.long)
+        if isinstance(inputs, torch.Tensor):
+            ids = torch.cat([inputs, inputs.new_zeros(pad, t)]) if pad else inputs
+        else:
+            ids = torch.tensor(inputs + [[0] * t] * pad, dtype=torch.long)
         positions = torch.tensor([[p + j for j in range(t)] for p in starts] + [list(range(t))] * pad)
         tables = self.runner.table_rows(seqs, width, pad)
         slots = torch.tensor([s.state_slot or 0 for s in seqs] + [0] * pad)

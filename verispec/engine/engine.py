@@ -25,7 +25,7 @@ from verispec import log
 from verispec.cache.prefix import PrefixCache
 from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
-from verispec.engine import constrained, cpu_threads
+from verispec.engine import constrained, cpu_threads, overlap
 from verispec.engine.cache_sizing import size_cache
 from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
@@ -95,6 +95,7 @@ class Engine:
         # others get one instance per sequence (Proposer.fork)
         self.batched_drafting = bool(getattr(proposer, "batched", False))
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
+        self.overlap_decode = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         if config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
             if self.device.type != "cuda":
                 # merged projections only (q/k/v and gate/up as one GEMM each): on a CPU a decode
@@ -389,7 +390,8 @@ class Engine:
             decodes = [s for s in plan.decodes if not s.finished]
             if decodes:
                 self.last_num_drafts = plan.num_drafts
-                self._round(decodes, plan.num_drafts)
+                if not (overlap.eligible(self, decodes, plan.num_drafts) and overlap.run(self, decodes)):
+                    self._round(decodes, plan.num_drafts)
         except Exception as exc:  # noqa: BLE001 - handed to each affected request
             log.exception("engine step failed; failing its %d sequences", len(plan.prefills) + len(plan.decodes))
             for seq in [s for s, _ in plan.prefills] + plan.decodes:

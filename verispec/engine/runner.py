@@ -84,15 +84,18 @@ class ModelRunner:
         return PassOutput(hidden, [a[:, rows] for a in out.aux], pre_norm, self.logits(out.hidden[:, -1:]), cache)
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], inputs: list[list[int]], capture: tuple[int, ...]) -> PassOutput:
-        """One pass over every sequence's inputs (each of length T, drafts padded) at positions
-        num_cached..; nothing committed (the caller commits the accepted rows per sequence)."""
+    def verify(self, seqs: list[Sequence], inputs: list[list[int]] | torch.Tensor, capture: tuple[int, ...],
+               ahead: int = 0) -> PassOutput:
+        """One pass over every sequence's inputs (each of length T, drafts padded; or a device
+        tensor [B, T]) at positions num_cached + ahead..; nothing committed (the caller commits
+        the accepted rows per sequence). ahead > 0: steps queued before this one are not yet
+        counted in num_cached (overlapped decoding, engine/overlap.py)."""
         t = len(inputs[0])
-        starts = [s.num_cached for s in seqs]
+        starts = [s.num_cached + ahead for s in seqs]
         step = self.graphs.get(len(seqs), t) if self.graphs is not None else None
         if step is not None:
             return step(seqs, inputs, starts)
-        ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
+        ids = inputs if isinstance(inputs, torch.Tensor) else torch.tensor(inputs, dtype=torch.long, device=self.device)
         positions = torch.tensor([[p + j for j in range(t)] for p in starts], device=self.device)
         cache = self.batch_cache(seqs, positions, max(starts) + t)
         out = self.model(ids, positions, cache, capture)

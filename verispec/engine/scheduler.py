@@ -76,6 +76,11 @@ class Scheduler:
         seq.block_table.extend(new_blocks)
         return True
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for positions 0..num_tokens-1 of a running sequence ahead of its scheduled step
+        (overlapped decoding queues steps ahead); False (nothing allocated) when they do not fit."""
+        return self._grow(seq, num_tokens)
+
     def release(self, seq: Sequence) -> None:
         """Give a sequence's blocks and state slot back (finished, cancelled or preempted)."""
         if seq.block_table:

@@ -7,6 +7,7 @@ import time
 import torch
 
 from verispec import log
+from verispec.cache.paged import BatchCache
 from verispec.engine.params import SamplingParams
 from verispec.kernels import decode_attention as split_k
 
@@ -66,15 +67,27 @@ def prewarm(engine) -> float:
 # Gated DeltaNet chunk kernels also on the number of 64-token chunks: on the H200 the demo model's
 # first chunk took 0.6-5 s at each prompt length whose class the process had not compiled yet
 # (scripts/gpu_prefill_stall.py: ptxas runs inside the prefill). 16 consecutive lengths cover every
-# residue mod 16, at one and at two chunks. Triton's on-disk cache keeps them for the next start.
+# residue mod 16, at one and at two chunks. Short passes take kernels whose pass length is a
+# compile-time constant: the split-K attention (up to split_k.MAX_QUERY_TOKENS tokens) and the
+# Gated DeltaNet per-position kernel (up to the cache's max_tracked_positions). The graphs compile
+# them for 1..k+1 tokens; a prompt's last piece meets the others when the step's token budget or a
+# prefix hit leaves that few (0.5-4 s each on the H200), so lengths 1..16 are prewarmed too.
+# Triton's on-disk cache keeps them all for the next start.
 WARM_LENGTH_STARTS = (17, PREWARM_PROMPT_TOKENS)
 WARM_LENGTHS_PER_START = 16
+SHORT_PASS_TOKENS = max(split_k.MAX_QUERY_TOKENS, BatchCache.max_tracked_positions)
+
+
+def warm_lengths(max_model_len: int) -> list[list[int]]:
+    """The prompt lengths prewarm prefills, one group (one batch) per list."""
+    groups = [list(range(1, SHORT_PASS_TOKENS + 1))]
+    groups += [list(range(first, first + WARM_LENGTHS_PER_START)) for first in WARM_LENGTH_STARTS]
+    return [[n for n in group if n < max_model_len] for group in groups]
 
 
 def warm_prompt_lengths(engine) -> None:
     vocab = engine.num_real_tokens
-    for first in WARM_LENGTH_STARTS:  # one batch per group: within the step's token budget, unsplit
-        lengths = [n for n in range(first, first + WARM_LENGTHS_PER_START) if n < engine.max_model_len]
+    for lengths in warm_lengths(engine.max_model_len):  # one batch per group: within the step's token budget, unsplit
         # token ids that differ from the first one on, so that no prompt hits another's cached
         # prefix (a hit would prefill only the tail: another length)
         prompts = [[(1000003 * n + 7919 * j) % vocab for j in range(n)] for n in lengths]

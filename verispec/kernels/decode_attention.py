@@ -54,7 +54,12 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # Arguments that vary between calls of one model and do not speed the kernel up when specialised
+    # are not: the positions' row stride (1 when T = 1), the block table's width (1 for a short
+    # prompt) and where the positions / table start (a slice may be 8-byte aligned only). Each
+    # specialisation is a compile (0.5-1 s on the H200) inside whichever request meets it first.
+    @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window"],
+                do_not_specialize_on_alignment=["POS", "BT"])
     def _split_kernel(Q, K, V, POS, OPART, LSE, BT,
                       stride_qb, stride_qh, stride_qt,
                       stride_kb, stride_kh, stride_kn,
