@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from verispec.cli import main
 from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
@@ -15,7 +16,7 @@ from verispec.engine.engine import load_engine
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
 from verispec.spec.mtp import MtpProposer, load_mtp_head
 
-from tests.quant.conftest import mlx_convert, quantized_modules
+from tests.quant.conftest import mlx_convert, quantized_modules, to_torch
 from tests.spec.conftest import TARGET_SHAPE, PROMPTS, ReplayProposer, eagle3_proposer, greedy, spec_engine
 
 NEW_TOKENS = 40
@@ -74,6 +75,46 @@ def test_mtp_head_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
             expected = engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids
             result = spec.generate_all(ids, greedy(NEW_TOKENS))
             assert result.token_ids == expected and result.stats.method == "mtp", f"k={k}"
+
+
+def test_quantized_mtp_sidecar_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
+    """An MLX 4-bit MTP sidecar (its linears packed by mx.quantize, the checkpoint's own
+    `quantization` section) loads as quantized layers whose weights are mx.dequantize's, and the
+    quantized head drafts losslessly for the 4-bit target."""
+    import mlx.core as mx
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from verispec.models.layers.quant_linear import MLXAffineLinear
+
+    src = tmp_path / "float"
+    build_tiny_qwen3_5(src, seed=23, tokenizer_dir=tokenizer_dir)
+    head = random_mtp_head(json.loads((src / "config.json").read_text()), seed=6)
+    assert main(["quantize", "-m", str(src), "--format", "mlx-4bit", "--group-size", "32",
+                 "--out", str(tmp_path / "q4")]) == 0
+    stored, expected = {}, {}
+    for name, w in head.items():
+        if name.endswith(".weight") and w.ndim == 2 and w.shape[1] % 32 == 0:  # the linears
+            packed, scales, biases = mx.quantize(mx.array(w.float().numpy()), group_size=32, bits=4)
+            base = name[:-len(".weight")]
+            stored.update({name: np.array(packed), f"{base}.scales": np.array(scales), f"{base}.biases": np.array(biases)})
+            expected[base] = to_torch(mx.dequantize(packed, scales, biases, group_size=32, bits=4))
+        else:
+            stored[name] = w.float().numpy()
+    save_file(stored, str(tmp_path / "q4" / "mtp.safetensors"))
+    engine = load_engine(str(tmp_path / "q4"), dtype="float64", device="cpu", prefill_step_size=16)
+    quantized = load_mtp_head(tmp_path / "q4", engine.model)
+    layers = {n: m for n, m in quantized.named_modules() if isinstance(m, MLXAffineLinear)}
+    assert {f"mtp.{n}" for n in layers} == set(expected) and len(layers) >= 8
+    for n, m in layers.items():
+        assert torch.equal(m.dequantized_weight(torch.float32), expected[f"mtp.{n}"]), n
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for k in (1, 3):
+        spec = spec_engine(engine, MtpProposer(quantized), k)
+        for ids in prompts:
+            want = engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids
+            result = spec.generate_all(ids, greedy(NEW_TOKENS))
+            assert result.token_ids == want and result.stats.method == "mtp", f"k={k}"
 
 
 def test_gemma4_assistant_on_quantized_gemma4(tmp_path, tokenizer_dir):

@@ -118,7 +118,7 @@ def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
             raise VerispecError(
                 f"weight {ckpt_name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(_as_stored(ckpt_name, tensor, param, dtype).to(device=device))
+            param.copy_(as_stored(ckpt_name, tensor, param, dtype).to(device=device))
         loaded.add(name)
     tied_names = {n for n in params if n.startswith("lm_head.")}  # a quantized head has several tensors
     tied = tied_names if getattr(getattr(model, "settings", None), "tie_word_embeddings", False) else set()
@@ -131,7 +131,7 @@ def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
                   type(model).__name__, ", ".join(ignored[:3]))
 
 
-def _as_stored(ckpt_name: str, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_stored(ckpt_name: str, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Float tensors in the model's dtype. A quantized layer's integer buffers keep the stored bits
     (uint32 words as int32, FP8 codes as uint8, float32 global scales as int32), so that casting
     the model to its dtype leaves them alone."""

@@ -15,7 +15,9 @@ config.json `mlx_lm_extra_tensors.mtp_file`, `mtp.safetensors`, `mtp/weights.saf
 `model-mtp.safetensors`. Norm convention, decided by the format and never by the values: HF
 weights are zero-centred and applied as (1 + w); MLX conversions store 1 + w. A file whose
 safetensors metadata says {"format": "mlx"}, or a config declaring `mlx_lm_extra_tensors`, is
-MLX; anything else is HF. Every RMSNorm of the head (q/k norms included) follows it.
+MLX; anything else is HF. Every RMSNorm of the head (q/k norms included) follows it. A head whose
+linears are MLX-affine quantized (`.scales` / `.biases` beside packed words) gets quantized
+layers, configured by the checkpoint's `quantization` section as the target's are.
 """
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.engine.params import SamplingParams
 from verispec.errors import VerispecError
+from verispec.loading.model_loader import as_stored
 from verispec.loading.weights import checkpoint_files
 from verispec.models.base import CausalLM
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Settings
+from verispec.quant import loading as quant_loading
 from verispec.spec.chained import ChainedDrafter
 from verispec.spec.drafting import choose_draft
 from verispec.spec.proposer import TargetStep
@@ -206,17 +210,22 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
                 if head_name is not None:
                     tensors[head_name] = f.get_tensor(name)
     param = next(target.parameters())
+    where = ", ".join(str(p) for p in source.files)
+    quantized = any(name.endswith(".scales") for name in tensors)
     with torch.device("meta"):  # allocated once, on the target's device and dtype
         head = MtpHead(target.settings, target)
+        if quantized:
+            _quantized_layers(head, config, tensors, where)
     head.to_empty(device=param.device)
     head.to(param.dtype)
     expected = dict(head.named_parameters())
-    where = ", ".join(str(p) for p in source.files)
+    if quantized:
+        expected.update(quant_loading.loadable_tensors(head))  # the quantized layers' packed words
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         shown = ", ".join(unexpected[:4]) + (f" (+{len(unexpected) - 4} more)" if len(unexpected) > 4 else "")
         raise VerispecError(f"MTP head in {where} has tensors that are not part of a one-layer Qwen3.5 MTP "
-                            f"head: mtp.{shown} (quantized or multi-layer heads are not supported)")
+                            f"head: mtp.{shown} (multi-layer heads are not supported)")
     missing = sorted(set(expected) - set(tensors))
     if missing:
         shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
@@ -226,11 +235,25 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
             raise VerispecError(f"MTP tensor 'mtp.{name}' in {where} has shape {tuple(tensors[name].shape)}; "
                                 f"the target (hidden {target.hidden_size}) implies {tuple(p.shape)}")
         with torch.no_grad():
-            p.copy_(tensors[name])
+            p.copy_(as_stored(f"mtp.{name}", tensors[name], p, param.dtype))
+    if quantized:
+        quant_loading.finish_loading(head)
     head.set_norm_convention(source.convention)
     head.eval().requires_grad_(False)
     log.debug("MTP head from %s (%s norm convention: %s)", where, source.convention.value, source.why)
     return head
+
+
+def _quantized_layers(head: MtpHead, config: dict, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Swap the head's linears whose tensors are MLX affine quantized (`.scales` / `.biases` beside
+    packed `.weight` words) for quantized layers, as the target's loader does: the checkpoint's
+    `quantization` section says how (bits, group size, per-layer overrides under `mtp.*` names)."""
+    quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization")
+    if not isinstance(quantization, dict):
+        raise VerispecError(f"the MTP head in {where} is quantized (it has .scales tensors), but config.json "
+                            "has no MLX `quantization` section saying how (bits, group_size)")
+    named = {name: quant_loading.CheckpointTensor(f"mtp.{name}", tuple(t.shape)) for name, t in tensors.items()}
+    quant_loading.prepare_model(head, {"quantization": quantization}, named)
 
 
 # ---- the proposer ----------------------------------------------------------------------------------
