@@ -5,6 +5,7 @@ thread once every sequence decodes. Prints the round timing medians and the func
 
   python3 scripts/round_profile.py --shape qwen3-8b --concurrency 64            # GPU
   python scripts/round_profile.py --shape tiny --device cpu --concurrency 64     # the same code paths on CPU
+  python scripts/round_profile.py -m verispec/demo/model --device cpu --concurrency 8
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("-m", "--model", default=None, help="a checkpoint instead of a shape (e.g. verispec/demo/model)")
     p.add_argument("--device", default=None)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args()
-    opts = BenchOptions(shape=args.shape, device=args.device, contexts=(args.context,), gen_tokens=args.gen_tokens,
+    opts = BenchOptions(shape=None if args.model else args.shape, model=args.model, device=args.device, contexts=(args.context,), gen_tokens=args.gen_tokens,
                         concurrency=(args.concurrency,), repeats=1)
     setup = setup_target(opts)
     engine, _ = _engine(setup, Method.AR)
