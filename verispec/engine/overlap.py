@@ -32,7 +32,6 @@ from verispec.engine.sequence import Sequence
 class _InFlight:
     tokens: torch.Tensor  # [B] the step's greedy tokens (a host copy, filled when `ready` fires)
     ready: torch.cuda.Event | None  # None on CPU, where the copy is already done
-    launched_at: float
     launch_ms: float
 
 
@@ -57,7 +56,7 @@ def run(engine, seqs: list[Sequence]) -> bool:
     """Decode `seqs` step after step, one step queued ahead of the host, until something needs the
     scheduler (a finish, a new or cancelled request, a block shortage, a remaining-token limit).
     Returns False, having done nothing, when not even one step could be launched."""
-    runner, scheduler = engine.runner, engine.scheduler
+    runner = engine.runner
     on_cuda = engine.device.type == "cuda"
     inflight: collections.deque[_InFlight] = collections.deque()
     inputs: list[list[int]] | torch.Tensor = [[s.last_token] for s in seqs]
@@ -74,8 +73,7 @@ def run(engine, seqs: list[Sequence]) -> bool:
             if on_cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-            now = time.perf_counter()
-            inflight.append(_InFlight(host, ready, now, (now - t0) * 1000))
+            inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000))
             inputs = tokens[:, None]
             if len(inflight) < 2:
                 continue  # keep a step queued behind the one the host waits for
