@@ -129,8 +129,9 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
     k, v = cache.gather(layer)
     if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
         return per_row_attention(q, k, v, inputs.positions, window, scale)
-    if q.is_cuda and q.shape[0] == 1 and window is None and k.shape[2] == q.shape[2]:
-        return sdpa(q, k, v, None, scale, causal=True)  # one sequence's first chunk: keys are its queries
+    if q.is_cuda and q.shape[0] == 1 and window is None and k.shape[2] == q.shape[2] and q.shape[-1] <= 256:
+        # one sequence's first chunk: its keys are its queries (flash attention takes head dims to 256)
+        return sdpa(q, k, v, None, scale, causal=True)
     return sdpa(q, k, v, inputs.mask(window), scale)
 
 
