@@ -16,6 +16,7 @@ from verispec.engine import overlap
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
 from verispec.engine.types import FinishReason
+from verispec.grammar.spec import json_object_grammar
 
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 TEXTS = ["def fibonacci(n):", "import collections\n\nclass Counter(dict):", "x", "for i in range(10):\n    print(i)",
@@ -140,6 +141,7 @@ def test_overlap_only_where_the_next_input_is_the_device_argmax(tiny_models, tmp
                            (SamplingParams(max_tokens=8, temperature=0.7, seed=1), False),
                            (SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.2), False),
                            (SamplingParams(max_tokens=8, temperature=0.0, logprobs=True), False),
+                           (SamplingParams(max_tokens=8, temperature=0.0, grammar=json_object_grammar()), False),
                            (SamplingParams(max_tokens=1, **GREEDY), False)]:
         seq = unqueued(engine, ids, params)
         monkeypatch.setattr(engine.scheduler, "running", [seq])
