@@ -494,18 +494,8 @@ class Engine:
         for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
             n = accepted + 1
             position = seq.num_cached
-            seq.num_cached += n
-            stats = seq.stats
-            stats.rounds += 1
-            stats.drafted += len(draft.token_ids)
-            stats.accepted += accepted
-            tokens, grammar_done = constrained.commit(seq, draft.token_ids[:accepted] + [token])
-            chunk = seq.out.push(tokens, out.logits[b, :n], grammar_done=grammar_done)
-            if self.prefix is not None:  # after the push: the committed tokens are in seq.token_ids now
-                self.prefix.on_commit(seq, position, lambda i, b=b: features_at(out, b, i), decoding=True)
-            chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
-            chunk.num_rounds = 1
-            chunks.append(chunk)
+            chunks.append(self._commit_round(seq, draft.token_ids, accepted, token, out.logits[b, :n],
+                                             lambda i, b=b: features_at(out, b, i)))
             if seq.proposer is not None:  # also after the last token: the drafter's state stays the committed one
                 observed.append((seq, TargetStep(inputs[b][:n], position, out.hidden[b, :n],
                                                  [a[b, :n] for a in out.aux], token,
@@ -522,6 +512,26 @@ class Engine:
         now = time.perf_counter()
         self.round_timings.append((len(seqs), width, (t_launch - t0) * 1000, (t_launched - t_launch) * 1000,
                                    (t_synced - t_launched) * 1000, (now - t_synced) * 1000))
+
+    def _commit_round(self, seq: Sequence, drafts: list[int], accepted: int, token: int,
+                      logits: torch.Tensor | None, features=None) -> GenerationChunk:
+        """One sequence's round kept: its first `accepted` drafts and `token` are committed (cache
+        length, stats, grammar, output, prefix cache); returns its chunk, not yet emitted.
+        logits [accepted + 1, V] for logprobs (None: not wanted); features(i): the pass's row i
+        for the prefix cache's drafter features (None: no drafter observes)."""
+        position = seq.num_cached
+        seq.num_cached += accepted + 1
+        stats = seq.stats
+        stats.rounds += 1
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        tokens, grammar_done = constrained.commit(seq, drafts[:accepted] + [token])
+        chunk = seq.out.push(tokens, logits, grammar_done=grammar_done)
+        if self.prefix is not None:  # after the push: the committed tokens are in seq.token_ids now
+            self.prefix.on_commit(seq, position, features, decoding=True)
+        chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
+        chunk.num_rounds = 1
+        return chunk
 
     def _propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         """Each sequence's drafts (counts[b] of them; 0 = none this round)."""

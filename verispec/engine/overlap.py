@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.engine import constrained
 from verispec.engine.sequence import Sequence
 
 
@@ -113,15 +112,7 @@ def _commit(engine, seqs: list[Sequence], tokens: list[int]) -> bool:
     for seq, token in zip(seqs, tokens):
         if seq.finished:
             continue  # finished at an earlier step: this row was computed in flight, and is dropped
-        position = seq.num_cached
-        seq.num_cached += 1
-        seq.stats.rounds += 1
-        committed, grammar_done = constrained.commit(seq, [token])
-        chunk = seq.out.push(committed, None, grammar_done=grammar_done)
-        if engine.prefix is not None:
-            engine.prefix.on_commit(seq, position, decoding=True)
-        chunk.num_drafted = 0
-        chunk.num_rounds = 1
+        chunk = engine._commit_round(seq, [], 0, token, None)
         engine._emit(seq, chunk)
         finished = finished or chunk.finish_reason is not None
     return finished
