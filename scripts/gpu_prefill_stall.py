@@ -43,7 +43,7 @@ def main() -> None:
     else:
         engine.generate_all(list(range(100, 200)), params)
     print("=== warm; requests follow", flush=True)
-    for name in ("_prefill_chunk", "_round"):
+    for name in ("_prefill", "_round"):
         original = getattr(engine, name)
 
         def timed(*a, _original=original, _name=name, **k):

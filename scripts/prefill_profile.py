@@ -12,6 +12,7 @@ import cProfile
 import io
 import pstats
 import time
+from dataclasses import replace
 
 import torch
 
@@ -27,6 +28,8 @@ def main() -> None:
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("-m", "--model", default=None)
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--together", default="8", help="also time N prompts submitted at once, with and without "
+                   "batched prefill (comma-separated Ns; empty: skip)")
     args = p.parse_args()
     model = args.model or str(require_demo_model())
     cfg = EngineConfig(model=model, mtp=not args.no_spec, draft_block=None if args.no_spec else 3, max_model_len=4096)
@@ -49,8 +52,19 @@ def main() -> None:
         times.append((time.perf_counter() - t0) * 1000)
     print(f"{args.length}-token prompt, first token: {sorted(times)[len(times) // 2]:.1f} ms median "
           f"({', '.join(f'{t:.1f}' for t in times)})", flush=True)
+    for n in [int(x) for x in args.together.split(",") if x]:  # the first tokens of N clients arriving together
+        for run, batched in enumerate((True, False, True, False)):  # distinct prompts: no prefix hits
+            engine.config = replace(engine.config, batch_prefill=batched)
+            batch = [prompt(1000 + 100 * n + 20 * run + i) for i in range(n)]
+            sync()
+            t0 = time.perf_counter()
+            engine.generate_batch(batch, params)
+            sync()
+            print(f"{n} {args.length}-token prompts at once, batched prefill {'on ' if batched else 'off'}: "
+                  f"all first tokens in {(time.perf_counter() - t0) * 1000:.1f} ms", flush=True)
+    engine.config = replace(engine.config, batch_prefill=True)
     profile = cProfile.Profile()
-    original = engine._prefill_chunk
+    original = engine._prefill
 
     def profiled(*a, **k):
         profile.enable()
@@ -60,7 +74,7 @@ def main() -> None:
             sync()
             profile.disable()
 
-    engine._prefill_chunk = profiled
+    engine._prefill = profiled
     for i in range(12, 16):
         engine.generate_all(prompt(i), params)
     for key in ("tottime", "cumulative"):

@@ -87,4 +87,5 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
     # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
     overlap_decode: bool | None = None
+    batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/prefill.py)
     draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)

@@ -99,7 +99,7 @@ def _prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequen
     engine._attach_proposer(seq)
     proposer = seq.proposer
     capture = proposer.capture_layers if proposer is not None else ()
-    result = engine.runner.prefill(seq, len(prompt_ids), capture, keep_all_rows=proposer is not None)
+    result = engine.runner.prefill([seq], [len(prompt_ids)], capture, keep_all_rows=proposer is not None)
     seq.num_cached = len(prompt_ids)
     token = int(torch.argmax(result.logits[0, -1]))
     seq.out.token_ids.append(token)

@@ -264,19 +264,33 @@ class BatchCache:
     block_tables [B, N] long (0-padded), positions [B, T] of this pass's tokens, state_slots [B]
     (recurrent layers; None without any), num_keys: one past the largest position any query reads
     (a host int, so the eager path gathers no more keys than needed).
+
+    row_starts / row_lengths: a prompt pass over several sequences (engine/prefill.py) gives each
+    row's first position and real token count (host ints); rows are padded to T at their end. Attention then runs per sequence,
+    the call it would make alone, and `valid_rows` [B, T] bool marks the real tokens, so that
+    recurrent layers make the padding a no-op (no decay, no write) and a row's final state is
+    the one after its own tokens.
     """
 
     paged = True
     max_tracked_positions = 16  # passes up to this many tokens keep per-position recurrent states
 
     def __init__(self, pools: PagedPools, block_tables: torch.Tensor, positions: torch.Tensor,
-                 state_slots: torch.Tensor | None, num_keys: int, use_kernel: bool = False):
+                 state_slots: torch.Tensor | None, num_keys: int, use_kernel: bool = False,
+                 row_starts: list[int] | None = None, row_lengths: list[int] | None = None):
         self.pools = pools
         self.block_tables = block_tables
         self.positions = positions
         self.state_slots = state_slots
         self.num_keys = num_keys
         self.use_kernel = use_kernel
+        self.row_starts = row_starts
+        self.row_lengths = row_lengths
+        self.valid_rows: torch.Tensor | None = None
+        t = positions.shape[1]
+        if row_lengths is not None and any(n != t for n in row_lengths):
+            lengths = torch.tensor(row_lengths, device=positions.device)
+            self.valid_rows = torch.arange(t, device=positions.device)[None] < lengths[:, None]
         self.block_size = pools.block_size
         self.write_slots = slot_table(block_tables, positions, self.block_size).reshape(-1)  # [B * T]
         self._read_slots: torch.Tensor | None = None
@@ -338,7 +352,8 @@ class BatchCache:
             return
         for layer, p in self._pending_recurrent.items():
             t = p.conv_window.shape[-1] - (self.pools.specs[layer].conv_kernel - 1)
-            if not p.per_position and any(num_rows[b] != t for b in keep):
+            whole = self.row_lengths or [t] * len(num_rows)  # a padded row's final state is its own tokens'
+            if not p.per_position and any(num_rows[b] != whole[b] for b in keep):
                 raise ValueError(f"commit({num_rows}) of a {t}-token pass that kept only its final recurrent "
                                  f"state (passes over {self.max_tracked_positions} tokens keep no per-position states)")
         device = self.state_slots.device

@@ -25,13 +25,13 @@ from verispec import log
 from verispec.cache.prefix import PrefixCache
 from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
-from verispec.engine import constrained, cpu_threads, overlap
+from verispec.engine import constrained, cpu_threads, overlap, prefill
 from verispec.engine.cache_sizing import size_cache
 from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.limits import RequestLimits
 from verispec.engine.output import OutputBuilder
-from verispec.engine.prefix_rows import features_at, prepend_row
+from verispec.engine.prefix_rows import features_at
 from verispec.engine.params import SamplingParams
 from verispec.engine.runner import ModelRunner, TargetView
 from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
@@ -385,8 +385,8 @@ class Engine:
         if plan.empty:
             return
         try:
-            for seq, num_tokens in plan.prefills:
-                self._prefill_chunk(seq, num_tokens)
+            if plan.prefills:
+                self._prefill(plan.prefills)
             decodes = [s for s in plan.decodes if not s.finished]
             if decodes:
                 self.last_num_drafts = plan.num_drafts
@@ -416,40 +416,9 @@ class Engine:
         else:
             seq.emit(chunk)
 
-    def _prefill_chunk(self, seq: Sequence, num_tokens: int) -> None:
-        if seq.first_scheduled is None:
-            seq.first_scheduled = time.perf_counter()
-        if seq.proposer is None:
-            self._attach_proposer(seq)
-        proposer = seq.proposer
-        start = seq.num_cached
-        capture = proposer.capture_layers if proposer is not None else ()
-        out = self.runner.prefill(seq, num_tokens, capture, keep_all_rows=proposer is not None)
-        seq.num_cached += num_tokens
-        end = start + num_tokens
-        ids = seq.token_ids[start:end]
-        if self.prefix is not None:
-            self.prefix.on_commit(seq, start, lambda i: features_at(out, 0, i))
-        if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
-            next_token, chunk = seq.token_ids[end], None
-        else:
-            logits = out.logits[0]
-            next_token = self._choose(logits[-1], seq)
-            tokens, grammar_done = constrained.commit(seq, [next_token])
-            chunk = seq.out.push(tokens, logits[-1:], grammar_done=grammar_done)
-        if proposer is not None:  # also after the last token: the drafter's state stays the committed one
-            step = TargetStep(ids, start, out.hidden[0], [a[0] for a in out.aux], next_token,
-                              out.pre_norm[0] if out.pre_norm is not None else None)
-            hit = seq.prefix_hit
-            if hit is not None and hit.features is not None and start == hit.num_tokens:
-                step = prepend_row(step, seq.token_ids[start - 1], hit.features)
-            seq.prefix_hit = None
-            if self.batched_drafting:
-                proposer.observe_rows([(seq, step)])
-            else:
-                proposer.observe(step)
-        if chunk is not None:
-            self._emit(seq, chunk)
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """The step's prompt chunks (engine/prefill.py: grouped into as few passes as padding allows)."""
+        prefill.run(self, chunks)
 
     def _round(self, seqs: list[Sequence], num_drafts: int) -> None:
         """One speculative round over every decoding sequence: drafts, one target pass, then per

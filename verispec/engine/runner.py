@@ -1,8 +1,9 @@
 """The model runner: turns a step's sequences into tensors and runs the target over the paged cache.
 
-Two kinds of pass: a prompt chunk of one sequence ([1, n] tokens), and a verify pass over every
-decoding sequence at once ([B, T]: each row is a sequence's last token followed by its drafts,
-T = 1 without speculation). Rows shorter than T are padded; padded tokens write into their own
+Two kinds of pass: prompt chunks of one or several sequences ([B, T]: each row a sequence's next
+n_b prompt tokens, T = max n_b), and a verify pass over every decoding sequence at once ([B, T]:
+each row is a sequence's last token followed by its drafts, T = 1 without speculation). Rows
+shorter than T are padded; padded tokens write into their own
 sequence's blocks past its committed length (overwritten later) or into the scratch block, and
 nothing reads them. On CUDA, verify passes replay CUDA graphs captured per (batch bucket, T).
 """
@@ -68,20 +69,40 @@ class ModelRunner:
                           self.use_kernel)
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, num_tokens: int, capture: tuple[int, ...], keep_all_rows: bool) -> PassOutput:
-        """The next `num_tokens` uncached tokens of `seq`, committed. hidden/aux/pre_norm keep every
-        row when `keep_all_rows` (a proposer observes them), else the last row only; logits are
-        those of the last row."""
-        start = seq.num_cached
-        ids = torch.tensor([seq.token_ids[start:start + num_tokens]], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + num_tokens, device=self.device)[None]
-        cache = self.batch_cache([seq], positions, start + num_tokens)
-        out = self.model(ids, positions, cache, capture)
-        cache.commit([num_tokens])
-        rows = slice(None) if keep_all_rows else slice(-1, None)
-        hidden = out.hidden[:, rows]
-        pre_norm = out.pre_norm[:, rows] if out.pre_norm is not None else None
-        return PassOutput(hidden, [a[:, rows] for a in out.aux], pre_norm, self.logits(out.hidden[:, -1:]), cache)
+    def prefill(self, seqs: list[Sequence], counts: list[int], capture: tuple[int, ...],
+                keep_all_rows: bool) -> PassOutput:
+        """The next counts[b] uncached tokens of each sequence, in one pass, committed. Rows are
+        padded at their ends to T = max(counts) (the padding writes past each sequence's chunk,
+        where the next pass overwrites it, and is a no-op for recurrent layers). hidden/aux/pre_norm
+        keep every row when `keep_all_rows` (a proposer observes them: row b's are [:counts[b]]),
+        else each sequence's last; logits [B, 1, V] are those of each sequence's last token."""
+        t = max(counts)
+        starts = [s.num_cached for s in seqs]
+        ids, positions = [], []
+        for seq, start, n in zip(seqs, starts, counts):
+            row = seq.token_ids[start:start + n]
+            ids.append(row + [row[-1]] * (t - n))
+            positions.append(list(range(start, start + t)))
+        packed = torch.tensor([i + p for i, p in zip(ids, positions)], dtype=torch.long).to(self.device)
+        ids_t, positions_t = packed[:, :t], packed[:, t:]
+        ragged = len(seqs) > 1
+        cache = BatchCache(self.pools, self.block_tables(seqs), positions_t, self.state_slots(seqs),
+                           max(s + n for s, n in zip(starts, counts)), self.use_kernel,
+                           row_starts=starts if ragged else None, row_lengths=counts if ragged else None)
+        out = self.model(ids_t, positions_t, cache, capture)
+        cache.commit(counts)
+        if keep_all_rows:
+            hidden, aux, pre_norm = out.hidden, out.aux, out.pre_norm
+        else:
+            last = torch.tensor(counts, device=self.device)[:, None] - 1  # [B, 1]
+
+            def rows(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, 1, H]: each sequence's last token
+                return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
+
+            hidden, aux = rows(out.hidden), [rows(a) for a in out.aux]
+            pre_norm = rows(out.pre_norm) if out.pre_norm is not None else None
+        last_hidden = torch.stack([out.hidden[b, n - 1] for b, n in enumerate(counts)])[:, None]  # [B, 1, H]
+        return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache)
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], inputs: list[list[int]] | torch.Tensor, capture: tuple[int, ...],

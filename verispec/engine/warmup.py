@@ -86,10 +86,19 @@ def warm_lengths(max_model_len: int) -> list[list[int]]:
 
 
 def warm_prompt_lengths(engine) -> None:
+    """Each length alone (one-sequence passes), then each group together: prompt chunks of
+    several sequences share a padded pass (engine/prefill.py), whose shapes compile again."""
     vocab = engine.num_real_tokens
-    for lengths in warm_lengths(engine.max_model_len):  # one batch per group: within the step's token budget, unsplit
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for lengths in warm_lengths(engine.max_model_len):
         # token ids that differ from the first one on, so that no prompt hits another's cached
         # prefix (a hit would prefill only the tail: another length)
-        prompts = [[(1000003 * n + 7919 * j) % vocab for j in range(n)] for n in lengths]
-        if prompts:
-            engine.generate_batch(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        for salt in (7919, 7907):
+            prompts = [[(1000003 * n + salt * j) % vocab for j in range(n)] for n in lengths]
+            if not prompts:
+                continue
+            if salt == 7919:
+                for prompt in prompts:
+                    engine.generate_all(prompt, params)
+            else:  # one batch per group: within the step's token budget, unsplit
+                engine.generate_batch(prompts, params)

@@ -127,12 +127,29 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window)
     k, v = cache.gather(layer)
+    if cache.row_lengths is not None and q.shape[0] > 1:
+        # several sequences' prompt chunks, padded at their ends: each attends with the very call it
+        # makes alone (its own queries, keys and mask), so its rows do not depend on the batch
+        out = torch.zeros_like(q)  # padding rows stay finite (recurrent layers multiply them by 0)
+        for b, (start, n) in enumerate(zip(cache.row_starts, cache.row_lengths)):
+            positions = inputs.positions[b:b + 1, :n]
+            k_b, v_b = k[b:b + 1, :, :start + n], v[b:b + 1, :, :start + n]
+            mask = attention_mask(positions, start + n, window, ragged=True)
+            out[b:b + 1, :, :n] = _attend_gathered(q[b:b + 1, :, :n], k_b, v_b, positions, mask, window, scale)
+        return out
+    return _attend_gathered(q, k, v, inputs.positions, inputs.mask(window), window, scale)
+
+
+def _attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     mask: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D] at `positions` [B, T] over gathered k/v [B, Hkv, S, D] (`mask` as
+    attention_mask builds it for them) -> [B, Hq, T, D]."""
     if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
-        return per_row_attention(q, k, v, inputs.positions, window, scale)
+        return per_row_attention(q, k, v, positions, window, scale)
     if q.is_cuda and q.shape[0] == 1 and window is None and k.shape[2] == q.shape[2] and q.shape[-1] <= 256:
         # one sequence's first chunk: its keys are its queries (flash attention takes head dims to 256)
         return sdpa(q, k, v, None, scale, causal=True)
-    return sdpa(q, k, v, inputs.mask(window), scale)
+    return sdpa(q, k, v, mask, scale)
 
 
 def per_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

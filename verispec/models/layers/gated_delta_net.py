@@ -284,6 +284,9 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(b, t, self.num_key_heads, self.key_head_dim)
         v = v.reshape(b, t, hv, self.value_head_dim)
         beta, g = self.gates(b_in, a_in, self.A_log, self.dt_bias)  # [B, T, Hv]; g float32
+        valid = getattr(cache, "valid_rows", None)  # [B, T]: a padded prompt pass of several sequences
+        if valid is not None:  # padding neither decays nor writes the state: each row ends in its own
+            beta, g = beta * valid[..., None], g * valid[..., None]
         per_position = t <= cache.max_tracked_positions
         out, states = gated_delta_rule(q, k, v, g, beta, ssm_state, per_position)
         cache.set_recurrent_pending(self.layer_idx, window, states, per_position)
