@@ -40,6 +40,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap-decode", action="store_true",
                    help="wait for each plain greedy decode step before queuing the next (default on CUDA: the "
                         "next step is queued while the host handles the last one's output)")
+    p.add_argument("--no-batch-prefill", action="store_true",
+                   help="prefill each prompt chunk in a pass of its own (default: the chunks of one step share "
+                        "one padded pass)")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
     p.add_argument("--draft-block", type=int, default=None, metavar="K",
@@ -288,6 +291,7 @@ def _engine_config(args):
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
                         eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs,
                         overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
+                        batch_prefill=not getattr(args, "no_batch_prefill", False),
                         mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm",
                         mtp_model=args.mtp_model, num_mtp_tokens=args.num_mtp_tokens or args.mtp_depth,
                         assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,

@@ -181,3 +181,12 @@ def test_padded_rows_leave_the_recurrent_state_alone(tmp_path, tokenizer_dir):
         for a, t in zip(states["alone" + key], states["together" + key]):
             for x, y in zip(a, t):
                 torch.testing.assert_close(y, x, rtol=0, atol=1e-12)
+
+
+def test_cli_flag(qwen3_dir):
+    from verispec import cli
+
+    on = cli._engine_config(cli.build_parser().parse_args(["serve", "-m", str(qwen3_dir), "--device", "cpu"]))
+    off = cli._engine_config(cli.build_parser().parse_args(["serve", "-m", str(qwen3_dir), "--device", "cpu",
+                                                            "--no-batch-prefill"]))
+    assert on.batch_prefill and not off.batch_prefill
