@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--lengths", default="480,520")
     p.add_argument("--prewarm", action="store_true")
     p.add_argument("--batch", default="", help="prompt lengths submitted together after --lengths")
+    p.add_argument("--rounds", type=int, default=1, help="times the --batch prompts arrive (new tokens each time)")
     args = p.parse_args()
     log_compiles()
     cfg = EngineConfig(model=str(require_demo_model()), mtp=not args.no_spec,
@@ -64,16 +65,19 @@ def main() -> None:
                     print("\n".join(line[:180] for line in out.getvalue().splitlines()[6:40]), flush=True)
 
         setattr(engine, name, timed)
-    for n in (int(x) for x in args.lengths.split(",")):
+    for n in (int(x) for x in args.lengths.split(",") if x):
         start = time.perf_counter()
         engine.generate_all(list(range(100, 100 + n)), params)
         print(f"=== {n} tokens: {time.perf_counter() - start:.2f}s", flush=True)
     if args.batch:
         lengths = [int(x) for x in args.batch.split(",")]
-        prompts = [[(7919 * n + 31 * j) % 4000 + 10 for j in range(n)] for n in lengths]
-        start = time.perf_counter()
-        engine.generate_batch(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-        print(f"=== batch {lengths}: {time.perf_counter() - start:.2f}s", flush=True)
+        for r in range(args.rounds):
+            prompts = [[(7919 * n + 31 * j + 104729 * r) % 4000 + 10 for j in range(n)] for n in lengths]
+            start = time.perf_counter()
+            results = engine.generate_batch(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+            ttft = sorted(res.stats.ttft_ms for res in results)
+            print(f"=== batch {lengths} round {r}: {time.perf_counter() - start:.2f}s, TTFT ms "
+                  f"{', '.join(f'{t:.0f}' for t in ttft)}", flush=True)
 
 
 def log_compiles() -> None:

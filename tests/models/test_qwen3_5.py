@@ -459,10 +459,23 @@ def test_fla_path_plumbing_with_stand_in_kernels(monkeypatch):
     import types
 
     def stand_in(kernel):
-        def call(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False):
+        def call(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                 cu_seqlens=None, cu_seqlens_cpu=None):
             assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.dtype == torch.float32
-            return kernel(q, k, v, g=g, beta=beta, initial_state=initial_state,
-                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            if cu_seqlens is None:
+                return kernel(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            # fla's variable-length form: B = 1, sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]
+            assert q.shape[0] == 1 and cu_seqlens.tolist() == cu_seqlens_cpu.tolist()
+            bounds = cu_seqlens_cpu.tolist()
+            outs, finals = [], []
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                out, final = kernel(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                                    initial_state=initial_state[i:i + 1], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                outs.append(out)
+                finals.append(final)
+            return torch.cat(outs, dim=1), torch.cat(finals)
         return call
 
     fake = types.ModuleType("fla.ops.gated_delta_rule")

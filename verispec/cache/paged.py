@@ -265,8 +265,9 @@ class BatchCache:
     (recurrent layers; None without any), num_keys: one past the largest position any query reads
     (a host int, so the eager path gathers no more keys than needed).
 
-    row_starts / row_lengths: a prompt pass over several sequences (engine/prefill.py) gives each
-    row's first position and real token count (host ints); rows are padded to T at their end. Attention then runs per sequence,
+    row_starts / row_lengths: a prompt pass (one sequence's chunk or several, engine/prefill.py)
+    gives each row's first position and real token count (host ints); rows are padded to T at
+    their end. Attention then runs per sequence,
     the call it would make alone, and `valid_rows` [B, T] bool marks the real tokens, so that
     recurrent layers make the padding a no-op (no decay, no write) and a row's final state is
     the one after its own tokens.

@@ -85,10 +85,9 @@ class ModelRunner:
             positions.append(list(range(start, start + t)))
         packed = torch.tensor([i + p for i, p in zip(ids, positions)], dtype=torch.long).to(self.device)
         ids_t, positions_t = packed[:, :t], packed[:, t:]
-        ragged = len(seqs) > 1
         cache = BatchCache(self.pools, self.block_tables(seqs), positions_t, self.state_slots(seqs),
                            max(s + n for s, n in zip(starts, counts)), self.use_kernel,
-                           row_starts=starts if ragged else None, row_lengths=counts if ragged else None)
+                           row_starts=starts, row_lengths=counts)
         out = self.model(ids_t, positions_t, cache, capture)
         cache.commit(counts)
         if keep_all_rows:

@@ -33,7 +33,15 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Neither B nor the strides are specialised: Triton makes B == 1 a constant and a stride's
+    # divisibility by 16 part of the compile key, so every pass length compiled for one sequence
+    # compiled again for several, whose masked gates are laid out differently (2.2-2.8 s each on
+    # the H200, met by a batched prefill's short tails). T is the one compile-time length.
+    @triton.jit(do_not_specialize=["B", "stride_qb", "stride_qt", "stride_qh", "stride_qd",
+                                   "stride_kb", "stride_kt", "stride_kh", "stride_kd",
+                                   "stride_vb", "stride_vt", "stride_vh", "stride_vd",
+                                   "stride_gb", "stride_gt", "stride_gh", "stride_bb", "stride_bt", "stride_bh",
+                                   "stride_ob", "stride_ot", "stride_oh"])
     def _recurrent_kernel(Q, K, V, G, BETA, S0, OUT, STATES,
                           stride_qb, stride_qt, stride_qh, stride_qd,
                           stride_kb, stride_kt, stride_kh, stride_kd,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
@@ -36,16 +37,20 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     and float32 is at least as accurate. bfloat16 is left to torch's own kernel (1.5-2.3x slower
     there too), whose results transformers' bf16 models reproduce bit for bit (tests/models).
 
-    causal: the queries are keys 0..T-1 themselves (a prompt's first chunk), so no mask is needed,
-    and on CUDA the call goes to the flash kernel: with a mask torch picks cuDNN's, which builds an
-    execution plan for each new shape (35-50 ms, the first in a process 0.6-0.9 s on the H200) and
-    runs a 16K causal prompt in 14.3 ms against flash's 6.7 (scripts/gpu_sdpa_backends.py). Masked
-    calls (a prompt's later chunks, tails after a prefix hit) stay on cuDNN: the memory-efficient
-    kernel needs no plan but takes no grouped K/V heads, and with them expanded it ran 16 queries
-    over 16K keys in 1.0 ms against cuDNN's 0.38 (a 16K prompt's TTFT 679 -> 1,134 ms, measured)."""
+    causal: the T queries are the last T of the S keys, each seeing the keys up to its own (a
+    prompt chunk; S == T for a prompt's first chunk), so no mask is needed, and on CUDA the call
+    goes to the flash kernel (lower-right aligned when S > T): with a mask torch picks cuDNN's,
+    which builds an execution plan for each new shape (13-50 ms, the first in a process 0.6-0.9 s
+    on the H200) and ran a 16K causal prompt in 14.3 ms against flash's 6.7
+    (scripts/gpu_sdpa_backends.py). Masked calls (sliding windows, verify passes over the
+    gathered cache) stay on cuDNN: the memory-efficient kernel needs no plan but takes no grouped
+    K/V heads, and with them expanded it ran 16 queries over 16K keys in 1.0 ms against cuDNN's 0.38."""
     gqa = q.shape[1] != k.shape[1]
-    if q.is_cuda and causal:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if causal:
+        t, s = q.shape[2], k.shape[2]
+        bias = None if s == t else causal_lower_right(t, s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale,
+                                              enable_gqa=gqa)
     if q.device.type == "cpu" and q.dtype == torch.float16:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
                                              enable_gqa=gqa)
@@ -127,29 +132,34 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window)
     k, v = cache.gather(layer)
-    if cache.row_lengths is not None and q.shape[0] > 1:
-        # several sequences' prompt chunks, padded at their ends: each attends with the very call it
-        # makes alone (its own queries, keys and mask), so its rows do not depend on the batch
+    if cache.row_lengths is not None:
+        # prompt chunks (one sequence's, or several padded at their ends): each sequence attends
+        # with the call it makes alone (its own queries, keys and mask), so its rows do not depend
+        # on the batch; its queries are the last of its keys, which a causal kernel can take
+        if q.shape[0] == 1 and cache.row_lengths[0] == q.shape[2]:
+            return _attend_chunk(q, k, v, inputs.positions, cache.row_starts[0], window, scale)
         out = torch.zeros_like(q)  # padding rows stay finite (recurrent layers multiply them by 0)
         for b, (start, n) in enumerate(zip(cache.row_starts, cache.row_lengths)):
-            positions = inputs.positions[b:b + 1, :n]
-            k_b, v_b = k[b:b + 1, :, :start + n], v[b:b + 1, :, :start + n]
-            mask = attention_mask(positions, start + n, window, ragged=True)
-            out[b:b + 1, :, :n] = _attend_gathered(q[b:b + 1, :, :n], k_b, v_b, positions, mask, window, scale)
+            out[b:b + 1, :, :n] = _attend_chunk(q[b:b + 1, :, :n], k[b:b + 1, :, :start + n], v[b:b + 1, :, :start + n],
+                                                inputs.positions[b:b + 1, :n], start, window, scale)
         return out
-    return _attend_gathered(q, k, v, inputs.positions, inputs.mask(window), window, scale)
+    if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
+        return per_row_attention(q, k, v, inputs.positions, window, scale)
+    return sdpa(q, k, v, inputs.mask(window), scale)
 
 
-def _attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     mask: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D] at `positions` [B, T] over gathered k/v [B, Hkv, S, D] (`mask` as
-    attention_mask builds it for them) -> [B, Hq, T, D]."""
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, start: int,
+                  window: int | None, scale: float) -> torch.Tensor:
+    """One sequence's prompt chunk: q [1, Hq, T, D] at positions start..start+T-1 over its gathered
+    k/v [1, Hkv, start+T, D] -> [1, Hq, T, D]. On CUDA without a window the chunk is causal with
+    the queries aligned to the last keys, which flash attention runs with no mask (head dims to
+    256): a masked call goes to cuDNN, which builds an execution plan for every new shape, 13-19 ms
+    a call on the H200, so the tail of every prompt of a new length paid ~0.2 s."""
     if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
         return per_row_attention(q, k, v, positions, window, scale)
-    if q.is_cuda and q.shape[0] == 1 and window is None and k.shape[2] == q.shape[2] and q.shape[-1] <= 256:
-        # one sequence's first chunk: its keys are its queries (flash attention takes head dims to 256)
+    if q.is_cuda and window is None and q.shape[-1] <= 256:
         return sdpa(q, k, v, None, scale, causal=True)
-    return sdpa(q, k, v, mask, scale)
+    return sdpa(q, k, v, attention_mask(positions, start + q.shape[2], window, ragged=True), scale)
 
 
 def per_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -142,9 +142,18 @@ def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g, state = g.float().contiguous(), state.float().contiguous()
     if not per_position:
+        b, t = q.shape[:2]
+        varlen = {}
+        if b > 1:
+            # several sequences' prompt chunks (engine/prefill.py) as one variable-length call, a
+            # sequence per row: fla autotunes and compiles its cumsum kernel per batch size, which
+            # stalled the first batched prefills 0.3-1.2 s each on the H200; at B = 1 it never varies
+            q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))
+            bounds = torch.arange(0, (b + 1) * t, t)
+            varlen = {"cu_seqlens": bounds.to(q.device), "cu_seqlens_cpu": bounds}
         out, final = chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, initial_state=state,
-                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return out.to(dtype), final[None]
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True, **varlen)
+        return out.reshape(b, t, *out.shape[2:]).to(dtype), final[None]
     outs, states = [], []
     for t in range(q.shape[1]):
         step = slice(t, t + 1)
