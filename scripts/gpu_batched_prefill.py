@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()
+    chunk_attention_first_calls()
     lengths = [int(x) for x in args.lengths.split(",")]
     for dtype in args.dtypes.split(","):
         engine = Engine.load(EngineConfig(model=str(require_demo_model()), dtype=dtype, prefix_cache=False,
@@ -74,6 +75,34 @@ def main() -> None:
         together_out = [r.token_ids for r in engine.generate_batch(prompts, [greedy] * len(prompts))]
         same = sum(a == t for a, t in zip(alone_out, together_out))
         print(f"{dtype}: greedy {args.new} tokens, alone vs together: {same}/{len(prompts)} identical", flush=True)
+
+
+def chunk_attention_first_calls() -> None:
+    """A prompt chunk's causal attention (models/layers/attention.py sdpa(causal=True)) at shapes
+    the process has not seen, as a batched prefill meets them (a per-sequence slice of a padded
+    pass): the first call's time shows whether a backend plans per shape (cuDNN: 13-50 ms)."""
+    import time
+
+    from verispec.models.layers.attention import sdpa
+
+    for heads, kv_heads, dim in ((6, 2, 64), (32, 8, 128)):
+        for t_pad, t, start in ((544, 544, 0), (549, 545, 0), (13, 9, 544), (16, 11, 548), (300, 300, 4000)):
+            q = torch.randn(3, heads, t_pad, dim, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(3, kv_heads, start + t_pad, dim, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            call = lambda: sdpa(q[1:2, :, :t], k[1:2, :, :start + t], v[1:2, :, :start + t], None, dim ** -0.5,  # noqa: E731
+                                causal=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            first = (time.perf_counter() - t0) * 1000
+            t0 = time.perf_counter()
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            print(f"chunk attention {heads}/{kv_heads}x{dim}, {t} queries after {start}: first call {first:.2f} ms, "
+                  f"then {(time.perf_counter() - t0) / 20 * 1000:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def main() -> None:
     if args.batch:
         lengths = [int(x) for x in args.batch.split(",")]
         for r in range(args.rounds):
-            prompts = [[(7919 * n + 31 * j + 104729 * r) % 4000 + 10 for j in range(n)] for n in lengths]
+            # each round a little longer, as a server's requests differ in length
+            prompts = [[(7919 * n + 31 * j + 104729 * r) % 4000 + 10 for j in range(n + r)] for n in lengths]
             start = time.perf_counter()
             results = engine.generate_batch(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
             ttft = sorted(res.stats.ttft_ms for res in results)

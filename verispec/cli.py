@@ -64,7 +64,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Gemma 4 assistant: attend to the last W target positions only (default: the whole context)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step: prompt chunks plus verify rows (default max(2048, --prefill-step-size))")
+                   help="tokens per engine step: prompt chunks plus verify rows (default max(2048, "
+                        "--prefill-step-size); on a GPU, up to 16384 for models under 8B parameters, "
+                        "keeping a step's compute that of 2048 tokens of an 8B model)")
     p.add_argument("--block-size", type=int, default=16, help="positions per paged KV block (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the free GPU memory after the weights that the KV cache takes (default 0.9)")

@@ -190,3 +190,14 @@ def test_cli_flag(qwen3_dir):
     off = cli._engine_config(cli.build_parser().parse_args(["serve", "-m", str(qwen3_dir), "--device", "cpu",
                                                             "--no-batch-prefill"]))
     assert on.batch_prefill and not off.batch_prefill
+
+
+def test_default_token_budget_scales_with_model_size():
+    from verispec.engine.scheduler import default_token_budget
+
+    assert default_token_budget(8_200_000_000, "cuda", 2048) == 2048  # an 8B model: 2048
+    assert default_token_budget(27_000_000_000, "cuda", 2048) == 2048
+    assert default_token_budget(1_700_000_000, "cuda", 2048) == 9472  # compute of 2048 8B tokens
+    assert default_token_budget(20_000_000, "cuda", 2048) == 16384  # the demo model: capped
+    assert default_token_budget(20_000_000, "cpu", 2048) == 2048  # compute-bound: unchanged
+    assert default_token_budget(20_000_000, "cpu", 4096) == 4096

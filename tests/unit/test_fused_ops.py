@@ -94,12 +94,13 @@ def test_prewarm_prefills_every_length_class_once_unsplit(tiny_models, monkeypat
     seen = []
     original = engine.runner.prefill
     # one-sequence passes: each length once (the batched passes of each group come on top)
-    together = []
+    batch_sizes = []
     monkeypatch.setattr(engine.runner, "prefill", lambda seqs, counts, *a, **k: (
-        (seen if len(seqs) == 1 else together).extend(counts), original(seqs, counts, *a, **k))[1])
+        seen.extend(counts), batch_sizes.append(len(seqs)), original(seqs, counts, *a, **k))[2])
     warmup.warm_prompt_lengths(engine)
     expected = [n for first in warmup.WARM_LENGTH_STARTS for n in range(first, first + warmup.WARM_LENGTHS_PER_START)]
-    assert sorted(seen) == sorted(expected + list(range(1, max(split_k.MAX_QUERY_TOKENS, 16) + 1)))
-    assert sorted(together) == sorted(seen)  # and every length again inside multi-sequence passes
+    # each length twice, unsplit: alone, then with its group (passes of several sequences)
+    assert sorted(seen) == sorted(2 * (expected + list(range(1, max(split_k.MAX_QUERY_TOKENS, 16) + 1))))
+    assert max(batch_sizes) > 1
     for first in warmup.WARM_LENGTH_STARTS:
         assert {n % 16 for n in range(first, first + warmup.WARM_LENGTHS_PER_START)} == set(range(16))

@@ -35,7 +35,7 @@ from verispec.engine.prefix_rows import features_at
 from verispec.engine.params import SamplingParams
 from verispec.engine.runner import ModelRunner, TargetView
 from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
-from verispec.engine.scheduler import Scheduler
+from verispec.engine.scheduler import Scheduler, default_token_budget
 from verispec.engine.sequence import Sequence
 from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.errors import InvalidRequestError, VerispecError
@@ -142,7 +142,8 @@ class Engine:
         if cfg.prefix_cache:
             self.prefix = PrefixCache(self.blocks, self.pools, list(range(num_slots, num_slots + num_snapshots)),
                                       keep_features=False)
-        batched = cfg.max_num_batched_tokens or max(2048, cfg.prefill_step_size)
+        batched = cfg.max_num_batched_tokens or default_token_budget(
+            sum(p.numel() for p in self.model.parameters()), self.device.type, cfg.prefill_step_size)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
                                    self._on_release, self._on_allocate, prefix=self.prefix,
                                    on_copy=self._on_copy, on_admit=self._on_admit)

@@ -24,6 +24,24 @@ from verispec.cache.prefix import PrefixCache
 from verispec.engine.sequence import Sequence, SequenceStatus
 
 
+# The default token budget of a step on a GPU: a prompt token costs ~2 x parameters FLOPs, so the
+# budget keeps a step's compute near that of 2048 tokens of an 8B model (tens of ms on an H200,
+# the time running decodes wait behind a prefill). Small models then take many prompts in one
+# pass (the demo model: 8 clients' 512-token prompts in one pass, not four): their passes cost
+# per-layer host overhead, not compute. On a CPU, compute-bound, the budget stays 2048.
+STEP_PARAM_TOKENS = 2048 * 8e9
+MAX_STEP_TOKENS = 16384
+
+
+def default_token_budget(num_params: int, device_type: str, prefill_chunk: int) -> int:
+    """--max-num-batched-tokens when none is given."""
+    base = max(2048, prefill_chunk)
+    if device_type != "cuda":
+        return base
+    by_compute = int(STEP_PARAM_TOKENS / max(num_params, 1)) // 256 * 256
+    return max(base, min(MAX_STEP_TOKENS, by_compute))
+
+
 @dataclass
 class StepPlan:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens of its chunk)

@@ -63,15 +63,20 @@ class BatchedDrafting:
 
     # ---- passes ---------------------------------------------------------------------------------
     def _batch_pass(self, seqs, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                    last: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    last: torch.Tensor, num_keys: int, rows: tuple[list[int], list[int]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, positions [B, T]; features [B, T, F]; last [B]: the index whose output and logits
-        each row returns -> (out [B, 1, F], logits [B, V'])."""
+        each row returns -> (out [B, 1, F], logits [B, V']). rows: each row's first position and
+        real length when rows are contiguous runs padded at their ends (an observe pass): an
+        eager pass then attends per sequence, causally, as a prompt chunk does (no masked call)."""
         graphs = self._batch_graphs
         if graphs is not None:
             step = graphs.get(len(seqs), ids.shape[1])
             if step is not None:
                 return step(seqs, ids, features, positions, last)
-        cache = BatchCache(self.pools, self._tables_fn(seqs), positions, None, num_keys, self._use_kernel)
+        starts, lengths = rows if rows is not None else (None, None)
+        cache = BatchCache(self.pools, self._tables_fn(seqs), positions, None, num_keys, self._use_kernel,
+                           row_starts=starts, row_lengths=lengths)
         return self._rows(ids, features, positions, cache, last)
 
     @torch.inference_mode()
@@ -99,7 +104,9 @@ class BatchedDrafting:
         num_keys = max(s.start_position + n_max for s in steps)
         if self._batch_graphs is not None:
             self._batch_graphs.new_round()
-        out, logits = self._batch_pass(seqs, ids_t, torch.stack(feats).to(self.pools.dtype), pos_t, last, num_keys)
+        spans = ([step.start_position for step in steps], [len(step.token_ids) for step in steps])
+        out, logits = self._batch_pass(seqs, ids_t, torch.stack(feats).to(self.pools.dtype), pos_t, last, num_keys,
+                                       spans)
         for b, (seq, step) in enumerate(rows):
             self._states[seq.id] = _RowState(out[b].clone(), logits[b].clone(),
                                              step.start_position + len(step.token_ids))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from verispec.cache.kv import KVCache
@@ -29,6 +30,9 @@ def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None,
     return allowed[:, None]
 
 
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
          scale: float, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with GQA: q [B, Hq, T, D], k/v [B, Hkv, S, D] -> [B, Hq, T, D].
@@ -49,8 +53,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     if causal:
         t, s = q.shape[2], k.shape[2]
         bias = None if s == t else causal_lower_right(t, s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale,
-                                              enable_gqa=gqa)
+        # not cuDNN, which torch picks first on Hopper even for an unmasked causal call, and which
+        # plans per shape (a batched prefill's per-sequence slices are new shapes every time)
+        with sdpa_kernel(_NO_CUDNN):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale,
+                                                  enable_gqa=gqa)
     if q.device.type == "cpu" and q.dtype == torch.float16:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
                                              enable_gqa=gqa)
