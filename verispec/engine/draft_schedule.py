@@ -41,8 +41,10 @@ class DraftSchedule:
         if device_type != "cuda":
             # a CPU's matrix products are compute-bound after a few rows, so k+1 rows per sequence
             # cost ~k+1 times one: measured with the demo model over HTTP (docs/benchmarks.md), 8
-            # clients got 107 tok/s plain vs 71 with 4 drafts each
-            return cls([(1, max_drafts), (2, min(max_drafts, 1)), (4, 0)], max_drafts)
+            # clients got 107 tok/s plain vs 71 with 4 drafts each; one draft each pays from 2 to 16
+            # clients (4: 162-168 vs 102-117 tok/s plain; 8: 178-197 vs 141-172; 16: 215-235 vs
+            # 193-201). Past 16 it is not measured: none from 32, as on a GPU
+            return cls([(1, max_drafts), (2, min(max_drafts, 1)), (32, 0)], max_drafts)
         # the verify pass stays near one decode step up to ~8 sequences x 4 tokens (measured on the
         # H200, docs/benchmarks.md); past that one draft, and none from 32 sequences
         return cls([(1, max_drafts), (9, min(max_drafts, 1)), (32, 0)], max_drafts)
