@@ -316,14 +316,16 @@ class BatchCache:
         """K and V of positions 0..num_keys-1 for every sequence: [B, Hkv, num_keys, D] each
         (rows past a sequence's own positions are other data or scratch: queries mask them)."""
         slots = self.read_slots()
-        k = self.pools.keys[layer][slots].transpose(1, 2)
-        v = self.pools.values[layer][slots].transpose(1, 2)
+        flat = slots.reshape(-1)  # index_select: a plain row copy, 4x faster than indexing on a CPU
+        k = self.pools.keys[layer].index_select(0, flat).unflatten(0, slots.shape).transpose(1, 2)
+        v = self.pools.values[layer].index_select(0, flat).unflatten(0, slots.shape).transpose(1, 2)
         return k, v
 
     # ---- recurrent layers -------------------------------------------------------------------------
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed (conv state [B, conv_dim, kernel-1], SSM state [B, H, Dk, Dv] float32)."""
-        return self.pools.conv_states[layer][self.state_slots], self.pools.ssm_states[layer][self.state_slots]
+        slots = self.state_slots
+        return self.pools.conv_states[layer].index_select(0, slots), self.pools.ssm_states[layer].index_select(0, slots)
 
     def set_recurrent_pending(self, layer: int, conv_window: torch.Tensor, ssm_states: torch.Tensor,
                               per_position: bool) -> None:
@@ -365,14 +367,18 @@ class BatchCache:
     def _write_states(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
         """Into the state slots of batch rows `rows` [R]: each one's recurrent state after counts [R]
         positions of this pass (a pass without per-position states has only its last)."""
-        slots = self.state_slots[rows]
+        slots = self.state_slots.index_select(0, rows)
         for layer, p in self._pending_recurrent.items():
             kernel = self.pools.specs[layer].conv_kernel
-            ssm = p.ssm_states[counts - 1, rows] if p.per_position else p.ssm_states[-1, rows]
+            states = p.ssm_states  # [T or 1, B, H, Dk, Dv]
+            if p.per_position:  # row b's state after counts[b] positions: flat index (n - 1) * B + b
+                ssm = states.flatten(0, 1).index_select(0, (counts - 1) * states.shape[1] + rows)
+            else:
+                ssm = states[-1].index_select(0, rows)
             self.pools.ssm_states[layer].index_copy_(0, slots, ssm.to(self.pools.ssm_states[layer].dtype))
             # conv state after n rows: window[:, :, n : n + kernel - 1]
             index = counts[:, None] + torch.arange(kernel - 1, device=counts.device)[None]  # [R, K-1]
-            window = p.conv_window[rows]  # [R, C, K-1+T]
+            window = p.conv_window.index_select(0, rows)  # [R, C, K-1+T]
             conv = window.gather(2, index[:, None, :].expand(-1, window.shape[1], -1))
             self.pools.conv_states[layer].index_copy_(0, slots, conv.to(self.pools.dtype))
 
