@@ -267,10 +267,9 @@ class BatchCache:
 
     row_starts / row_lengths: a prompt pass (one sequence's chunk or several, engine/prefill.py)
     gives each row's first position and real token count (host ints); rows are padded to T at
-    their end. Attention then runs per sequence,
-    the call it would make alone, and `valid_rows` [B, T] bool marks the real tokens, so that
-    recurrent layers make the padding a no-op (no decay, no write) and a row's final state is
-    the one after its own tokens.
+    their end. Attention then runs per sequence, the call it would make alone, and `valid_rows`
+    marks the real tokens, so that recurrent layers make the padding a no-op (no decay, no write)
+    and a row's final state is the one after its own tokens.
     """
 
     paged = True
@@ -287,15 +286,21 @@ class BatchCache:
         self.use_kernel = use_kernel
         self.row_starts = row_starts
         self.row_lengths = row_lengths
-        self.valid_rows: torch.Tensor | None = None
-        t = positions.shape[1]
-        if row_lengths is not None and any(n != t for n in row_lengths):
-            lengths = torch.tensor(row_lengths, device=positions.device)
-            self.valid_rows = torch.arange(t, device=positions.device)[None] < lengths[:, None]
+        self._valid_rows: torch.Tensor | None = None
         self.block_size = pools.block_size
         self.write_slots = slot_table(block_tables, positions, self.block_size).reshape(-1)  # [B * T]
         self._read_slots: torch.Tensor | None = None
         self._pending_recurrent: dict[int, _PendingRecurrent] = {}
+
+    @property
+    def valid_rows(self) -> torch.Tensor | None:
+        """[B, T] bool, True at real tokens: None unless rows are padded (built on first use, by a
+        recurrent layer; a drafter's observe pass has none and never builds it)."""
+        t = self.positions.shape[1]
+        if self._valid_rows is None and self.row_lengths is not None and any(n != t for n in self.row_lengths):
+            lengths = torch.tensor(self.row_lengths, device=self.positions.device)
+            self._valid_rows = torch.arange(t, device=self.positions.device)[None] < lengths[:, None]
+        return self._valid_rows
 
     # ---- attention layers -------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

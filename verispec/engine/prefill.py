@@ -65,10 +65,10 @@ def run_group(engine, group: list[tuple[Sequence, int]]) -> None:
             engine._attach_proposer(seq)
     seqs = [seq for seq, _ in group]
     counts = [n for _, n in group]
-    observing = [seq.proposer is not None for seq in seqs]
-    capture = engine.proposer.capture_layers if any(observing) else ()  # every sequence's proposer is of its kind
+    observing = any(seq.proposer is not None for seq in seqs)
+    capture = engine.proposer.capture_layers if observing else ()  # every sequence's proposer is of its kind
     starts = [seq.num_cached for seq in seqs]
-    out = engine.runner.prefill(seqs, counts, capture, keep_all_rows=any(observing))
+    out = engine.runner.prefill(seqs, counts, capture, keep_all_rows=observing)
     observed, emitted = [], []
     for b, (seq, start, n) in enumerate(zip(seqs, starts, counts)):
         seq.num_cached += n

@@ -64,9 +64,10 @@ class ModelRunner:
             return None
         return torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=self.device)
 
-    def batch_cache(self, seqs: list[Sequence], positions: torch.Tensor, num_keys: int) -> BatchCache:
+    def batch_cache(self, seqs: list[Sequence], positions: torch.Tensor, num_keys: int,
+                    row_starts: list[int] | None = None, row_lengths: list[int] | None = None) -> BatchCache:
         return BatchCache(self.pools, self.block_tables(seqs), positions, self.state_slots(seqs), num_keys,
-                          self.use_kernel)
+                          self.use_kernel, row_starts=row_starts, row_lengths=row_lengths)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], counts: list[int], capture: tuple[int, ...],
@@ -85,22 +86,21 @@ class ModelRunner:
             positions.append(list(range(start, start + t)))
         packed = torch.tensor([i + p for i, p in zip(ids, positions)], dtype=torch.long).to(self.device)
         ids_t, positions_t = packed[:, :t], packed[:, t:]
-        cache = BatchCache(self.pools, self.block_tables(seqs), positions_t, self.state_slots(seqs),
-                           max(s + n for s, n in zip(starts, counts)), self.use_kernel,
-                           row_starts=starts, row_lengths=counts)
+        cache = self.batch_cache(seqs, positions_t, max(s + n for s, n in zip(starts, counts)),
+                                 row_starts=starts, row_lengths=counts)
         out = self.model(ids_t, positions_t, cache, capture)
         cache.commit(counts)
+        last = torch.tensor(counts, device=self.device)[:, None] - 1  # [B, 1]
+
+        def last_rows(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, 1, H]: each sequence's last token
+            return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
+
+        last_hidden = last_rows(out.hidden)
         if keep_all_rows:
             hidden, aux, pre_norm = out.hidden, out.aux, out.pre_norm
         else:
-            last = torch.tensor(counts, device=self.device)[:, None] - 1  # [B, 1]
-
-            def rows(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, 1, H]: each sequence's last token
-                return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
-
-            hidden, aux = rows(out.hidden), [rows(a) for a in out.aux]
-            pre_norm = rows(out.pre_norm) if out.pre_norm is not None else None
-        last_hidden = torch.stack([out.hidden[b, n - 1] for b, n in enumerate(counts)])[:, None]  # [B, 1, H]
+            hidden, aux = last_hidden, [last_rows(a) for a in out.aux]
+            pre_norm = last_rows(out.pre_norm) if out.pre_norm is not None else None
         return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache)
 
     @torch.inference_mode()

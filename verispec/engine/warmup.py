@@ -90,15 +90,14 @@ def warm_prompt_lengths(engine) -> None:
     several sequences share a padded pass (engine/prefill.py), whose shapes compile again."""
     vocab = engine.num_real_tokens
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for lengths in warm_lengths(engine.max_model_len):
+    def prompts(lengths: list[int], salt: int) -> list[list[int]]:
         # token ids that differ from the first one on, so that no prompt hits another's cached
         # prefix (a hit would prefill only the tail: another length)
-        for salt in (7919, 7907):
-            prompts = [[(1000003 * n + salt * j) % vocab for j in range(n)] for n in lengths]
-            if not prompts:
-                continue
-            if salt == 7919:
-                for prompt in prompts:
-                    engine.generate_all(prompt, params)
-            else:  # one batch per group: within the step's token budget, unsplit
-                engine.generate_batch(prompts, params)
+        return [[(1000003 * n + salt * j) % vocab for j in range(n)] for n in lengths]
+
+    for lengths in warm_lengths(engine.max_model_len):
+        if not lengths:
+            continue
+        for prompt in prompts(lengths, 7919):
+            engine.generate_all(prompt, params)
+        engine.generate_batch(prompts(lengths, 7907), params)  # one batch per group: within the step's budget, unsplit
