@@ -5,7 +5,7 @@ thread once every sequence decodes. Prints the round timing medians and the func
 
   python3 scripts/round_profile.py --shape qwen3-8b --concurrency 64            # GPU
   python scripts/round_profile.py --shape tiny --device cpu --concurrency 64     # the same code paths on CPU
-  python scripts/round_profile.py -m verispec/demo/model --device cpu --concurrency 8
+  python scripts/round_profile.py -m verispec/demo/model --device cpu --concurrency 8 [--method mtp]
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import io
 import pstats
 import statistics
 
+from verispec.bench.options import BenchOptions, Method
+
 
 def main() -> None:
     from verispec.bench.concurrency import run_batch
     from verispec.bench.offline import _capture_graphs, _engine, _prompt, setup_target
-    from verispec.bench.options import BenchOptions, Method
 
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-8b")
@@ -29,11 +30,14 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--method", default="ar", choices=[m.value for m in Method],
+                   help="speculation in the rounds (mtp: the checkpoint's MTP head)")
+    p.add_argument("--draft-block", type=int, default=3)
     args = p.parse_args()
     opts = BenchOptions(shape=None if args.model else args.shape, model=args.model, device=args.device, contexts=(args.context,), gen_tokens=args.gen_tokens,
-                        concurrency=(args.concurrency,), repeats=1)
+                        concurrency=(args.concurrency,), repeats=1, draft_block=args.draft_block)
     setup = setup_target(opts)
-    engine, _ = _engine(setup, Method.AR)
+    engine, _ = _engine(setup, Method(args.method))
     print(f"graphs: {_capture_graphs(engine)}", flush=True)
     n = args.concurrency
     run_batch(engine, [_prompt(setup, args.context, 5000 + i) for i in range(n)], 16)  # warm-up

@@ -127,3 +127,45 @@ def test_a_dead_engine_process_fails_its_requests(qwen3_dir):
 def test_a_loading_error_is_raised_in_the_parent(tmp_path):
     with pytest.raises(ModelNotFoundError):
         EngineProcess(engine_config(tmp_path / "no-such-model"))
+
+
+@pytest.mark.parametrize("flag, device_type, expected", [
+    ([], "cuda", "process"), ([], "cpu", "thread"),
+    (["--engine-process"], "cpu", "process"), (["--no-engine-process"], "cuda", "thread")])
+def test_serve_default_engine_process_by_device(tiny_model_dir, monkeypatch, flag, device_type, expected):
+    """`verispec serve` runs the engine in its own process with CUDA (measured to pay there) and in
+    the server's process on a CPU, unless told; the flag wins either way."""
+    import socket
+
+    from verispec import cli
+    from verispec.demo import default as demo_default
+    from verispec.engine import process as process_module
+    from verispec.server import app as app_module
+
+    built = []
+
+    class FakeProcess:
+        def __init__(self, config):
+            built.append("process")
+            raise RuntimeError("stop here")  # the real one would spawn a child
+
+    real_load = Engine.load
+
+    def load(config):
+        built.append("thread")
+        return real_load(config)
+
+    monkeypatch.setattr(process_module, "EngineProcess", FakeProcess)
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    monkeypatch.setattr(demo_default, "default_device_type", lambda device: device_type)
+    monkeypatch.setattr(app_module.uvicorn, "run", lambda app, host, port, **kw: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["serve", "-m", str(tiny_model_dir), "--dtype", "float32", "--no-prewarm", "--port", str(port), *flag]
+    if expected == "process":
+        with pytest.raises(RuntimeError, match="stop here"):
+            cli.main(argv)
+    else:
+        assert cli.main(argv) == 0
+    assert built == [expected]

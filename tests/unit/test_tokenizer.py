@@ -106,3 +106,32 @@ def test_template_error_is_a_request_error(tok_dir):
     with pytest.raises(InvalidRequestError) as info:
         tok.render_chat([{"role": "user"}])  # no content: the template cannot render it
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("which", ["session", "demo"])
+def test_decode_equals_transformers_decode(tokenizer_dir, which):
+    """decode() may skip transformers' wrapper for the Rust tokenizer's own decode: the text must
+    be transformers' own, special tokens (kept and skipped), partial characters and all."""
+    import random
+
+    path = tokenizer_dir if which == "session" else Path(__file__).resolve().parents[2] / "verispec" / "demo" / "model"
+    tok = Tokenizer.from_dir(path)
+    assert tok._backend_decode is not None  # these tokenizers take the fast path: this compares it
+    rng = random.Random(0)
+    special = sorted(tok._special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 12))]
+        if special and rng.random() < 0.5:
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_with_space_clean_up_goes_through_transformers(tok_dir):
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["clean_up_tokenization_spaces"] = True
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tok_dir)
+    assert tok._backend_decode is None
+    ids = tok.encode("a , b .")
+    assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True)

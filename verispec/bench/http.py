@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 from verispec.bench.options import BenchOptions, Endpoint
@@ -238,10 +239,11 @@ def _free_port(host: str) -> int:
 
 
 @contextlib.contextmanager
-def served(serve_args: str, opts: BenchOptions) -> Iterator[tuple[str, float]]:
+def served(serve_args: str, opts: BenchOptions, log_path: Path | None = None) -> Iterator[tuple[str, float]]:
     """Boot `verispec serve ARGS` as a subprocess, wait for /health, yield its URL and the cold
     start (seconds from launching the process to /health answering 200: loading, compiling,
-    graph capture and prewarm included), stop it."""
+    graph capture and prewarm included), stop it. The server's output goes to `log_path` (kept),
+    else to a temporary file."""
     import httpx
 
     args = shlex.split(serve_args)
@@ -253,7 +255,11 @@ def served(serve_args: str, opts: BenchOptions) -> Iterator[tuple[str, float]]:
     port = _flag_value(args, "-p", "--port")
     connect = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind: connect locally
     url = f"http://{'[' + connect + ']' if ':' in connect else connect}:{port}"
-    log = tempfile.NamedTemporaryFile("w+", prefix="verispec-serve-", suffix=".log", delete=False)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "w+")
+    else:
+        log = tempfile.NamedTemporaryFile("w+", prefix="verispec-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "verispec", "serve", *args]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -300,7 +306,9 @@ def run_http(opts: BenchOptions) -> BenchReport:
     try:
         for index, (label, serve_args) in enumerate(configs):
             with contextlib.ExitStack() as stack:
-                url, ready_s = stack.enter_context(served(serve_args, opts)) if serve_args is not None else (label, None)
+                log_path = Path(opts.out) / f"serve-{index}.log" if opts.out is not None else None
+                url, ready_s = (stack.enter_context(served(serve_args, opts, log_path)) if serve_args is not None
+                                else (label, None))
                 client = ServerClient(url, opts)
                 stack.callback(client.close)
                 models.append(client.model_id)
@@ -326,7 +334,9 @@ def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, p
              ready_s: float | None) -> list[dict]:
     """ready_s: the server's cold start (--serve), None for --url. The warm-up request is the
     first the server sees: its TTFT is the first-token latency a user meets after start-up."""
-    tag = f"c{index}"
+    # every configuration gets the same prompts (its own server starts empty, so no cache carries
+    # over): what a speculative method accepts depends on the text, and configs are compared
+    tag = "c"
     warm = text_prompt(tag, 0, -1, WARMUP_WORDS)
     result = client.stream(warm, min(WARMUP_MAX_TOKENS, opts.gen_tokens))
     progress.step(f"{label} warm-up")

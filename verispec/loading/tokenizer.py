@@ -24,6 +24,7 @@ class Tokenizer:
         self.has_chat_template = bool(template)
         self._special_ids = set(hf_tokenizer.all_special_ids)
         self._byte_level = _is_byte_level(hf_tokenizer)
+        self._backend_decode = _backend_decode(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_eos: list[int] | None = None) -> "Tokenizer":
@@ -52,6 +53,8 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
@@ -140,3 +143,22 @@ def _byte_decoder() -> dict[str, int]:
                 extra += 1
         _BYTE_DECODER = {chr(c): b for b, c in zip(printable, chars)}
     return _BYTE_DECODER
+
+
+def _backend_decode(hf_tokenizer):
+    """The Rust tokenizer's own decode when transformers' decode would return exactly its text: a
+    fast tokenizer whose class keeps the stock `_decode` and does no clean-up of spaces. The
+    engine decodes twice per sequence per round (engine/detok.py), and transformers' wrapper costs
+    several times the decode itself (argument conversion, batching checks). None: use transformers'."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if not isinstance(hf_tokenizer, PreTrainedTokenizerFast):
+        return None
+    if type(hf_tokenizer)._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    if getattr(hf_tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    backend = getattr(hf_tokenizer, "_tokenizer", None)
+    return getattr(backend, "decode", None)
