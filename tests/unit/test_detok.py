@@ -263,3 +263,25 @@ def test_cancel_flushes_and_marks_cancelled(tok):
     chunk = out.cancel()
     assert chunk.finish_reason is FinishReason.CANCELLED
     assert out.text == "abc S"
+
+
+@pytest.mark.parametrize("stop", [[], ["\u2603never"]])
+def test_rounds_of_tokens_add_up_to_the_decode_of_what_was_emitted(tok, stop):
+    """Rounds of 1-4 tokens (a speculative round's accepted drafts + bonus) pushed whole: without
+    stop strings a round is detokenized at once, with them token by token; either way the chunks'
+    text is the decode of the emitted tokens, max_tokens cuts mid-round, penalties count them all."""
+    rng = random.Random(3)
+    for _ in range(60):
+        text = "".join(rng.choice(CHAR_POOL) for _ in range(rng.randrange(5, 40)))
+        ids = tok.encode(text)
+        max_new = rng.randrange(1, len(ids) + 2)
+        out = builder(tok, max_new=max_new, stop=stop)
+        texts, i = [], 0
+        while not out.done and i < len(ids):
+            n = rng.randrange(1, 5)
+            texts.append(out.push(ids[i:i + n]).text)
+            i += n
+        emitted = ids[:max_new]
+        assert out.token_ids == emitted
+        assert "".join(texts) == out.text == tok.decode(emitted)
+        assert sum(int(out.history.output_counts[t]) for t in set(emitted)) == len(emitted)

@@ -44,7 +44,7 @@ from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.models.layers.quant_linear import convert_for_builtin_int4
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.proposer import Draft, PassRowStep, Proposer, TargetStep
 from verispec.spec.verify import verify_greedy, verify_sampling
 
 WORKER_IDLE_S = 0.5
@@ -452,8 +452,9 @@ class Engine:
         results = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts)):
             n = len(draft.token_ids) + 1
+            plain_greedy = seq.params.greedy and not seq.params.has_penalties
             choices = greedy_choices[b] if greedy_choices is not None else None
-            results.append(self._verify(draft, logits[b, :n], seq, choices))
+            results.append(self._verify(draft, None if plain_greedy else logits[b, :n], seq, choices))
         out.cache.commit([accepted + 1 for accepted, _ in results])
         if profile:
             _sync(self.device)
@@ -464,12 +465,11 @@ class Engine:
         for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
             n = accepted + 1
             position = seq.num_cached
-            chunks.append(self._commit_round(seq, draft.token_ids, accepted, token, out.logits[b, :n],
+            chunks.append(self._commit_round(seq, draft.token_ids, accepted, token,
+                                             out.logits[b, :n] if seq.params.logprobs else None,
                                              lambda i, b=b: features_at(out, b, i)))
             if seq.proposer is not None:  # also after the last token: the drafter's state stays the committed one
-                observed.append((seq, TargetStep(inputs[b][:n], position, out.hidden[b, :n],
-                                                 [a[b, :n] for a in out.aux], token,
-                                                 out.pre_norm[b, :n] if out.pre_norm is not None else None)))
+                observed.append((seq, PassRowStep(inputs[b][:n], position, token, out, b)))
         if observed and self.batched_drafting:
             self.proposer.observe_rows(observed)
         else:

@@ -47,16 +47,21 @@ class OutputBuilder:
         emitted: list[int] = []
         text = ""
         round_logprobs: list[TokenLogprob] = []
+        # without stop strings nothing depends on the text between tokens: the round's tokens are
+        # detokenized in one go (two decodes per round, not two per token)
+        whole_round = not self.stops.stops
+        to_text: list[int] = []
         for i, tok in enumerate(token_ids):
             if self.done:
                 break
             emitted.append(tok)
             self.token_ids.append(tok)
-            self.history.add([tok])
             if self.params.logprobs and raw_logits is not None:
                 round_logprobs.append(token_logprobs(raw_logits[i], tok, self.params.top_logprobs))
             if tok in self.stop_ids:
                 self.finish_reason = FinishReason.STOP
+            elif whole_round:
+                to_text.append(tok)
             else:
                 released, stopped = self.stops.feed(self.detok.add([tok]))
                 text += released
@@ -65,6 +70,9 @@ class OutputBuilder:
                     self.stopped_by_string = True
             if not self.done and len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = FinishReason.LENGTH
+        self.history.add(emitted)
+        if to_text:
+            text += self.detok.add(to_text)
         # a grammar completed by the last token ends the generation, even if max_tokens ran out there too
         if grammar_done and (not self.done or (self.finish_reason is FinishReason.LENGTH
                                                and len(emitted) == len(token_ids))):

@@ -24,9 +24,21 @@ from verispec.spec.proposer import Draft, TargetStep, drafts_per_row
 
 @dataclass
 class _RowState:
-    last_out: torch.Tensor  # [1, F] output of the last committed row (fed to the first chained pass)
-    last_logits: torch.Tensor  # [V'] its logits (the first draft's distribution)
+    """A sequence's last committed drafter row: row `row` of an observe pass's outputs (kept whole,
+    one copy per pass, so the next round can take them as they are when the batch is the same)."""
+
+    outs: torch.Tensor  # [R, 1, F] the pass's outputs of each row's last committed position
+    logits: torch.Tensor  # [R, V'] their logits (the first draft's distribution)
+    row: int
     next_position: int  # the position of the token the first draft follows
+
+    @property
+    def last_out(self) -> torch.Tensor:  # [1, F]
+        return self.outs[self.row]
+
+    @property
+    def last_logits(self) -> torch.Tensor:  # [V']
+        return self.logits[self.row]
 
 
 class BatchedDrafting:
@@ -87,16 +99,21 @@ class BatchedDrafting:
         steps = [step for _, step in rows]
         n_max = max(len(s.token_ids) for s in steps)
         device = self.device
-        ids, positions, feats = [], [], []
+        ids, positions = [], []
         for step in steps:
             n = len(step.token_ids)
             row_ids = step.token_ids[1:] + [step.next_token]
             ids.append(row_ids + [row_ids[-1]] * (n_max - n))
             positions.append([step.start_position + j for j in range(n_max)])
-            f = self._features(step)  # [n, F]
-            if n < n_max:
-                f = torch.cat([f, f[-1:].expand(n_max - n, -1)])
-            feats.append(f)
+        features = self._pass_features(steps, n_max)
+        if features is None:
+            feats = []
+            for step in steps:
+                f = self._features(step)  # [n, F]
+                if len(f) < n_max:
+                    f = torch.cat([f, f[-1:].expand(n_max - len(f), -1)])
+                feats.append(f)
+            features = torch.stack(feats)
         # one host-to-device copy for ids, positions and row indices
         packed = torch.tensor([i + p + [len(step.token_ids) - 1] for i, p, step in zip(ids, positions, steps)],
                               dtype=torch.long).to(device, non_blocking=True)
@@ -105,19 +122,40 @@ class BatchedDrafting:
         if self._batch_graphs is not None:
             self._batch_graphs.new_round()
         spans = ([step.start_position for step in steps], [len(step.token_ids) for step in steps])
-        out, logits = self._batch_pass(seqs, ids_t, torch.stack(feats).to(self.pools.dtype), pos_t, last, num_keys,
-                                       spans)
+        out, logits = self._batch_pass(seqs, ids_t, features.to(self.pools.dtype), pos_t, last, num_keys, spans)
+        out, logits = out.clone(), logits.clone()  # graph outputs are reused by the next replay
         for b, (seq, step) in enumerate(rows):
-            self._states[seq.id] = _RowState(out[b].clone(), logits[b].clone(),
-                                             step.start_position + len(step.token_ids))
+            self._states[seq.id] = _RowState(out, logits, b, step.start_position + len(step.token_ids))
+
+    def _pass_features(self, steps: list, n_max: int) -> torch.Tensor | None:
+        """[B, n_max, F] features of steps that are the rows of one verify pass in order (PassRowStep),
+        read from the pass's tensors at once; None when they are not (prefill chunks). Rows past a
+        step's own length hold the pass's other rows: finite, never attended to by a real row, and
+        the drafter rows they write sit past the committed ones, rewritten before anything reads them."""
+        sources = [getattr(step, "source", None) for step in steps]
+        out = sources[0][0] if sources[0] is not None else None
+        if out is None or len(out.hidden) != len(steps) or any(
+                s is None or s[0] is not out or s[1] != b for b, s in enumerate(sources)):
+            return None
+        return self._batch_features(out, n_max)
+
+    def _batch_features(self, out, n_max: int) -> torch.Tensor | None:
+        """Every row of pass `out`, positions :n_max -> [B, n_max, F]; None: this drafter has no
+        batched form (each step's features are taken one by one)."""
+        return None
 
     @torch.inference_mode()
     def propose_rows(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
         """Up to num_drafts[b] drafts for each sequence, chained for all of them at once."""
         k = max(num_drafts)
         states = [self._states[s.id] for s in seqs]
-        logits = torch.stack([st.last_logits for st in states])
-        out = torch.stack([st.last_out for st in states])  # [B, 1, F]
+        first = states[0]
+        if (len(first.logits) == len(states) and
+                all(st.logits is first.logits and st.row == b for b, st in enumerate(states))):
+            logits, out = first.logits, first.outs  # the last observe pass's rows, in this order
+        else:
+            logits = torch.stack([st.last_logits for st in states])
+            out = torch.stack([st.last_out for st in states])  # [B, 1, F]
         base = [st.next_position for st in states]
         base_t = torch.tensor(base, dtype=torch.long).to(self.device, non_blocking=True)[:, None]  # [B, 1]
         if self._batch_graphs is not None:

@@ -228,6 +228,10 @@ class Eagle3Proposer(ChainedDrafter):
         """[B, Vd] -> the greedy drafts as target ids [B]."""
         return self.draft_to_target[draft_logits.argmax(-1)]
 
+    def _batch_features(self, out, n_max: int) -> torch.Tensor:
+        """g [B, n_max, H]: every pass row's projection."""
+        return self.drafter.project([a[:, :n_max] for a in out.aux])
+
     def _features(self, step: TargetStep) -> torch.Tensor:
         """g [T, H]: the fc projection of the captured target layers' streams."""
         return self.drafter.project(step.aux)

@@ -294,6 +294,12 @@ class MtpProposer(ChainedDrafter):
             logits = logits[:, :self.num_real_tokens]
         return logits.argmax(-1)
 
+    def _batch_features(self, out, n_max: int) -> torch.Tensor | None:
+        source = out.hidden if self.hidden is MtpHidden.POST_NORM else out.pre_norm
+        if source is None:
+            return None  # the per-step path raises the error that names what is missing
+        return source[:, :n_max]
+
     def _features(self, step: TargetStep) -> torch.Tensor:
         if self.hidden is MtpHidden.POST_NORM:
             return step.hidden

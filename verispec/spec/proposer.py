@@ -32,6 +32,33 @@ class TargetStep:
     pre_norm: torch.Tensor | None = None  # [n, H] residual stream before the final norm
 
 
+class PassRowStep:
+    """A TargetStep read from row `b` of a batched verify pass (engine `_round`): its tensors are
+    sliced only when something reads them, and a batched drafter whose rows all come from the same
+    pass reads the pass's tensors at once instead (`source`)."""
+
+    def __init__(self, token_ids: list[int], start_position: int, next_token: int, out, b: int):
+        self.token_ids = token_ids
+        self.start_position = start_position
+        self.next_token = next_token
+        self.source = (out, b)  # out: the pass output (hidden [B, W, H], aux, pre_norm)
+
+    @property
+    def hidden(self) -> torch.Tensor:  # [n, H]
+        out, b = self.source
+        return out.hidden[b, :len(self.token_ids)]
+
+    @property
+    def aux(self) -> list[torch.Tensor]:  # each [n, H_target]
+        out, b = self.source
+        return [a[b, :len(self.token_ids)] for a in out.aux]
+
+    @property
+    def pre_norm(self) -> torch.Tensor | None:  # [n, H]
+        out, b = self.source
+        return out.pre_norm[b, :len(self.token_ids)] if out.pre_norm is not None else None
+
+
 @dataclass
 class Draft:
     token_ids: list[int]  # k drafted tokens (target vocabulary ids)
