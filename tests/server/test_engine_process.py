@@ -169,3 +169,20 @@ def test_serve_default_engine_process_by_device(tiny_model_dir, monkeypatch, fla
     else:
         assert cli.main(argv) == 0
     assert built == [expected]
+
+
+def test_the_child_names_the_device_so_the_server_never_starts_cuda(engine_process, monkeypatch):
+    """The chat page's header names the GPU; with the engine in its own process that name comes from
+    the child, so the server process never calls into CUDA (which would take a context's memory)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from verispec.server.chat_page import describe_server
+
+    assert engine_process.device_name is None  # a CPU engine names no GPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: pytest.fail("the server asked CUDA"))
+    gpu_engine = SimpleNamespace(method="mtp", device=torch.device("cuda", 0), dtype=torch.bfloat16,
+                                 device_name="NVIDIA H200", num_drafts=3, max_model_len=4096)
+    state = SimpleNamespace(engine=gpu_engine, served_model_name="m", system_fingerprint="fp")
+    assert describe_server(state)["device_name"] == "NVIDIA H200"

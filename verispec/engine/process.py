@@ -67,6 +67,7 @@ class EngineInfo:
     budget: object  # cache.paged.CacheBudget
     device: str
     dtype: str
+    device_name: str | None = None  # the GPU's name (asked here, so the server never starts CUDA)
 
 
 # ---- the child ------------------------------------------------------------------------------------
@@ -86,7 +87,8 @@ def _child_main(config: EngineConfig, conn) -> None:
     conn.send(("ready", EngineInfo(engine.model_name, str(engine.model_dir), engine.config, engine.limits,
                                    list(engine.eos_token_ids), engine.method, engine.num_drafts,
                                    engine.draft_schedule, engine.budget, str(engine.device),
-                                   str(engine.dtype).removeprefix("torch."))))
+                                   str(engine.dtype).removeprefix("torch."),
+                                   torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None)))
     sender = threading.Thread(target=_send_outbox, args=(outbox, conn), name="verispec-engine-sender", daemon=True)
     sender.start()
     cancels: dict[int, threading.Event] = {}
@@ -190,6 +192,7 @@ class EngineProcess:
         self.max_model_len, self.vocab_size = info.limits.max_model_len, info.limits.vocab_size
         self.draft_schedule, self.budget = info.draft_schedule, info.budget
         self.device, self.dtype = torch.device(info.device), getattr(torch, info.dtype)
+        self.device_name = info.device_name
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.tokenizer.eos_token_ids = list(info.eos_token_ids)  # the engine's (generation config's too)
         self.eos_token_ids = self.tokenizer.eos_token_ids

@@ -68,7 +68,8 @@ def describe_server(state: ServerState) -> dict:
         "method_label": METHOD_LABELS.get(method, method),
         "num_drafts": int(getattr(engine, "num_drafts", 0) or 0),
         "device": str(device) if device is not None else "unknown",
-        "device_name": _device_name(device),
+        # an engine in its own process names its GPU (asking torch here would start CUDA in the server)
+        "device_name": getattr(engine, "device_name", None) or _device_name(device),
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
         "max_model_len": getattr(engine, "max_model_len", None),
         "version": state.system_fingerprint,
