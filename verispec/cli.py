@@ -316,9 +316,9 @@ def _check_port_free(host: str, port: int) -> None:
 
 def use_engine_process(flag: bool | None, device: str | None) -> bool:
     """--engine-process / --no-engine-process, else the measured default: a process of its own
-    with CUDA (8 HTTP clients of the demo model on the H200: 4.3x one client's throughput against
-    2.9x in one process, docs/benchmarks.md), one process on a CPU (the two processes would compete
-    for the same few cores)."""
+    with CUDA (8 HTTP clients of the demo model on the H200: 4.34-4.57x one client's throughput
+    against 3.35-4.06x in one process, docs/benchmarks.md), one process on a CPU (the two processes
+    would compete for the same few cores)."""
     if flag is not None:
         return flag
     from verispec.demo.default import default_device_type

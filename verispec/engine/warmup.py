@@ -50,16 +50,22 @@ def capture_graphs(engine) -> float:
 
 def prewarm(engine) -> float:
     t0 = time.perf_counter()
-    engine.capture_graphs()
+    graphs_s = engine.capture_graphs()
+    t1 = time.perf_counter()
     # a prompt of ~100 tokens and a few speculative rounds: the compiled small ops specialise on
     # one-token shapes, so a one-token warm-up would leave the first real prefill to compile its
     # multi-token variants (measured: ~1.8 s added to the first request's TTFT)
     ids = (engine.tokenizer.encode("def hello(world):\n    return world + 1\n\n" * 12) or [0])[:PREWARM_PROMPT_TOKENS]
     engine.generate_all(ids, SamplingParams(max_tokens=2 * (engine.num_drafts + 1) + 1, temperature=0.0,
                                             ignore_eos=True))
+    t2 = time.perf_counter()
     if engine.device.type == "cuda":
         warm_prompt_lengths(engine)
-    return time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    # where a start-up's minutes go (an empty Triton cache compiles kernels in each phase)
+    log.info("prewarm phases: CUDA graphs %.1fs, first generation %.1fs, prompt lengths %.1fs",
+             graphs_s, t2 - t1, t0 + total - t2)
+    return total
 
 
 # Prompt lengths prewarm prefills once each (one token generated). Triton kernels specialise on
