@@ -2,7 +2,8 @@
 """Where a batch-1 decode step's device time goes, kernel by kernel (#14: what besides the weight
 products a 4-bit step pays). For each --quant (none = bf16): random weights of --shape, the
 engine as `verispec bench` builds it (CUDA graphs), a 512-token prompt, then torch.profiler over
---steps decode steps: the step's wall time, its kernels' summed device time, and the kernels by
+--steps decode steps (the prompt's prefill before the profile starts; a step or so may slip out of
+the window, as the engine's worker runs ahead of the consumer): the kernels' device time per step by
 group (weight products, attention, the fused small ops, copies) and by name.
 
   python3 scripts/gpu_step_kernels.py --shape qwen3-8b --quant none,mlx-4bit
@@ -58,8 +59,13 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.generate_all(_prompt(setup, 512, 1), params)
         wall_ms = (time.perf_counter() - t0) * 1000
+        chunks = engine.generate(_prompt(setup, 512, 2), params)
+        next(chunks)  # the prompt's chunk: prefill is done, the profile holds decode steps only
+        torch.cuda.synchronize()
+        steps = 0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            engine.generate_all(_prompt(setup, 512, 2), params)
+            for _ in chunks:
+                steps += 1
             torch.cuda.synchronize()
         by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
         for event in prof.events():
@@ -67,15 +73,12 @@ def main() -> None:
                 entry = by_name[event.name]
                 entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
                 entry[1] += 1
-        # the prompt's prefill is in the profile too: its kernels are few and run once; per step
-        # numbers below divide everything by the decode steps (an upper bound per step)
-        steps = args.steps
         total_us = sum(v[0] for v in by_name.values())
         groups: dict[str, float] = collections.defaultdict(float)
         for name, (us, _) in by_name.items():
             groups[group_of(name)] += us
-        print(f"\n== {args.shape} {quant}: graphs {graphs}; wall {wall_ms:.1f} ms for prefill + {steps} steps; "
-              f"kernels {total_us / 1000:.1f} ms in all, {total_us / steps:.0f} us per step", flush=True)
+        print(f"\n== {args.shape} {quant}: graphs {graphs}; wall {wall_ms:.1f} ms for prefill + {args.steps} steps; "
+              f"profiled {steps} decode steps: kernels {total_us / steps:.0f} us per step", flush=True)
         for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {group:30s} {us / steps:8.0f} us/step  {100 * us / total_us:5.1f}%")
         print("  top kernels (us per step, calls per step):")
