@@ -94,6 +94,7 @@ class Engine:
         # a batched proposer drafts for every sequence in one pass per chained step (spec/batched.py);
         # others get one instance per sequence (Proposer.fork)
         self.batched_drafting = bool(getattr(proposer, "batched", False))
+        warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
         self.overlap_decode = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         if config.fuse_small_ops and hasattr(model, "fuse_small_ops"):

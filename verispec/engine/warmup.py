@@ -2,6 +2,7 @@
 generation so that the first request pays no compilation."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -12,6 +13,28 @@ from verispec.engine.params import SamplingParams
 from verispec.kernels import decode_attention as split_k
 
 PREWARM_PROMPT_TOKENS = 100
+
+
+def pin_triton_cache_dir(device: torch.device) -> str | None:
+    """Give Triton one on-disk cache for the whole process, from its first compile on: the
+    directory torch's inductor would choose (respecting a TRITON_CACHE_DIR the user set).
+
+    Why: inductor sets TRITON_CACHE_DIR to its own directory the first time it builds a kernel
+    launcher, and Triton reads the variable at every compile. Kernels compiled before that moment
+    (fla's, ours) land in ~/.triton/cache; after it, in inductor's directory. Which comes first
+    differs between a first start (inductor compiles early) and a later one (its graphs come from
+    its cache): on the H200 a second start recompiled 109 kernels the first had compiled, because
+    it looked in the other directory (docs/benchmarks.md, tenth session). Returns the directory
+    (None off CUDA or without inductor)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except ImportError:  # pragma: no cover - inductor ships with torch
+        return None
+    # a library's variable, set for the libraries (not one of ours: config.EnvSettings reads those)
+    os.environ.setdefault("TRITON_CACHE_DIR", triton_cache_dir(device.index or 0))
+    return os.environ["TRITON_CACHE_DIR"]
 
 
 def graphs_possible(device: torch.device, enabled: bool) -> bool:
