@@ -44,7 +44,7 @@ from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.models.layers.quant_linear import convert_for_builtin_int4
-from verispec.spec.proposer import Draft, PassRowStep, Proposer, TargetStep
+from verispec.spec.proposer import Draft, PassRowStep, Proposer
 from verispec.spec.verify import verify_greedy, verify_sampling
 
 WORKER_IDLE_S = 0.5
