@@ -236,6 +236,11 @@ def dequant_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     cfg = (tiles or tile_config(n, k, bits, group_size, x.dtype)).fits(bits, group_size, x.dtype)
     if x.device.type != "cuda":  # Triton's interpreter (tests on CPU) multiplies bf16 tiles wrongly
         cfg = dataclasses.replace(cfg, half_dot=False)
+    if not cfg.unpack_words and x.dtype == torch.float32:
+        # value-by-value decoding pipelines four full [block_n, block_k] tiles (words, straddling
+        # words, scales, offsets) per stage; in float32 three stages need 311 KB of shared memory
+        # (H200: 227 KB)
+        cfg = dataclasses.replace(cfg, num_stages=1)
     split_k = split_k or default_split_k(n, k, x.device, cfg.block_n, cfg.block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices

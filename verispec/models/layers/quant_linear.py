@@ -7,9 +7,12 @@ parameters, so `next(model.parameters())` still gives the model's dtype. Forward
   at start, see `convert_for_builtin_int4`): torch's built-in int4 product (tinygemm,
   kernels/int4_builtin.py) for passes of at most int4_builtin.MAX_ROWS rows, or for every pass
   when the checkpoint's words were released (VERISPEC_QUANT_KERNEL=builtin);
-- CUDA with Triton, at most FUSED_MAX_ROWS rows (decode / verify, and batches of them): the
-  fused dequant-matmul kernel, which reads the packed weight once per 16 rows and sums each row
-  in the same order whatever the pass's width (speculative verify == plain decode, row by row);
+- CUDA, at most quant_gemv.MAX_ROWS rows (decode, verify), bits 2 / 4 / 8: the Gluon GEMV
+  (kernels/quant_gemv.py), reading the checkpoint's words at near the memory bandwidth; a row's
+  result does not depend on the pass's width;
+- CUDA with Triton, at most FUSED_MAX_ROWS rows (batches, other bit widths): the fused
+  dequant-matmul kernel, which reads the packed weight once per 16 rows and sums each row in the
+  same order whatever the pass's width (speculative verify == plain decode, row by row);
 - otherwise (CPU, prefill): the weight is dequantized on the fly into the activations' dtype and
   multiplied by torch (one GEMM over the pass's rows).
 Each format names its tensors itself (`MLXAffineLinear`: weight / scales / biases;
@@ -24,7 +27,7 @@ from torch import nn
 from verispec import log
 from verispec.config import env
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import int4_builtin, quant_matmul
+from verispec.kernels import int4_builtin, quant_gemv, quant_matmul
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -124,6 +127,11 @@ class QuantizedLinear(nn.Module):
                                     self.group_size, self.int4_scale_zero)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
+        if rows <= quant_gemv.MAX_ROWS and self.gemv_reason(x.device, x.dtype) is None:
+            y = quant_gemv.gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
+                                self.group_offsets(), self.bits, self.group_size, self.zero_point)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
             y = quant_matmul.dequant_matmul(x.reshape(rows, self.in_features), self.packed_values(),
                                             self.group_scales(), self.group_offsets(), self.bits,
@@ -134,6 +142,14 @@ class QuantizedLinear(nn.Module):
             debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
                              "dequantizing the whole weight per call")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def gemv_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why decode / verify passes of this layer do not take the Gluon GEMV (None: they do)."""
+        if device.type != "cuda":
+            return f"device {device.type}"
+        if env().quant_kernel not in ("auto", "gemv"):
+            return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
+        return quant_gemv.unsupported_reason(device, dtype, self.bits, self.group_size)
 
     def same_quantization(self, other: "QuantizedLinear") -> bool:
         return (type(self) is type(other) and self.bits == other.bits and self.group_size == other.group_size
@@ -306,20 +322,24 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | builtin | triton
+QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | builtin | gemv | triton
+QUANT_KERNELS = ("auto", "builtin", "gemv", "triton")
 
 
 def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
     """Gives every eligible 4-bit layer under `root` torch's int4 kernel (kernels/int4_builtin.py)
-    for decode and verify passes; the others keep the Triton kernel, each reason logged once under
-    VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks: auto (default) keeps the checkpoint's words too,
-    for wider passes (batches, prefill), at twice the quantized weights' memory; builtin drops
-    them (least memory; every pass on tinygemm, which is slow from 16 rows: see docs/benchmarks.md);
-    triton converts nothing. Returns how many layers were converted."""
+    for decode and verify passes; the others take the Gluon GEMV (kernels/quant_gemv.py) or the
+    Triton kernel, each reason logged once under VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks:
+    auto (default) keeps the checkpoint's words too, for wider passes (batches, prefill), at twice
+    the quantized weights' memory; builtin drops them (least memory; every pass on tinygemm, which
+    is slow from 16 rows: see docs/benchmarks.md); gemv converts nothing and runs 4-bit layers on
+    the GEMV too (faster decode steps, dearer verify passes); triton converts nothing and uses
+    neither the GEMV nor tinygemm. Returns how many layers were converted."""
     choice = env().quant_kernel
-    if choice not in ("auto", "builtin", "triton"):
-        raise UnsupportedModelError(f"{QUANT_KERNEL_ENV}={choice!r}: accepted values are auto, builtin, triton")
-    if choice == "triton":
+    if choice not in QUANT_KERNELS:
+        raise UnsupportedModelError(f"{QUANT_KERNEL_ENV}={choice!r}: accepted values are {', '.join(QUANT_KERNELS)}")
+    if choice in ("gemv", "triton"):
+        _log_gemv_reasons(root, dtype)
         return 0
     converted, reasons = 0, set()
     for module in root.modules():
@@ -334,7 +354,28 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
             log.debug("quantized layers with %s keep the Triton dequant-matmul kernel", reason)
     if converted:
         log.debug("torch's int4 kernel (tinygemm) takes %d quantized layers", converted)
+    _log_gemv_reasons(root, dtype)
     return converted
+
+
+def _log_gemv_reasons(root: nn.Module, dtype: torch.dtype) -> None:
+    """Under VERISPEC_DEBUG=1: how many layers run decode / verify passes on the Gluon GEMV, and
+    why the others do not (once per reason)."""
+    taken, reasons = 0, set()
+    for module in root.modules():
+        if not isinstance(module, QuantizedLinear) or module.released():
+            continue
+        if module.int4_packed is not None:
+            continue  # tinygemm takes its short passes
+        device = module.packed_values().device
+        reason = module.gemv_reason(device, dtype)
+        if reason is None:
+            taken += 1
+        elif reason not in reasons:
+            reasons.add(reason)
+            log.debug("quantized layers with %s keep the Triton dequant-matmul kernel for decode passes", reason)
+    if taken:
+        log.debug("the Gluon GEMV takes decode / verify passes of %d quantized layers", taken)
 
 
 def merge_quantized(layers: list[nn.Module]) -> nn.Module:
