@@ -97,10 +97,12 @@ if gluon is not None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _gemv_kernel(X, WQ, S, O, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
+    def _gemv_kernel(X, WQ, S, O, Y, IDX, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_we, stride_se,
                      K: gl.constexpr, BITS: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr,
                      MB: gl.constexpr, R: gl.constexpr, TR: gl.constexpr, CHUNK: gl.constexpr,
-                     EVEN_N: gl.constexpr, EVEN_K: gl.constexpr):
+                     EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, EXPERTS: gl.constexpr, ROWS_PER_X: gl.constexpr):
+        # EXPERTS: program (n tile, pair p) multiplies expert IDX[p]'s matrix (WQ/S/O [E, N, ...]) by
+        # x row p // ROWS_PER_X into y row p (MB = 1; M counts pairs)
         TC: gl.constexpr = 32 // TR
         WC: gl.constexpr = gl.num_warps()
         BN: gl.constexpr = R * TR
@@ -117,7 +119,19 @@ if gluon is not None:
         HALF: gl.constexpr = PER_WORD // 2  # values per 16-bit half of a word
         MASK: gl.constexpr = (1 << BITS) - 1
         pid_n = gl.program_id(0)
-        m0 = gl.program_id(1) * MB
+        if EXPERTS:
+            pair = gl.program_id(1)
+            expert = gl.load(IDX + pair).to(gl.int64)
+            WQ = WQ + expert * stride_we
+            S = S + expert * stride_se
+            O = O + expert * stride_se
+            m0 = pair // ROWS_PER_X  # the x row
+            y0 = pair
+            x_rows = (M - 1) // ROWS_PER_X + 1
+        else:
+            m0 = gl.program_id(1) * MB
+            y0 = m0
+            x_rows = M
 
         nw = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
         cw = gl.arange(0, BC, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
@@ -159,7 +173,7 @@ if gluon is not None:
                 o = gl.load(O + s_off + w0 // WPG, mask=s_mask, other=0.0).to(gl.float32)
             s = gl.expand_dims(s, 0)
             o = gl.expand_dims(o, 0)
-            x_mask = (row_x < M) & (word_x + w0 < WORDS)
+            x_mask = (row_x < x_rows) & (word_x + w0 < WORDS)
             hi = words >> 16
             part = gl.zeros([MB, BN, BC, CHUNK], gl.float32, layout=L4)
             xs = gl.zeros([MB, BC, CHUNK], gl.float32, layout=LX)
@@ -180,7 +194,7 @@ if gluon is not None:
                 acc = gl.fma(s, part_c, gl.fma(o, xs_c, acc))
             words = nxt
         y = gl.sum(acc, axis=2)  # [MB, BN]
-        my = m0 + gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
+        my = y0 + gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
         ny = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
         y_ptr = Y + gl.expand_dims(my, 1) * stride_ym + gl.expand_dims(ny, 0)
         gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 1) < M) & (gl.expand_dims(ny, 0) < N))
@@ -211,8 +225,36 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: t
     mb = rows_per_program or min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, mb))
-    _gemv_kernel[grid](x, packed, scales, offsets, y, m, n, x.stride(0), packed.stride(0), scales.stride(0),
-                       y.stride(0), K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=mb, R=tiles.r,
-                       TR=tiles.tr, CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, num_warps=tiles.num_warps,
-                       enable_fp_fusion=False)
+    _gemv_kernel[grid](x, packed, scales, offsets, y, y, m, n, x.stride(0), packed.stride(0), scales.stride(0),
+                       y.stride(0), 0, 0, K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=mb,
+                       R=tiles.r, TR=tiles.tr, CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=False,
+                       ROWS_PER_X=1, num_warps=tiles.num_warps, enable_fp_fusion=False)
+    return y
+
+
+def expert_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                experts: torch.Tensor, bits: int, group_size: int, rows_per_x: int = 1,
+                zero_point: bool = False) -> torch.Tensor:
+    """Routed experts' products read in place: y[p] = x[p // rows_per_x] @ dequant(W[experts[p]])^T.
+    x [T, K]; packed [E, N, K*bits/32] int32; scales, offsets [E, N, K/group]; experts [P] (device
+    ids: no host sync, capturable) -> y [P, N] in x's dtype. Each pair is its own program, so a
+    pair's result does not depend on the others."""
+    t, k = x.shape
+    e, n, _ = packed.shape
+    p = experts.numel()
+    reason = unsupported_reason(x.device, x.dtype, bits, group_size)
+    if reason or k % group_size or p > t * rows_per_x:
+        raise ValueError(f"quant_gemv.expert_gemv: {reason or f'K={k}, group {group_size}, {p} pairs for {t} rows'}")
+    if packed.dtype != torch.int32:
+        packed = packed.view(torch.int32)
+    x, packed, scales, offsets = x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
+    tiles = TILES[bits]
+    bn, chunk, even_n, even_k = _launch_shape(bits, group_size, n, k, tiles)
+    y = torch.empty(p, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, bn), p)
+    _gemv_kernel[grid](x, packed, scales, offsets, y, experts.to(torch.int32).contiguous(), p, n, x.stride(0),
+                       packed.stride(1), scales.stride(1), y.stride(0), packed.stride(0), scales.stride(0),
+                       K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=1, R=tiles.r, TR=tiles.tr,
+                       CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=True, ROWS_PER_X=rows_per_x,
+                       num_warps=tiles.num_warps, enable_fp_fusion=False)
     return y

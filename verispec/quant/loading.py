@@ -31,6 +31,10 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict[str, CheckpointT
     """Swap quantized layers in; `tensors` maps our parameter names (after the model's
     checkpoint_prefix_map) to the checkpoint's. Returns the format, None for float weights."""
     fmt = detect_format(config)
+    if fmt is None and any(".switch_glu." in name for name in tensors):
+        raise UnsupportedModelError("this checkpoint stores its experts as mlx-lm's float SwitchGLU stacks "
+                                    "(experts.switch_glu.*), which verispec reads only quantized; load the "
+                                    "Hugging Face checkpoint, or an MLX 4/8-bit one")
     if fmt is QuantFormat.MLX_AFFINE:
         _prepare_mlx(model, config["quantization"], tensors)
     elif fmt is QuantFormat.COMPRESSED_TENSORS:
@@ -86,6 +90,8 @@ def quantized_sites(model: nn.Module, tensors: dict[str, CheckpointTensor], mark
             module = model.get_submodule(path)
         except AttributeError:
             continue
+        if getattr(module, "checkpoint_buffers", ()):
+            continue  # already a quantized module (expert stacks are swapped in before the linears)
         checkpoint_path = tensors[f"{path}.{marker}"].name[: -len(marker) - 1]
         if not isinstance(module, kinds):
             supported = " and ".join(k.__name__ for k in kinds)
@@ -108,6 +114,7 @@ def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, Checkp
     from verispec.quant import mlx_affine
 
     mlx_affine.mode_of(None, quantization.get("mode", "affine"))
+    _prepare_mlx_experts(model, quantization, tensors)
     for site in quantized_sites(model, tensors, "scales", (nn.Linear, nn.Embedding)):
         m = site.module
         if isinstance(m, nn.Linear):
@@ -126,6 +133,47 @@ def _prepare_mlx(model: nn.Module, quantization: dict, tensors: dict[str, Checkp
                    if affine else MLXFloatEmbedding(out_features, in_features, spec))
         replace_module(model, site.path, new)
     _tie_quantized_head(model)
+
+
+SWITCH_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _prepare_mlx_experts(model: nn.Module, quantization: dict, tensors: dict[str, CheckpointTensor]) -> None:
+    """mlx-lm's quantized MoE experts (`<experts>.switch_glu.<proj>.{weight,scales,biases}`, each
+    [E, ...]) replace the model's FusedExperts with MLXQuantizedExperts, which reads them as stored."""
+    from verispec.models.layers.moe import FusedExperts
+    from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
+    from verispec.quant import mlx_affine
+
+    paths = sorted({name.split(".switch_glu.")[0] for name in tensors if ".switch_glu." in name})
+    for path in paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue  # not part of this model (the loader ignores its tensors too)
+        if not isinstance(module, FusedExperts):
+            raise UnsupportedModelError(f"{path}.switch_glu: quantized experts where verispec's model has "
+                                        f"{type(module).__name__}")
+        num_experts, two_i, hidden = module.gate_up_proj.shape
+        stacks = {}
+        for proj, (out_features, in_features) in zip(SWITCH_PROJECTIONS, ((two_i // 2, hidden), (two_i // 2, hidden),
+                                                                            (hidden, two_i // 2))):
+            key = f"{path}.switch_glu.{proj}"
+            if f"{key}.scales" not in tensors:
+                raise UnsupportedModelError(f"{key}: expert stacks must all be quantized (this one is not)")
+            checkpoint_path = tensors[f"{key}.scales"].name[: -len(".scales")]
+            shapes = {local: tensors[f"{key}.{local}"].shape for local in ("weight", "scales", "biases")
+                      if f"{key}.{local}" in tensors}
+            spec = mlx_affine.layer_spec(checkpoint_path, quantization, in_features, shapes)
+            if not isinstance(spec, mlx_affine.AffineSpec):
+                raise UnsupportedModelError(f"{checkpoint_path}: experts in MLX's {spec.mode} mode are not supported "
+                                            f"(affine 2-8 bit experts are)")
+            for name, shape in spec.tensor_shapes(out_features, in_features).items():
+                if tuple(shapes.get(name, ())) != (num_experts, *shape):
+                    raise UnsupportedModelError(f"{checkpoint_path}.{name} has shape {shapes.get(name)}, expected "
+                                                f"{(num_experts, *shape)} for {num_experts} experts")
+            stacks[proj] = QuantizedExpertStack(num_experts, in_features, out_features, spec.bits, spec.group_size)
+        replace_module(model, path, MLXQuantizedExperts(num_experts, module.act, **stacks))
 
 
 def _tie_quantized_head(model: nn.Module) -> None:

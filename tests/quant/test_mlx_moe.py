@@ -1,0 +1,90 @@
+"""Quantized MoE experts as mlx-lm writes them (Gemma 4 26B-A4B's layout at toy size): a tiny
+transformers Gemma 4 with routed experts, converted by `mlx_lm.convert`; its expert stacks
+(`experts.switch_glu.{gate,up,down}_proj`) must dequantize to exactly `mx.dequantize`'s weights and
+the model must decode the same greedy tokens as mlx-lm itself, on every expert path."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from verispec.demo.tiny import build_tiny_gemma4
+from verispec.engine.engine import load_engine
+from verispec.engine.params import SamplingParams
+from verispec.errors import UnsupportedModelError
+from verispec.loading.model_loader import load_model
+from verispec.models.layers.quant_experts import MLXQuantizedExperts
+
+from tests.quant.conftest import PROMPT, import_mlx, mlx_convert, mlx_greedy, mlx_tensors
+
+
+@pytest.fixture(scope="module")
+def moe_float(tmp_path_factory, tokenizer_dir) -> Path:
+    out = tmp_path_factory.mktemp("gemma4-moe") / "float"
+    build_tiny_gemma4(out, moe=True, tokenizer_dir=tokenizer_dir, moe_intermediate_size=64)
+    # transformers 5 records the full-attention layers' head shape in per_layer_config; mlx-lm
+    # reads global_head_dim / num_global_key_value_heads (and defaults them to the 31B's)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    full = next(iter(config["per_layer_config"].values()))
+    config.update(global_head_dim=full["head_dim"], num_global_key_value_heads=full["num_key_value_heads"])
+    config_path.write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(moe_float, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mlx-moe")
+    return {"8bit-g32": mlx_convert(moe_float, root / "8bit-g32", q_bits=8, q_group_size=32),
+            "4bit-g64": mlx_convert(moe_float, root / "4bit-g64", q_bits=4, q_group_size=64)}
+
+
+@pytest.mark.parametrize("name", ["8bit-g32", "4bit-g64"])
+def test_expert_stacks_equal_mx_dequantize(moe_checkpoints, name):
+    mx = import_mlx()
+    model = load_model(moe_checkpoints[name], torch.float32, torch.device("cpu"))
+    _, theirs = mlx_tensors(moe_checkpoints[name])
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        assert isinstance(layer.experts, MLXQuantizedExperts)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stack = getattr(layer.experts.switch_glu, proj)
+            key = f"model.layers.{i}.experts.switch_glu.{proj}"
+            expected = mx.dequantize(theirs[f"{key}.weight"], theirs[f"{key}.scales"], theirs[f"{key}.biases"],
+                                     group_size=stack.group_size, bits=stack.bits)
+            ours = stack.dequantized(torch.arange(stack.num_experts), torch.float32)
+            np.testing.assert_array_equal(ours.numpy(), np.array(expected), err_msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("name", ["8bit-g32", "4bit-g64"])
+def test_greedy_equals_mlx_lm(moe_checkpoints, name):
+    engine = load_engine(str(moe_checkpoints[name]), dtype="float32", device="cpu", prefill_step_size=16)
+    ours = engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
+    mlx_model, _ = mlx_tensors(moe_checkpoints[name])
+    assert ours == mlx_greedy(mlx_model, PROMPT, 16)
+
+
+def test_expert_paths_agree(moe_checkpoints):
+    """The gathered path (static shapes, for small passes) against the per-expert loop."""
+    model = load_model(moe_checkpoints["8bit-g32"], torch.float32, torch.device("cpu"))
+    experts = model.model.layers[0].experts
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen)
+    index = torch.randint(0, experts.num_experts, (5, 2), generator=gen)
+    weights = torch.rand(5, 2, generator=gen)
+    experts.method = "loop"
+    loop = experts(x, index, weights)
+    experts.method = "gathered"
+    torch.testing.assert_close(experts(x, index, weights), loop, rtol=1e-5, atol=1e-6)
+
+
+def test_float_switch_glu_is_refused_with_the_reason(moe_float, tmp_path):
+    import_mlx()
+    from mlx_lm import convert
+
+    convert(str(moe_float), str(tmp_path / "float-mlx"))
+    with pytest.raises(UnsupportedModelError, match="float SwitchGLU"):
+        load_model(tmp_path / "float-mlx", torch.float32, torch.device("cpu"))

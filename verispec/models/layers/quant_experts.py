@@ -1,0 +1,132 @@
+"""Routed experts stored MLX-affine quantized, as mlx-lm writes them (its `SwitchGLU` of three
+`SwitchLinear` stacks): `<experts>.switch_glu.{gate,up,down}_proj.{weight,scales,biases}`, the
+weight [E, N, K*bits/32] uint32 words and scales / biases [E, N, K/group], w = q * s + b.
+
+The module takes the place of `FusedExperts` (models/layers/moe.py) with the same call, and runs
+one of three paths, picked by device and size:
+- `gemv` (CUDA with Gluon): each token/expert pair streams its expert's packed matrices in place
+  (kernels/quant_gemv.expert_gemv): device-side expert ids, so decode and verify steps need no
+  host sync and can be captured in CUDA graphs; a pair's result does not depend on the others;
+- `gathered` (small passes elsewhere): the chosen experts' matrices dequantized and multiplied
+  with bmm: static shapes, no host sync;
+- `loop` (CPU, prefill): one dequantized matmul pair per expert that has tokens, summed in expert
+  order, as transformers' eager experts do (host-synchronising).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.kernels import quant_gemv
+from verispec.models.layers.mlp import activation
+from verispec.models.layers.quant_linear import float_param
+from verispec.quant.packing import packed_words, unpack_rows
+
+MAX_GATHERED_PAIRS = 64  # past this the gathered path would dequantize too many weights per pass
+MAX_GEMV_PAIRS = 64  # past this (prefill) each expert's weights are read once for all its tokens
+
+
+class QuantizedExpertStack(nn.Module):
+    """One projection of every expert: y = x @ dequant(W[e])^T with W [E, out_features, in_features]."""
+
+    checkpoint_buffers = ("weight",)
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bits: int, group_size: int):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        words = packed_words(in_features, bits)
+        self.register_buffer("weight", torch.zeros(num_experts, out_features, words, dtype=torch.int32))
+        self.scales = float_param(num_experts, out_features, in_features // group_size)
+        self.biases = float_param(num_experts, out_features, in_features // group_size)
+
+    def dequantized(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """experts [P] ids -> their matrices [P, out_features, in_features] in `dtype`, decoded in float32."""
+        compute = torch.promote_types(dtype, torch.float32)
+        p, n, g = experts.numel(), self.out_features, self.in_features // self.group_size
+        q = unpack_rows(self.weight[experts].reshape(p * n, -1), self.bits, self.in_features)
+        q = q.view(p, n, g, self.group_size).to(compute)
+        s = self.scales[experts].to(compute).unsqueeze(-1)
+        b = self.biases[experts].to(compute).unsqueeze(-1)
+        return (q * s + b).view(p, n, -1).to(dtype)
+
+    def gemv(self, x: torch.Tensor, experts: torch.Tensor, rows_per_x: int) -> torch.Tensor:
+        """x [T, in_features]; experts [P] -> [P, out_features] (pair p reads x row p // rows_per_x)."""
+        return quant_gemv.expert_gemv(x, self.weight, self.scales, self.biases, experts, self.bits,
+                                      self.group_size, rows_per_x=rows_per_x)
+
+    def gemv_reason(self, x: torch.Tensor) -> str | None:
+        return quant_gemv.unsupported_reason(x.device, x.dtype, self.bits, self.group_size)
+
+
+class SwitchGLU(nn.Module):
+    """mlx-lm's container name, so the checkpoint's tensor names land as they are."""
+
+    def __init__(self, gate_proj: QuantizedExpertStack, up_proj: QuantizedExpertStack, down_proj: QuantizedExpertStack):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+
+class MLXQuantizedExperts(nn.Module):
+    def __init__(self, num_experts: int, act, gate_proj: QuantizedExpertStack, up_proj: QuantizedExpertStack,
+                 down_proj: QuantizedExpertStack):
+        """`act`: the gate's activation (a name, or the callable of the FusedExperts replaced)."""
+        super().__init__()
+        self.num_experts = num_experts
+        self.switch_glu = SwitchGLU(gate_proj, up_proj, down_proj)
+        self.act = activation(act) if isinstance(act, str) else act
+        self.method: str | None = None  # None: chosen per call (`default_method`); tests force one
+
+    def default_method(self, x: torch.Tensor, num_pairs: int) -> str:
+        stacks = (self.switch_glu.gate_proj, self.switch_glu.up_proj, self.switch_glu.down_proj)
+        if x.device.type == "cuda" and all(s.gemv_reason(x) is None for s in stacks):
+            capturing = torch.cuda.is_current_stream_capturing()
+            if num_pairs <= MAX_GEMV_PAIRS or capturing:
+                return "gemv"
+        if x.device.type == "cuda" and num_pairs <= MAX_GATHERED_PAIRS:
+            return "gathered"
+        return "loop"
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; top_k_index [T, K] expert ids; top_k_weights [T, K] -> [T, H] weighted sum."""
+        method = self.method or self.default_method(x, top_k_index.numel())
+        if method == "gemv":
+            return self._gemv(x, top_k_index, top_k_weights)
+        if method == "gathered":
+            return self._gathered(x, top_k_index, top_k_weights)
+        return self._loop(x, top_k_index, top_k_weights)
+
+    def _loop(self, x, top_k_index, top_k_weights):
+        glu = self.switch_glu
+        out = torch.zeros_like(x)
+        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # [E, K, T]
+        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit[:, 0].tolist():
+            slot, token = torch.where(expert_mask[expert])
+            one = torch.tensor([expert], device=x.device)
+            rows = x[token]
+            h = self.act(F.linear(rows, glu.gate_proj.dequantized(one, x.dtype)[0]))
+            h = h * F.linear(rows, glu.up_proj.dequantized(one, x.dtype)[0])
+            h = F.linear(h, glu.down_proj.dequantized(one, x.dtype)[0]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+    def _gathered(self, x, top_k_index, top_k_weights):
+        glu = self.switch_glu
+        t, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [P, H, 1]
+        gate = torch.bmm(glu.gate_proj.dequantized(experts, x.dtype), rows)[..., 0]
+        up = torch.bmm(glu.up_proj.dequantized(experts, x.dtype), rows)[..., 0]
+        h = (self.act(gate) * up)[:, :, None]
+        h = torch.bmm(glu.down_proj.dequantized(experts, x.dtype), h)[..., 0] * top_k_weights.reshape(-1, 1)
+        return h.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+    def _gemv(self, x, top_k_index, top_k_weights):
+        glu = self.switch_glu
+        t, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)  # pair p = token p // k, slot p % k
+        h = self.act(glu.gate_proj.gemv(x, experts, k)) * glu.up_proj.gemv(x, experts, k)  # [P, I]
+        h = glu.down_proj.gemv(h, experts, 1) * top_k_weights.reshape(-1, 1)  # [P, H]
+        return h.view(t, k, -1).sum(dim=1).to(x.dtype)
