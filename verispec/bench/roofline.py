@@ -54,8 +54,8 @@ def inactive_expert_bytes(model: CausalLM) -> int:
         return 0
     top_k = settings.top_k_experts
     expert_bytes = 0
-    for name, p in model.named_parameters():
-        if p.dim() == 3 and p.shape[0] == num_experts:  # stacked expert weights [E, ...]
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p.dim() == 3 and p.shape[0] == num_experts:  # stacked expert weights [E, ...] (packed words too)
             expert_bytes += p.numel() * p.element_size()
     return expert_bytes * (num_experts - top_k) // num_experts
 

@@ -45,6 +45,19 @@ class MLXAffineWriter:
         return {f"{prefix}.weight": packed.view(torch.uint32), f"{prefix}.scales": scales,
                 f"{prefix}.biases": biases}
 
+    def quantize_experts(self, prefix: str, kind: str, stack: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A FusedExperts stack (`gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]) -> mlx-lm's
+        SwitchGLU stacks `<experts>.switch_glu.<proj>.{weight,scales,biases}` [E, ...]."""
+        experts = prefix.rpartition(".")[0]
+        parts = dict(zip(("gate_proj", "up_proj"), stack.chunk(2, dim=1))) if kind == "experts-gate-up" \
+            else {"down_proj": stack}
+        out = {}
+        for proj, w in parts.items():
+            e, n, k = w.shape
+            for name, t in self.quantize(f"{experts}.switch_glu.{proj}", w.reshape(e * n, k)).items():
+                out[name] = t.reshape(e, n, -1)
+        return out
+
     def config_update(self, quantized: list[str]) -> dict:
         quantization = {"group_size": self.spec.group_size, "bits": self.spec.bits, "mode": "affine"}
         return {"quantization": quantization, "quantization_config": dict(quantization)}
@@ -126,10 +139,15 @@ def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str]]:
 
     with torch.device("meta"):
         model = model_class(config.get("model_type"))(config)
+    from verispec.models.layers.moe import FusedExperts
+
     kinds = {}
     for path, m in model.named_modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             kinds[f"{path}.weight"] = "linear" if isinstance(m, nn.Linear) else "embedding"
+        elif isinstance(m, FusedExperts):
+            kinds[f"{path}.gate_up_proj"] = "experts-gate-up"
+            kinds[f"{path}.down_proj"] = "experts-down"
     return kinds, dict(model.checkpoint_prefix_map)
 
 
@@ -176,11 +194,15 @@ def quantize_checkpoint(model: str, format_name: str, out: str | Path, group_siz
         if tied and ours == "lm_head.weight":
             continue  # the tied head is the embedding; mlx-lm drops this copy too
         reason = "not a linear or embedding weight"
-        if ours in kinds and tensor.ndim == 2 and tensor.is_floating_point():
+        experts = kinds.get(ours, "").startswith("experts")
+        if experts and not hasattr(writer, "quantize_experts"):
+            reason = f"MoE experts are written quantized in the MLX formats only (not {fmt.name})"
+        elif ours in kinds and tensor.ndim == (3 if experts else 2) and tensor.is_floating_point():
             reason = writer.skip_reason(ours, kinds[ours], tuple(tensor.shape))
         if reason is None:
-            prefix = name[: -len(".weight")]
-            for out_name, out_tensor in writer.quantize(prefix, tensor).items():
+            prefix = name if experts else name[: -len(".weight")]
+            written = writer.quantize_experts(prefix, kinds[ours], tensor) if experts else writer.quantize(prefix, tensor)
+            for out_name, out_tensor in written.items():
                 shards.add(out_name, out_tensor)
             quantized_layers.append(prefix)
             summary.quantized += 1

@@ -8,6 +8,8 @@ from torch import nn
 
 from verispec import log
 from verispec.errors import VerispecError
+from verispec.models.layers.moe import FusedExperts
+from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
 from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear
 from verispec.quant import mlx_affine
 from verispec.quant.loading import replace_module
@@ -32,6 +34,9 @@ def quantize_model_(model: nn.Module, format_name: str, group_size: int = 64) ->
     for path, module in list(model.named_modules()):
         if tied and path == "lm_head":
             continue
+        if isinstance(module, FusedExperts):
+            count += _quantize_experts(model, path, module, spec)
+            continue
         with torch.device("meta"):  # _fill replaces every tensor
             if type(module) is nn.Linear:
                 new = MLXAffineLinear(module.in_features, module.out_features, spec.bits, spec.group_size,
@@ -52,6 +57,28 @@ def quantize_model_(model: nn.Module, format_name: str, group_size: int = 64) ->
     if tied and isinstance(model.input_embeddings(), MLXAffineEmbedding):
         model.lm_head = model.input_embeddings().as_linear()
     return count
+
+
+def _quantize_experts(model: nn.Module, path: str, module: FusedExperts, spec: mlx_affine.AffineSpec) -> int:
+    """FusedExperts -> MLXQuantizedExperts (mlx-lm's SwitchGLU stacks, as a checkpoint loads them)."""
+    num_experts, two_i, hidden = module.gate_up_proj.shape
+    if hidden % spec.group_size or (two_i // 2) % spec.group_size:
+        log.debug("quantize_model_: kept %s in float (widths %d / %d, group %d)", path, hidden, two_i // 2,
+                  spec.group_size)
+        return 0
+    gate, up = module.gate_up_proj.detach().chunk(2, dim=1)
+    stacks = {}
+    for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", module.down_proj.detach())):
+        e, n, k = w.shape
+        with torch.device("meta"):
+            stack = QuantizedExpertStack(e, k, n, spec.bits, spec.group_size)
+        _fill(stack, w.reshape(e * n, k), spec)
+        stack.weight = stack.weight.view(e, n, -1)
+        stack.scales = nn.Parameter(stack.scales.view(e, n, -1), requires_grad=False)
+        stack.biases = nn.Parameter(stack.biases.view(e, n, -1), requires_grad=False)
+        stacks[name] = stack
+    replace_module(model, path, MLXQuantizedExperts(num_experts, module.act, **stacks))
+    return 3
 
 
 def _fill(layer: nn.Module, weight: torch.Tensor, spec: mlx_affine.AffineSpec) -> None:
