@@ -1,14 +1,39 @@
 #!/usr/bin/env bash
-# On the lent GPU (device tool): the quantized-weight kernel and layers checked on CUDA, then the
-# issue #14 speed targets measured side by side in one session (Qwen3-8B shape, batch 1): bf16,
-# MLX 8-bit and 4-bit decode, each with its bytes-per-token roofline, and the verify cost of 4
-# tokens (eagle3 rows: verify_decode_ratio). Results (bench.json / bench.md per run) under $OUT.
-# Needs the test extra's triton on the GPU image; mlx / compressed-tensors tests skip there if absent.
+# On the lent GPU (device tool): issue #14's speed targets measured side by side, batch 1, random
+# weights quantized on the device (`verispec bench --quant`). Results (bench.json / bench.md per
+# run) under $OUT. STAGES picks what runs (default "qwen large"):
+#   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (tinygemm for decode/verify, the default) and
+#           4-bit on the Gluon GEMV (VERISPEC_QUANT_KERNEL=gemv), each plain and with EAGLE3
+#           (verify_decode_ratio: the cost of a 4-token verify pass)
+#   large - Gemma 4 26B-A4B (MoE: quantized experts), Gemma 4 31B dense and Qwen3.6-27B hybrid:
+#           bf16 against 8-bit and 4-bit, plain decode
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 300 python3 -m pytest tests/kernels/test_quant_matmul.py -q -x 2>&1 | tail -3
-for quant in none mlx-8bit mlx-4bit; do
-    args=(--shape qwen3-8b --methods ar,eagle3 --draft-block 3 --contexts 512 --gen-tokens 128 --repeats 3)
-    [ "$quant" != none ] && args+=(--quant "$quant")
-    timeout 600 python3 -m verispec bench "${args[@]}" --out "$OUT/qwen3-8b-$quant" 2>&1 | grep -E "^\||error" | head -8
-done
+STAGES=${STAGES:-"qwen large"}
+LARGE=${LARGE:-"gemma4-26b-a4b gemma4-31b qwen3.6-27b"}  # the large stage's shapes
+QUANTS=${QUANTS:-"none mlx-8bit mlx-4bit"}  # and their weights
+run() {  # run NAME [env assignments...] -- bench args...
+    local name=$1; shift
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    shift
+    echo "## $name"
+    env "${envs[@]}" timeout 400 python3 -m verispec bench "$@" --out "$OUT/$name" 2>&1 | grep -E "^\||rror" | head -8
+}
+common=(--contexts 512 --gen-tokens 128 --repeats 3)
+if [[ " $STAGES " == *" qwen "* ]]; then
+    spec=(--shape qwen3-8b --methods ar,eagle3 --draft-block 3 "${common[@]}")
+    run qwen3-8b-bf16 -- "${spec[@]}"
+    run qwen3-8b-mlx-8bit -- "${spec[@]}" --quant mlx-8bit
+    run qwen3-8b-mlx-4bit -- "${spec[@]}" --quant mlx-4bit
+    run qwen3-8b-mlx-4bit-gemv VERISPEC_QUANT_KERNEL=gemv -- "${spec[@]}" --quant mlx-4bit
+fi
+if [[ " $STAGES " == *" large "* ]]; then
+    for shape in $LARGE; do
+        for quant in $QUANTS; do
+            args=(--shape "$shape" --methods ar "${common[@]}")
+            [ "$quant" != none ] && args+=(--quant "$quant")
+            run "$shape-$quant" -- "${args[@]}"
+        done
+    done
+fi

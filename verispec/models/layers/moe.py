@@ -33,6 +33,25 @@ MAX_GATHERED_PAIRS = 64
 MAX_GEMV_PAIRS = 64
 
 
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, gated) -> torch.Tensor:
+    """The grouped-GEMM form: pairs sorted by expert, one grouped GEMM per projection over the
+    expert stacks gate_up [E, 2I, H] and down [E, H, I]; `gated` maps [.., 2I] -> [.., I]."""
+    n, k = top_k_index.shape
+    num_experts = gate_up.shape[0]
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    rows = x[order // k]  # [N*K, H] grouped by expert
+    # histc, not bincount: bincount's output size depends on the data (not graph-capturable)
+    counts_input = expert_ids.float() if x.device.type != "cuda" else expert_ids.int()
+    counts = torch.histc(counts_input, bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = gated(F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets))
+    h = F.grouped_mm(h, down.transpose(-2, -1), offs=offsets)
+    h = h * top_k_weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(h).index_copy_(0, order, h)
+    return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+
 class ExpertsMethod(str, Enum):
     LOOP = "loop"
     GROUPED = "grouped"
@@ -97,18 +116,7 @@ class FusedExperts(nn.Module):
         return out
 
     def _grouped(self, x, top_k_index, top_k_weights):
-        n, k = top_k_index.shape
-        expert_ids, order = torch.sort(top_k_index.reshape(-1))
-        rows = x[order // k]  # [N*K, H] grouped by expert
-        # histc, not bincount: bincount's output size depends on the data (not graph-capturable)
-        counts_input = expert_ids.float() if x.device.type != "cuda" else expert_ids.int()
-        counts = torch.histc(counts_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = self._gated(F.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets))
-        h = F.grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offsets)
-        h = h * top_k_weights.reshape(-1)[order, None]
-        unsorted = torch.empty_like(h).index_copy_(0, order, h)
-        return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
+        return grouped_experts(x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, self._gated)
 
     def _gathered(self, x, top_k_index, top_k_weights):
         n, k = top_k_index.shape
