@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.kernels import quant_gemv
+from verispec.kernels import dequantize, quant_gemv
 from verispec.models.layers.mlp import activation
 from verispec.models.layers.moe import grouped_experts
 from verispec.models.layers.quant_linear import float_param
@@ -51,6 +51,10 @@ class QuantizedExpertStack(nn.Module):
         """experts [P] ids -> their matrices [P, out_features, in_features] in `dtype`, decoded in float32."""
         compute = torch.promote_types(dtype, torch.float32)
         p, n, g = experts.numel(), self.out_features, self.in_features // self.group_size
+        if dequantize.available(self.weight.device, self.bits) and compute == torch.float32:
+            w = dequantize.dequantize(self.weight[experts].reshape(p * n, -1), self.scales[experts].reshape(p * n, g),
+                                      self.biases[experts].reshape(p * n, g), self.bits, self.group_size, False, dtype)
+            return w.view(p, n, -1)
         q = unpack_rows(self.weight[experts].reshape(p * n, -1), self.bits, self.in_features)
         q = q.view(p, n, g, self.group_size).to(compute)
         s = self.scales[experts].to(compute).unsqueeze(-1)

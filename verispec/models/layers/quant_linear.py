@@ -27,7 +27,7 @@ from torch import nn
 from verispec import log
 from verispec.config import env
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import int4_builtin, quant_gemv, quant_matmul
+from verispec.kernels import dequantize, int4_builtin, quant_gemv, quant_matmul
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -113,6 +113,10 @@ class QuantizedLinear(nn.Module):
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model)."""
         compute = torch.promote_types(dtype, torch.float32)
         scales, offsets = self.group_scales(), self.group_offsets()
+        if dequantize.available(scales.device, self.bits) and compute == torch.float32:
+            # one pass, same values (kernels/dequantize.py); prefill multiplies by this
+            return dequantize.dequantize(self.packed_values(), scales, offsets, self.bits, self.group_size,
+                                         self.zero_point, dtype)
         n, num_groups = scales.shape
         q = unpack_rows(self.packed_values(), self.bits, num_groups * self.group_size)
         q = q.view(n, num_groups, self.group_size).to(compute)
