@@ -29,6 +29,8 @@ SCHEMES = {
     "w4-g64-asym": dict(num_bits=4, symmetric=False, strategy="group", group_size=64),
     "w8-channel-sym": dict(num_bits=8, symmetric=True, strategy="channel"),
     "w4-channel-asym": dict(num_bits=4, symmetric=False, strategy="channel"),
+    # GPTQ's activation order as compressed-tensors 0.20 keeps it (groups stay contiguous)
+    "w4-g32-actorder-weight": dict(num_bits=4, symmetric=False, strategy="group", group_size=32, actorder="weight"),
 }
 
 
@@ -64,7 +66,7 @@ def test_fp8_weights_equal_library_decompression(ct_checkpoints, name):
                                    rtol=0, atol=0, msg=lambda m: f"{name} {path}: {m}")
 
 
-@pytest.mark.parametrize("name", ["w4-g32-sym", "w4-g64-asym", "FP8_DYNAMIC", "FP8", "FP8_BLOCK"])
+@pytest.mark.parametrize("name", ["w4-g32-sym", "w4-g64-asym", "w4-g32-actorder-weight", "FP8_DYNAMIC", "FP8", "FP8_BLOCK"])
 def test_greedy_equals_transformers_on_decompressed(ct_checkpoints, name):
     theirs = decompressed_by_library(ct_checkpoints[name])
     ids = torch.tensor([PROMPT])

@@ -71,8 +71,9 @@ def spec_from_args(path: str, fmt: str, args: dict | None,
     strategy = args.get("strategy", "tensor")
     if strategy not in SUPPORTED_STRATEGIES:
         raise _scheme_error(path, f"strategy '{strategy}' is not supported (supported: {', '.join(SUPPORTED_STRATEGIES)})")
-    if args.get("actorder") not in (None, "static", False):
-        raise _scheme_error(path, f"actorder '{args.get('actorder')}' (activation-ordered groups) is not supported yet")
+    if args.get("actorder") not in ACTORDERS:
+        raise _scheme_error(path, f"actorder '{args.get('actorder')}' is not supported (supported: "
+                                  f"{', '.join(str(a) for a in ACTORDERS if a)})")
     if activations:
         # pack-quantized is the weight-only (W*A16) format; integer activation schemes are not
         raise _scheme_error(path, "quantized activations (input_activations) are not supported with "
@@ -205,12 +206,17 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
             expect_shapes(site, expected, f"{spec.bits}-bit group {group} over [{n}, {k}]")
             if "weight_g_idx" in site.shapes:
                 raise UnsupportedModelError(
-                    f"{site.checkpoint_path}.weight_g_idx: activation-ordered groups are not supported yet")
+                    f"{site.checkpoint_path}.weight_g_idx: activation-ordered groups (actorder group, which "
+                    f"compressed-tensors 0.20 removed) are not supported; actorder weight / static are")
             new = PackedIntLinear(k, n, spec.bits, group, spec.symmetric, bias=bias)
         replace_module(model, site.path, new)
 
 
 FP8_E4M3_MAX = 448.0
+# GPTQ's activation ordering: weight / static keep each group's columns contiguous, so the
+# checkpoint loads as any other (group / dynamic, with a weight_g_idx per column, are refused:
+# compressed-tensors 0.20 removed them, so no oracle remains to check them against)
+ACTORDERS = (None, False, "static", "weight")
 
 
 def quantize_fp8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
