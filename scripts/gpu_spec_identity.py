@@ -1,6 +1,8 @@
 """Speculative vs plain greedy on one device and dtype: identical, or where they first diverge.
 
 Run on the lent GPU:  python3 scripts/gpu_spec_identity.py --device cuda --out $OUT/spec_identity.json
+With --quant mlx-8bit,mlx-4bit the targets are first quantized by `verispec quantize` (MLX affine,
+group 64): decode and verify passes then run the quantized kernels (the Gluon GEMV, tinygemm).
 In float32 the outputs should be identical. In bf16 a verify pass over k+1 tokens runs other
 kernel shapes than a 1-token decode step, so near-ties can flip: this measures how often and
 after how many tokens.
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.cli import main as main_cli
 from verispec.demo.tiny import build_tiny_model, build_tokenizer, corpus_text, write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
@@ -58,19 +61,32 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quant", default="none", help="comma-separated: none, mlx-8bit, mlx-4bit")
+    ap.add_argument("--models", default="llama,qwen3")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     t0 = time.time()
     root = Path(tempfile.mkdtemp())
     build_tokenizer(root / "tok")
     rows = []
     text = corpus_text()
-    for model_type in ("llama", "qwen3"):
-        mdir = root / model_type
-        build_tiny_model(mdir, model_type, tokenizer_dir=root / "tok", **SHAPE,
+    targets = []
+    for model_type in args.models.split(","):
+        fdir = root / model_type
+        build_tiny_model(fdir, model_type, tokenizer_dir=root / "tok", **SHAPE,
                          **({"head_dim": 64} if model_type == "qwen3" else {}))
-        cfg = json.loads((mdir / "config.json").read_text())
+        cfg = json.loads((fdir / "config.json").read_text())
         ddir = write_random_eagle3(root / f"{model_type}-eagle3", cfg)
-        for dtype in ("float32", "bfloat16"):
+        for quant in args.quant.split(","):
+            mdir = fdir
+            if quant != "none":
+                mdir = root / f"{model_type}-{quant}"
+                if main_cli(["quantize", "-m", str(fdir), "--format", quant, "--out", str(mdir)]) != 0:
+                    raise SystemExit(f"quantize {quant} failed")
+            targets.append((f"{model_type}" + ("" if quant == "none" else f" {quant}"), mdir, ddir))
+    for model_type, mdir, ddir in targets:
+        for dtype in args.dtypes.split(","):
+            print(f"{model_type} {dtype}", flush=True)
             plain_engine = load_engine(str(mdir), dtype=dtype, device=args.device)
             tok = plain_engine.tokenizer
             prompts = [tok.encode(text[i * 997: i * 997 + 400]) for i in range(args.prompts)]
@@ -82,6 +98,7 @@ def main() -> None:
             for name, k, make in (("eagle3-random", 3, lambda c: eagle), ("replay-right", 3, lambda c: Replay(c, 0, vocab)),
                                   ("replay-right", 5, lambda c: Replay(c, 0, vocab)),
                                   ("replay-partial", 4, lambda c: Replay(c, 3, vocab))):
+                print(f"  {name} k={k}", flush=True)
                 divs, acc, drafted = [], 0, 0
                 for p, cont in zip(prompts, plain):
                     eng = Engine(plain_engine.model, tok, plain_engine.config, proposer=make(cont), num_drafts=k)
