@@ -11,20 +11,9 @@ import torch
 
 from verispec.kernels import quant_gemv as kernel
 from verispec.kernels.quant_matmul import dequant_matmul_reference
-from verispec.quant.packing import pack_rows
+from tests.kernels.test_quant_matmul import random_operands  # on CUDA when there is one
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or kernel.gluon is None, reason="needs CUDA and Gluon")
-
-
-def random_operands(n: int, k: int, bits: int, group: int, zero_point: bool, dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
-    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(dtype)
-    if zero_point:
-        offsets = torch.randint(0, 1 << bits, (n, k // group), generator=gen).to(dtype)
-    else:
-        offsets = (torch.randn(n, k // group, generator=gen) * 0.1).to(dtype)
-    return pack_rows(q, bits).cuda(), scales.cuda(), offsets.cuda()
 
 
 @gpu
@@ -100,53 +89,34 @@ def test_expert_gemv_matches_reference_and_is_pair_invariant(bits):
     assert torch.equal(alone, y[:top_k])
 
 
-@gpu
-def test_quantized_experts_gemv_path_equals_loop():
+def quantized_experts(bits: int, seed: int):
+    """MLXQuantizedExperts over random bf16 stacks (8 experts, hidden 256, intermediate 128)."""
     from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
 
     num_experts, hidden, inter, group = 8, 256, 128, 64
     stacks = {}
     for i, (name, n, k) in enumerate((("gate_proj", inter, hidden), ("up_proj", inter, hidden),
                                       ("down_proj", hidden, inter))):
-        stack = QuantizedExpertStack(num_experts, k, n, 4, group).cuda().to(torch.bfloat16)
-        packed, scales, offsets = random_experts(num_experts, n, k, 4, group, torch.bfloat16, 10 + i)
+        stack = QuantizedExpertStack(num_experts, k, n, bits, group).cuda().to(torch.bfloat16)
+        packed, scales, offsets = random_experts(num_experts, n, k, bits, group, torch.bfloat16, seed + i)
         stack.weight.copy_(packed)
         stack.scales.data.copy_(scales)
         stack.biases.data.copy_(offsets)
         stacks[name] = stack
-    experts = MLXQuantizedExperts(num_experts, "gelu_pytorch_tanh", **stacks)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16).cuda()
-    index = torch.randint(0, num_experts, (3, 2), generator=gen).cuda()
-    weights = torch.rand(3, 2, generator=gen).to(torch.bfloat16).cuda()
-    assert experts.default_method(x, index.numel()) == "gemv"
-    fast = experts(x, index, weights)
-    experts.method = "loop"
-    slow = experts(x, index, weights)
-    assert float((fast.float() - slow.float()).norm() / slow.float().norm()) < 2e-2
+    return MLXQuantizedExperts(num_experts, "gelu_pytorch_tanh", **stacks)
 
 
 @gpu
-def test_quantized_experts_grouped_path_equals_loop():
-    """Prefill's path (every expert dequantized once, torch's grouped GEMM) against the loop."""
-    from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
-
-    num_experts, hidden, inter, group = 8, 256, 128, 64
-    stacks = {}
-    for i, (name, n, k) in enumerate((("gate_proj", inter, hidden), ("up_proj", inter, hidden),
-                                      ("down_proj", hidden, inter))):
-        stack = QuantizedExpertStack(num_experts, k, n, 8, group).cuda().to(torch.bfloat16)
-        packed, scales, offsets = random_experts(num_experts, n, k, 8, group, torch.bfloat16, 20 + i)
-        stack.weight.copy_(packed)
-        stack.scales.data.copy_(scales)
-        stack.biases.data.copy_(offsets)
-        stacks[name] = stack
-    experts = MLXQuantizedExperts(num_experts, "gelu_pytorch_tanh", **stacks)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(100, hidden, generator=gen).to(torch.bfloat16).cuda()
-    index = torch.randint(0, num_experts, (100, 2), generator=gen).cuda()
-    weights = torch.rand(100, 2, generator=gen).to(torch.bfloat16).cuda()
-    assert experts.default_method(x, index.numel()) == "grouped"
+@pytest.mark.parametrize("tokens,method", [(3, "gemv"), (100, "grouped")])
+def test_quantized_experts_paths_equal_the_loop(tokens, method):
+    """Decode's path (the GEMV per pair) and prefill's (every expert dequantized once, torch's
+    grouped GEMM) against the per-expert loop."""
+    experts = quantized_experts(4 if method == "gemv" else 8, tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
+    index = torch.randint(0, experts.num_experts, (tokens, 2), generator=gen).cuda()
+    weights = torch.rand(tokens, 2, generator=gen).to(torch.bfloat16).cuda()
+    assert experts.default_method(x, index.numel()) == method
     fast = experts(x, index, weights)
     experts.method = "loop"
     slow = experts(x, index, weights)
