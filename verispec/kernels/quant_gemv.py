@@ -11,9 +11,9 @@ chose layouts that spread one word's values over threads and went through shared
 (two Triton forms measured 0.2-1.0 TB/s; this one 2.1-3.9 TB/s, docs/benchmarks.md).
 
 Arithmetic, per value: one LOP3 ors the value's bits, left where they are in the word's 16-bit
-half, into the mantissa of 2**23 (a float equal to 2**23 + q * 2**(b*i), exact), one subtraction
-leaves q * 2**(b*i), and one FMA adds it times x * 2**(-b*i) (x scaled by an exact power of two,
-so the product is the plain float32 q * x). A word's values share a group, so its scale and offset
+half (bit b*j), into the mantissa of 2**(23 - b*j), whose last place there is worth 1 (a float
+equal to 2**(23 - b*j) + q, exact); one subtraction leaves q, and one FMA adds q * x. No shift,
+no conversion instruction, no scaling of x. A word's values share a group, so its scale and offset
 apply once per chunk of words: y = sum_chunks s * sum q x + o * sum x (zero point: s * (sum q x -
 z * sum x)), all in float32.
 
@@ -180,11 +180,13 @@ if gluon is not None:
             for i in gl.static_range(PER_WORD):
                 x_i = gl.load(x_ptr + w0 * PER_WORD + i, mask=x_mask, other=0.0).to(gl.float32)
                 xs += x_i
+                # the value's bits stay where they are (bit BITS*j of its 16-bit half, j = i % HALF)
+                # and are or-ed into the mantissa of 2**(23 - BITS*j), whose last place there is 1:
+                # the float reads 2**(23 - BITS*j) + q, and subtracting the power of two leaves q
                 src = words if i < HALF else hi
                 bits = _and_or(src, gl.full(src.shape, MASK << (BITS * (i % HALF)), gl.int32, LW),
-                               gl.full(src.shape, 0x4B000000, gl.int32, LW))
-                q = bits.to(gl.float32, bitcast=True) - 8388608.0  # q * 2**(BITS*(i % HALF)), exact
-                x_i = x_i * (1.0 / (1 << (BITS * (i % HALF))))  # exact: a power of two
+                               gl.full(src.shape, (150 - BITS * (i % HALF)) << 23, gl.int32, LW))  # 2**(23-BITS*j)
+                q = bits.to(gl.float32, bitcast=True) - (1 << (23 - BITS * (i % HALF))) * 1.0  # exact
                 part = gl.fma(gl.expand_dims(q, 0), gl.expand_dims(x_i, 1), part)
             part_c = gl.sum(part, axis=3)  # [MB, BN, BC]
             xs_c = gl.expand_dims(gl.convert_layout(gl.sum(xs, axis=2), gl.SliceLayout(1, LA)), 1)  # [MB, 1, BC]
