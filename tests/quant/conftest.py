@@ -69,7 +69,8 @@ def to_torch(a) -> torch.Tensor:
     return torch.from_numpy(np.array(a.astype(mx.float32)))
 
 
-def ct_quantize(src: Path, out: Path, weights: dict | None = None, dtype=torch.float32, preset: str | None = None) -> Path:
+def ct_quantize(src: Path, out: Path, weights: dict | None = None, dtype=torch.float32, preset: str | None = None,
+                targets: tuple[str, ...] = ("Linear",)) -> Path:
     """Round-to-nearest quantization with compressed-tensors' own qparams (integer `weights`
     arguments, or a preset scheme such as FP8_DYNAMIC), compressed by its ModelCompressor and
     saved as llm-compressor saves."""
@@ -85,7 +86,7 @@ def ct_quantize(src: Path, out: Path, weights: dict | None = None, dtype=torch.f
     if preset is not None:
         scheme = preset_name_to_scheme(preset, ["Linear"])
     else:
-        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(type="int", **weights))
+        scheme = QuantizationScheme(targets=list(targets), weights=QuantizationArgs(type="int", **weights))
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     with torch.no_grad():
         for module in model.modules():

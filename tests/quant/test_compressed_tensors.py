@@ -81,6 +81,51 @@ def test_greedy_equals_transformers_on_decompressed(ct_checkpoints, name):
     assert ours == expected
 
 
+def library_decompressed(path: Path) -> dict[str, torch.Tensor]:
+    """Every pack-quantized module's weight as compressed-tensors' own compressor decompresses it
+    (straight from the checkpoint's tensors: transformers' loader cannot decompress embeddings)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    scheme = QuantizationScheme(**group)
+    out = {}
+    for name in tensors:
+        if name.endswith(".weight_packed"):
+            prefix = name[: -len(".weight_packed")]
+            state = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+            out[prefix] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    return out
+
+
+def test_quantized_embedding_equals_library_decompression(tiny_models, tmp_path):
+    """An `Embedding` target too: the table loads as stored (PackedIntEmbedding), its rows equal
+    the library's decompression, and greedy output equals transformers' on the decompressed weights."""
+    from transformers import AutoModelForCausalLM
+
+    from verispec.models.layers.quant_linear import PackedIntEmbedding
+
+    src = tiny_models.get("quant-qwen3", "qwen3", head_dim=32, **TINY_SHAPE)
+    path = ct_quantize(src, tmp_path / "emb", SCHEMES["w4-g64-asym"], targets=("Linear", "Embedding"))
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    assert isinstance(model.model.embed_tokens, PackedIntEmbedding)
+    theirs = library_decompressed(path)
+    assert "model.embed_tokens" in theirs
+    torch.testing.assert_close(model.model.embed_tokens.dequantized_weight(torch.float32),
+                               theirs["model.embed_tokens"].float(), rtol=0, atol=0)
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for prefix, weight in theirs.items():
+            params[f"{prefix}.weight"].copy_(weight)
+    expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(PROMPT):].tolist()
+    engine = load_engine(str(path), dtype="float32", device="cpu")
+    ours = engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
+    assert ours == expected
+
+
 def test_bfloat16_scales_decode_as_the_library_does(tiny_models, tmp_path):
     src = tiny_models.get("quant-qwen3", "qwen3", head_dim=32, **TINY_SHAPE)
     path = ct_quantize(src, tmp_path / "bf16", SCHEMES["w4-g64-asym"], dtype=torch.bfloat16)

@@ -180,13 +180,25 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
     """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear, a Float8Linear
     or an NVFP4Linear (see quant/loading.py)."""
     from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
-    from verispec.models.layers.quant_linear import PackedIntLinear
+    from verispec.models.layers.quant_linear import PackedIntEmbedding, PackedIntLinear
     from verispec.quant.loading import expect_shapes, quantized_sites, replace_module
 
     quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     check_config(quant_config)
-    for site in quantized_sites(model, tensors, "weight_scale"):
+    for site in quantized_sites(model, tensors, "weight_scale", (nn.Linear, nn.Embedding)):
         spec = layer_spec(quant_config, site.checkpoint_path, site.module)
+        if isinstance(site.module, nn.Embedding):
+            if not isinstance(spec, PackedIntSpec):
+                raise UnsupportedModelError(f"{site.checkpoint_path}: a {type(spec).__name__.removesuffix('Spec')} "
+                                            f"embedding is not supported (pack-quantized integer embeddings are)")
+            if getattr(getattr(model, "settings", None), "tie_word_embeddings", False):
+                raise UnsupportedModelError(f"{site.checkpoint_path}: a quantized embedding tied to the lm_head is not "
+                                            f"supported in compressed-tensors checkpoints (untied ones are)")
+            v, h = site.module.num_embeddings, site.module.embedding_dim
+            group, expected = packed_int_shapes(site.checkpoint_path, spec, v, h)
+            expect_shapes(site, expected, f"{spec.bits}-bit group {group} embedding [{v}, {h}]")
+            replace_module(model, site.path, PackedIntEmbedding(v, h, spec.bits, group, spec.symmetric))
+            continue
         n, k, bias = site.module.out_features, site.module.in_features, site.module.bias is not None
         if isinstance(spec, NVFP4Spec):
             if k % 16:

@@ -17,7 +17,7 @@ from torch import nn
 
 from verispec.errors import UnsupportedModelError, VerispecError
 from verispec.models.layers.float_quant_linear import MLXFloatEmbedding, MLXFloatLinear
-from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear, QuantizedLinear
+from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear, PackedIntEmbedding, QuantizedLinear
 from verispec.quant import QuantFormat, detect_format
 
 
@@ -205,5 +205,5 @@ def finish_loading(model: nn.Module) -> None:
         if isinstance(embedding, (MLXAffineEmbedding, MLXFloatEmbedding)):
             model.lm_head = embedding.as_linear()  # the loaded tensors, shared
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, PackedIntEmbedding)):
             module.finish_loading()

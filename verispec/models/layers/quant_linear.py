@@ -205,6 +205,18 @@ class MLXAffineLinear(QuantizedLinear):
         return merged
 
 
+def unsigned_zero_points(scale: torch.Tensor, packed_zero_points: torch.Tensor | None, bits: int,
+                         symmetric: bool) -> torch.Tensor:
+    """compressed-tensors' zero points as unsigned values [N, G] in the scales' dtype (exact:
+    integers below 256): 2**(bits-1) when symmetric, else unpacked from their N-packed words."""
+    if symmetric:
+        zeros = torch.full_like(scale, float(1 << (bits - 1)))
+    else:
+        # packed along N: unpack each group's column of zero points
+        zeros = unpack_rows(packed_zero_points.T.contiguous(), bits, scale.shape[0]).T
+    return zeros.to(device=scale.device, dtype=scale.dtype).contiguous()
+
+
 class PackedIntLinear(QuantizedLinear):
     """compressed-tensors pack-quantized layout (verispec/quant/compressed_tensors.py):
     weight_packed [N, ceil(K*bits/32)], weight_scale [N, K/group_size], weight_zero_point
@@ -246,13 +258,8 @@ class PackedIntLinear(QuantizedLinear):
         if shape != (self.out_features, self.in_features):
             raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors layer does not match its "
                                         f"[{self.out_features}, {self.in_features}]")
-        scale = self.weight_scale
-        if self.symmetric:
-            zeros = torch.full_like(scale, float(1 << (self.bits - 1)))
-        else:
-            # packed along N: unpack each group's column of zero points
-            zeros = unpack_rows(self.weight_zero_point.T.contiguous(), self.bits, self.out_features).T
-        self.zeros = zeros.to(device=scale.device, dtype=scale.dtype).contiguous()
+        self.zeros = unsigned_zero_points(self.weight_scale, getattr(self, "weight_zero_point", None), self.bits,
+                                          self.symmetric)
 
     @classmethod
     def concat_rows(cls, layers: list["PackedIntLinear"]) -> "PackedIntLinear":
@@ -308,6 +315,52 @@ class MLXAffineEmbedding(nn.Module):
         head.weight = self.weight
         head.scales, head.biases = self.scales, self.biases
         return head
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"
+
+
+class PackedIntEmbedding(nn.Module):
+    """A compressed-tensors pack-quantized embedding table [V, H] (llm-compressor with an
+    `Embedding` target): PackedIntLinear's tensors and decoding, but only the looked-up rows are
+    decoded."""
+
+    checkpoint_buffers = ("weight_packed", "weight_zero_point", "weight_shape")
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int, symmetric: bool):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        num_groups = embedding_dim // group_size
+        self.register_buffer("weight_packed",
+                             torch.empty(num_embeddings, packed_words(embedding_dim, bits), dtype=torch.int32))
+        self.weight_scale = float_param(num_embeddings, num_groups)
+        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
+        if not symmetric:
+            self.register_buffer("weight_zero_point",
+                                 torch.empty(packed_words(num_embeddings, bits), num_groups, dtype=torch.int32))
+        self.register_buffer("zeros", torch.empty(num_embeddings, num_groups), persistent=False)
+
+    def finish_loading(self) -> None:
+        shape = tuple(int(v) for v in self.weight_shape.tolist())
+        if shape != (self.num_embeddings, self.embedding_dim):
+            raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors embedding does not match its "
+                                        f"[{self.num_embeddings}, {self.embedding_dim}]")
+        self.zeros = unsigned_zero_points(self.weight_scale, getattr(self, "weight_zero_point", None), self.bits,
+                                          self.symmetric)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        rows = input_ids.reshape(-1)
+        scale = self.weight_scale
+        compute = torch.promote_types(scale.dtype, torch.float32)
+        q = unpack_rows(self.weight_packed[rows], self.bits, self.embedding_dim)
+        q = q.view(rows.numel(), -1, self.group_size).to(compute)
+        w = (q - self.zeros[rows].to(compute).unsqueeze(-1)) * scale[rows].to(compute).unsqueeze(-1)
+        return w.view(*input_ids.shape, self.embedding_dim).to(scale.dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole table [V, H] in `dtype`."""
+        return self(torch.arange(self.num_embeddings, device=self.weight_packed.device)).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"
