@@ -28,7 +28,7 @@ def weight_bytes(model: CausalLM) -> int:
     """Parameters and buffers, each counted once (a tied lm_head is the embedding's own Parameter,
     which parameters() yields once), the untied input embedding replaced by one of its rows."""
     table = model.input_embeddings()
-    embedding = table.weight
+    embedding = getattr(table, "weight", None)  # a compressed-tensors quantized table has weight_packed
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     total -= inactive_expert_bytes(model)
@@ -36,7 +36,7 @@ def weight_bytes(model: CausalLM) -> int:
         # the table's own tensors (a quantized table has scales and biases beside its packed rows)
         table_bytes = sum(t.numel() * t.element_size() for t in list(table.parameters()) + list(table.buffers()))
         total -= table_bytes
-        total += table_bytes // embedding.shape[0]
+        total += table_bytes // table.num_embeddings
     # a 4-bit layer given torch's int4 kernel beside its checkpoint words reads only tinygemm's copy
     # in a decode step (models/layers/quant_linear.convert_for_builtin_int4)
     for module in model.modules():
