@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import int4_builtin, quant_gemv as qg, quant_matmul as qm  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 from verispec.quant.packing import unpack_rows  # noqa: E402
@@ -28,32 +30,6 @@ from verispec.quant.packing import unpack_rows  # noqa: E402
 LAYERS = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
           ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1)]
 L2_DEFEAT_BYTES = 256 << 20
-
-
-def cycle_time_us(fns, iters: int = 10) -> float:
-    """Median microseconds per call of a CUDA graph calling each fn of `fns` once (different weights)."""
-    for fn in fns[:2]:
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(fns))
-    return sorted(times)[len(times) // 2]
 
 
 class Copies:
@@ -155,7 +131,7 @@ def main() -> None:
                             else:
                                 y1 = fn(x1, *layer.sets[0], bits, args.group)
                             row[f"row0_invariant_M{m}"] = bool(torch.equal(y1[0], y[0]))
-                        t = cycle_time_us(calls)
+                        t = cycle_time_us(calls, iters=10)
                         row[f"us_M{m}"] = t
                         row[f"TBps_M{m}"] = layer.bytes / t / 1e6
                         step.setdefault(label, {}).setdefault(m, 0.0)

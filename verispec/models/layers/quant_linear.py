@@ -205,6 +205,34 @@ class MLXAffineLinear(QuantizedLinear):
         return merged
 
 
+class PackedIntTensors:
+    """compressed-tensors' pack-quantized tensors of a [rows, cols] weight, registered on a module:
+    weight_packed [rows, ceil(cols*bits/32)], weight_scale [rows, cols/group], weight_shape [2],
+    weight_zero_point [ceil(rows*bits/32), cols/group] (asymmetric only), and the unsigned zero
+    points `zeros` [rows, cols/group] derived once loaded (`finish`)."""
+
+    @staticmethod
+    def register(module: nn.Module, rows: int, cols: int, bits: int, group_size: int, symmetric: bool) -> None:
+        num_groups = cols // group_size
+        module.register_buffer("weight_packed", torch.empty(rows, packed_words(cols, bits), dtype=torch.int32))
+        module.weight_scale = float_param(rows, num_groups)
+        module.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
+        if not symmetric:
+            module.register_buffer("weight_zero_point", torch.empty(packed_words(rows, bits), num_groups,
+                                                                    dtype=torch.int32))
+        # unsigned zero points in the scales' dtype (exact: integers below 256), derived once loaded
+        module.register_buffer("zeros", torch.empty(rows, num_groups), persistent=False)
+
+    @staticmethod
+    def finish(module: nn.Module, rows: int, cols: int, what: str) -> None:
+        shape = tuple(int(v) for v in module.weight_shape.tolist())
+        if shape != (rows, cols):
+            raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors {what} does not match its "
+                                        f"[{rows}, {cols}]")
+        module.zeros = unsigned_zero_points(module.weight_scale, getattr(module, "weight_zero_point", None),
+                                            module.bits, module.symmetric)
+
+
 def unsigned_zero_points(scale: torch.Tensor, packed_zero_points: torch.Tensor | None, bits: int,
                          symmetric: bool) -> torch.Tensor:
     """compressed-tensors' zero points as unsigned values [N, G] in the scales' dtype (exact:
@@ -230,16 +258,7 @@ class PackedIntLinear(QuantizedLinear):
                  bias: bool = False):
         super().__init__(in_features, out_features, bias)
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
-        num_groups = in_features // group_size
-        self.register_buffer("weight_packed",
-                             torch.empty(out_features, packed_words(in_features, bits), dtype=torch.int32))
-        self.weight_scale = float_param(out_features, num_groups)
-        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
-        if not symmetric:
-            self.register_buffer("weight_zero_point",
-                                 torch.empty(packed_words(out_features, bits), num_groups, dtype=torch.int32))
-        # unsigned zero points [N, G] in the scales' dtype (exact: integers below 256), derived once loaded
-        self.register_buffer("zeros", torch.empty(out_features, num_groups), persistent=False)
+        PackedIntTensors.register(self, out_features, in_features, bits, group_size, symmetric)
 
     def packed_values(self) -> torch.Tensor:
         return self.weight_packed
@@ -254,12 +273,7 @@ class PackedIntLinear(QuantizedLinear):
         return self.zeros
 
     def finish_loading(self) -> None:
-        shape = tuple(int(v) for v in self.weight_shape.tolist())
-        if shape != (self.out_features, self.in_features):
-            raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors layer does not match its "
-                                        f"[{self.out_features}, {self.in_features}]")
-        self.zeros = unsigned_zero_points(self.weight_scale, getattr(self, "weight_zero_point", None), self.bits,
-                                          self.symmetric)
+        PackedIntTensors.finish(self, self.out_features, self.in_features, "layer")
 
     @classmethod
     def concat_rows(cls, layers: list["PackedIntLinear"]) -> "PackedIntLinear":
@@ -331,23 +345,10 @@ class PackedIntEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
-        num_groups = embedding_dim // group_size
-        self.register_buffer("weight_packed",
-                             torch.empty(num_embeddings, packed_words(embedding_dim, bits), dtype=torch.int32))
-        self.weight_scale = float_param(num_embeddings, num_groups)
-        self.register_buffer("weight_shape", torch.empty(2, dtype=torch.int64))
-        if not symmetric:
-            self.register_buffer("weight_zero_point",
-                                 torch.empty(packed_words(num_embeddings, bits), num_groups, dtype=torch.int32))
-        self.register_buffer("zeros", torch.empty(num_embeddings, num_groups), persistent=False)
+        PackedIntTensors.register(self, num_embeddings, embedding_dim, bits, group_size, symmetric)
 
     def finish_loading(self) -> None:
-        shape = tuple(int(v) for v in self.weight_shape.tolist())
-        if shape != (self.num_embeddings, self.embedding_dim):
-            raise UnsupportedModelError(f"weight_shape {shape} of a compressed-tensors embedding does not match its "
-                                        f"[{self.num_embeddings}, {self.embedding_dim}]")
-        self.zeros = unsigned_zero_points(self.weight_scale, getattr(self, "weight_zero_point", None), self.bits,
-                                          self.symmetric)
+        PackedIntTensors.finish(self, self.num_embeddings, self.embedding_dim, "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
