@@ -131,7 +131,7 @@ class QuantizedLinear(nn.Module):
                                     self.group_size, self.int4_scale_zero)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        if rows <= quant_gemv.MAX_ROWS and self.gemv_reason(x.device, x.dtype) is None:
+        if rows <= quant_gemv.MAX_ROWS and self._takes_gemv(x):
             y = quant_gemv.gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
                                 self.group_offsets(), self.bits, self.group_size, self.zero_point)
             y = y.view(*x.shape[:-1], self.out_features)
@@ -146,6 +146,14 @@ class QuantizedLinear(nn.Module):
             debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
                              "dequantizing the whole weight per call")
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def _takes_gemv(self, x: torch.Tensor) -> bool:
+        """gemv_reason is None, decided once per device and dtype (forward runs per layer per pass)."""
+        key = (x.device, x.dtype)
+        cache = self.__dict__.setdefault("_gemv_decisions", {})
+        if key not in cache:
+            cache[key] = self.gemv_reason(x.device, x.dtype) is None
+        return cache[key]
 
     def gemv_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode / verify passes of this layer do not take the Gluon GEMV (None: they do)."""
