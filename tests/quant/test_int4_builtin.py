@@ -114,3 +114,19 @@ def test_engine_choice_leaves_cpu_layers_and_obeys_the_knob(monkeypatch):
     monkeypatch.setenv(QUANT_KERNEL_ENV, "tinygemm")
     with pytest.raises(UnsupportedModelError, match="auto, builtin, gemv, triton"):
         convert_for_builtin_int4(model, torch.bfloat16)
+
+
+def test_gemv_choice_follows_the_knob(monkeypatch):
+    """Which short passes take the Gluon GEMV: the knob's modes, each reason named."""
+    from verispec.kernels import quant_gemv
+
+    layer = mlx_layer(64)
+    cuda = torch.device("cuda")
+    assert layer.gemv_reason(torch.device("cpu"), torch.bfloat16) == "device cpu"
+    auto = layer.gemv_reason(cuda, torch.bfloat16)
+    assert auto == quant_gemv.unsupported_reason(cuda, torch.bfloat16, 4, 64)  # None where Gluon exists
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "triton")
+    assert layer.gemv_reason(cuda, torch.bfloat16) == f"{QUANT_KERNEL_ENV}=triton"
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "gemv")
+    assert layer.gemv_reason(cuda, torch.bfloat16) == auto
+    assert convert_for_builtin_int4(torch.nn.Sequential(layer), torch.bfloat16) == 0  # no tinygemm copy
