@@ -76,6 +76,8 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, grou
         return "this Triton has no Gluon"
     if device.type != "cuda":
         return f"device {device.type}"
+    if torch.version.hip:
+        return "ROCm (the GEMV's inline assembly is NVIDIA PTX)"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"activations in {str(dtype).removeprefix('torch.')}"
     if bits not in SUPPORTED_BITS:
