@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.quant.packing import unpack_rows
+
 try:
     import triton
     import triton.language as tl
@@ -70,3 +72,18 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
                              K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, BLOCK_R=BLOCK_ROWS,
                              BLOCK_W=BLOCK_WORDS, enable_fp_fusion=False)
     return out
+
+
+def decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int,
+           zero_point: bool, dtype: torch.dtype) -> torch.Tensor:
+    """packed [R, W]; scales, offsets [R, G] -> [R, G*group_size] in `dtype`, decoded in float32
+    (float64 for a float64 `dtype`): the kernel where it runs, torch's form of the same values
+    elsewhere. Every quantized layer's weight, table rows or expert stack decodes through here."""
+    compute = torch.promote_types(dtype, torch.float32)
+    if available(packed.device, bits) and compute == torch.float32:
+        return dequantize(packed, scales, offsets, bits, group_size, zero_point, dtype)
+    rows, num_groups = scales.shape
+    q = unpack_rows(packed, bits, num_groups * group_size).view(rows, num_groups, group_size).to(compute)
+    s, o = scales.to(compute).unsqueeze(-1), offsets.to(compute).unsqueeze(-1)
+    w = (q - o) * s if zero_point else q * s + o
+    return w.view(rows, -1).to(dtype)

@@ -110,19 +110,9 @@ class QuantizedLinear(nn.Module):
             setattr(self, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model)."""
-        compute = torch.promote_types(dtype, torch.float32)
-        scales, offsets = self.group_scales(), self.group_offsets()
-        if dequantize.available(scales.device, self.bits) and compute == torch.float32:
-            # one pass, same values (kernels/dequantize.py); prefill multiplies by this
-            return dequantize.dequantize(self.packed_values(), scales, offsets, self.bits, self.group_size,
-                                         self.zero_point, dtype)
-        n, num_groups = scales.shape
-        q = unpack_rows(self.packed_values(), self.bits, num_groups * self.group_size)
-        q = q.view(n, num_groups, self.group_size).to(compute)
-        s, o = scales.to(compute).unsqueeze(-1), offsets.to(compute).unsqueeze(-1)
-        w = (q - o) * s if self.zero_point else q * s + o
-        return w.view(n, -1).to(dtype)
+        """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
+        return dequantize.decode(self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
+                                 self.group_size, self.zero_point, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         rows = x.numel() // self.in_features
@@ -318,13 +308,10 @@ class MLXAffineEmbedding(nn.Module):
         self.biases = float_param(num_embeddings, num_groups)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
-        scales, biases = self.scales, self.biases
         rows = input_ids.reshape(-1)
-        compute = torch.promote_types(scales.dtype, torch.float32)
-        q = unpack_rows(self.weight[rows], self.bits, self.embedding_dim)
-        q = q.view(rows.numel(), -1, self.group_size).to(compute)
-        w = q * scales[rows].to(compute).unsqueeze(-1) + biases[rows].to(compute).unsqueeze(-1)
-        return w.view(*input_ids.shape, self.embedding_dim).to(scales.dtype)
+        w = dequantize.decode(self.weight[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size,
+                              False, self.scales.dtype)
+        return w.view(*input_ids.shape, self.embedding_dim)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole table [V, H] in `dtype`."""
@@ -360,12 +347,9 @@ class PackedIntEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
-        scale = self.weight_scale
-        compute = torch.promote_types(scale.dtype, torch.float32)
-        q = unpack_rows(self.weight_packed[rows], self.bits, self.embedding_dim)
-        q = q.view(rows.numel(), -1, self.group_size).to(compute)
-        w = (q - self.zeros[rows].to(compute).unsqueeze(-1)) * scale[rows].to(compute).unsqueeze(-1)
-        return w.view(*input_ids.shape, self.embedding_dim).to(scale.dtype)
+        w = dequantize.decode(self.weight_packed[rows], self.weight_scale[rows], self.zeros[rows], self.bits,
+                              self.group_size, True, self.weight_scale.dtype)
+        return w.view(*input_ids.shape, self.embedding_dim)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole table [V, H] in `dtype`."""
