@@ -116,26 +116,22 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
         if self.int4_packed is not None and (rows <= int4_builtin.MAX_ROWS or self.released()):
-            y = int4_builtin.matmul(x.reshape(rows, self.in_features).contiguous(), self.int4_packed,
-                                    self.group_size, self.int4_scale_zero)
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        if rows <= quant_gemv.MAX_ROWS and self._takes_gemv(x):
-            y = quant_gemv.gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
-                                self.group_offsets(), self.bits, self.group_size, self.zero_point)
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        if rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
-            y = quant_matmul.dequant_matmul(x.reshape(rows, self.in_features), self.packed_values(),
-                                            self.group_scales(), self.group_offsets(), self.bits,
-                                            self.group_size, self.zero_point)
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        if x.device.type == "cuda" and rows <= quant_matmul.FUSED_MAX_ROWS:
-            debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
-                             "dequantizing the whole weight per call")
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+            y = int4_builtin.matmul(flat.contiguous(), self.int4_packed, self.group_size, self.int4_scale_zero)
+        elif rows <= quant_gemv.MAX_ROWS and self._takes_gemv(x):
+            y = quant_gemv.gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
+                                self.group_size, self.zero_point)
+        elif rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
+            y = quant_matmul.dequant_matmul(flat, self.packed_values(), self.group_scales(), self.group_offsets(),
+                                            self.bits, self.group_size, self.zero_point)
+        else:
+            if x.device.type == "cuda" and rows <= quant_matmul.FUSED_MAX_ROWS:
+                debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
+                                 "dequantizing the whole weight per call")
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def _takes_gemv(self, x: torch.Tensor) -> bool:
         """gemv_reason is None, decided once per device and dtype (forward runs per layer per pass)."""
@@ -391,41 +387,38 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
     if choice in ("gemv", "triton"):
         _log_gemv_reasons(root, dtype)
         return 0
-    converted, reasons = 0, set()
-    for module in root.modules():
-        if not isinstance(module, QuantizedLinear) or module.int4_packed is not None:
-            continue
-        reason = module.builtin_int4_reason(dtype)
-        if reason is None:
-            module.use_builtin_int4(release=choice == "builtin")
-            converted += 1
-        elif reason not in reasons:
-            reasons.add(reason)
-            log.debug("quantized layers with %s keep the Triton dequant-matmul kernel", reason)
-    if converted:
-        log.debug("torch's int4 kernel (tinygemm) takes %d quantized layers", converted)
+    eligible = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None]
+    chosen = _choose(eligible, lambda m: m.builtin_int4_reason(dtype), "torch's int4 kernel (tinygemm) takes %d "
+                     "quantized layers", "quantized layers with %s are not given torch's int4 kernel")
+    for module in chosen:
+        module.use_builtin_int4(release=choice == "builtin")
     _log_gemv_reasons(root, dtype)
-    return converted
+    return len(chosen)
 
 
 def _log_gemv_reasons(root: nn.Module, dtype: torch.dtype) -> None:
     """Under VERISPEC_DEBUG=1: how many layers run decode / verify passes on the Gluon GEMV, and
-    why the others do not (once per reason)."""
-    taken, reasons = 0, set()
-    for module in root.modules():
-        if not isinstance(module, QuantizedLinear) or module.released():
-            continue
-        if module.int4_packed is not None:
-            continue  # tinygemm takes its short passes
-        device = module.packed_values().device
-        reason = module.gemv_reason(device, dtype)
+    why the others do not (once per reason). Layers tinygemm took are not counted."""
+    layers = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None]
+    _choose(layers, lambda m: m.gemv_reason(m.packed_values().device, dtype), "the Gluon GEMV takes decode / "
+            "verify passes of %d quantized layers", "quantized layers with %s keep the Triton dequant-matmul "
+            "kernel for decode passes")
+
+
+def _choose(layers: list[QuantizedLinear], reason_of, taken: str, refused: str) -> list[QuantizedLinear]:
+    """The layers `reason_of` has no objection to; under VERISPEC_DEBUG=1, their count (`taken`)
+    and each objection once (`refused`)."""
+    chosen, reasons = [], set()
+    for layer in layers:
+        reason = reason_of(layer)
         if reason is None:
-            taken += 1
+            chosen.append(layer)
         elif reason not in reasons:
             reasons.add(reason)
-            log.debug("quantized layers with %s keep the Triton dequant-matmul kernel for decode passes", reason)
-    if taken:
-        log.debug("the Gluon GEMV takes decode / verify passes of %d quantized layers", taken)
+            log.debug(refused, reason)
+    if chosen:
+        log.debug(taken, len(chosen))
+    return chosen
 
 
 def merge_quantized(layers: list[nn.Module]) -> nn.Module:
