@@ -257,7 +257,7 @@ def test_experts_methods_agree(gemma4_dirs):
     layer = ours.model.layers[1]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, ours.hidden_size, generator=gen)
-    assert moe.grouped_mm_usable(x, layer.experts.gate_up_proj, layer.experts.down_proj)
+    assert moe.grouped_mm_usable(x, layer.experts.gate_up_proj.shape[1], layer.experts.down_proj.shape[-1])
     with torch.inference_mode():
         weights, index = layer.router(x)
         assert len(set(index.flatten().tolist())) == ours.settings.num_experts  # every expert has tokens

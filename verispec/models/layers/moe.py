@@ -59,15 +59,36 @@ class ExpertsMethod(str, Enum):
     GEMV = "gemv"
 
 
-def grouped_mm_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """torch's grouped GEMM wants float32/bf16/fp16 operands whose rows are 16-byte aligned;
-    on CUDA it runs bf16/fp16 only."""
+def grouped_mm_usable(x: torch.Tensor, gate_up_rows: int, down_cols: int) -> bool:
+    """torch's grouped GEMM wants float32/bf16/fp16 operands whose rows are 16-byte aligned (x's,
+    the gate/up stack's 2I and the down stack's I); on CUDA it runs bf16/fp16 only."""
     if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if x.device.type == "cuda" and x.dtype == torch.float32:
         return False
     per_16_bytes = 16 // x.element_size()
-    return all(n % per_16_bytes == 0 for n in (x.shape[-1], gate_up.shape[1], down.shape[-1]))
+    return all(n % per_16_bytes == 0 for n in (x.shape[-1], gate_up_rows, down_cols))
+
+
+def gated(act, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
+    """act(gate) * up, the gate and up halves side by side (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def loop_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+                 expert_mlp) -> torch.Tensor:
+    """transformers' eager experts: for each expert that has tokens, in expert order,
+    `expert_mlp(expert, rows)` ([T_e, H] -> [T_e, H]) weighted and summed into its tokens' rows.
+    Host-synchronising (nonzero): CPU and eager passes only."""
+    out = torch.zeros_like(x)
+    expert_mask = F.one_hot(top_k_index, num_classes=num_experts).permute(2, 1, 0)  # [E, K, N]
+    hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert in hit[:, 0].tolist():
+        slot, token = torch.where(expert_mask[expert])
+        h = expert_mlp(expert, x[token]) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
 
 
 def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, num_pairs: int) -> ExpertsMethod:
@@ -75,7 +96,7 @@ def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, n
         return ExpertsMethod.LOOP  # the reference: equal to transformers' eager experts
     if num_pairs <= MAX_GEMV_PAIRS and expert_gemv.available(x.device):
         return ExpertsMethod.GEMV
-    if grouped_mm_usable(x, gate_up, down):
+    if grouped_mm_usable(x, gate_up.shape[1], down.shape[-1]):
         return ExpertsMethod.GROUPED
     return ExpertsMethod.GATHERED if num_pairs <= MAX_GATHERED_PAIRS else ExpertsMethod.LOOP
 
@@ -101,19 +122,11 @@ class FusedExperts(nn.Module):
         return self._loop(x, top_k_index, top_k_weights)
 
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act(gate) * up
+        return gated(self.act, gate_up)
 
     def _loop(self, x, top_k_index, top_k_weights):
-        out = torch.zeros_like(x)
-        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # [E, K, N]
-        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert in hit[:, 0].tolist():
-            slot, token = torch.where(expert_mask[expert])
-            h = self._gated(F.linear(x[token], self.gate_up_proj[expert]))
-            h = F.linear(h, self.down_proj[expert]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, h.to(out.dtype))
-        return out
+        return loop_experts(x, top_k_index, top_k_weights, self.num_experts, lambda expert, rows: F.linear(
+            self._gated(F.linear(rows, self.gate_up_proj[expert])), self.down_proj[expert]))
 
     def _grouped(self, x, top_k_index, top_k_weights):
         return grouped_experts(x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, self._gated)

@@ -24,7 +24,7 @@ from torch import nn
 
 from verispec.kernels import dequantize, quant_gemv
 from verispec.models.layers.mlp import activation
-from verispec.models.layers.moe import grouped_experts
+from verispec.models.layers.moe import gated, grouped_experts, grouped_mm_usable, loop_experts
 from verispec.models.layers.quant_linear import float_param
 from verispec.quant.packing import packed_words
 
@@ -104,16 +104,10 @@ class MLXQuantizedExperts(nn.Module):
                 return "gemv"
         if x.device.type == "cuda" and num_pairs <= MAX_GATHERED_PAIRS:
             return "gathered"
-        if x.device.type == "cuda" and self._grouped_usable(x):
+        glu = self.switch_glu
+        if x.device.type == "cuda" and grouped_mm_usable(x, 2 * glu.gate_proj.out_features, glu.down_proj.in_features):
             return "grouped"
         return "loop"
-
-    def _grouped_usable(self, x: torch.Tensor) -> bool:
-        """torch's grouped GEMM on CUDA: bf16 / fp16 operands with 16-byte aligned rows."""
-        glu = self.switch_glu
-        widths = (x.shape[-1], 2 * glu.gate_proj.out_features, glu.down_proj.in_features)
-        return (hasattr(F, "grouped_mm") and x.dtype in (torch.bfloat16, torch.float16)
-                and all(w % 8 == 0 for w in widths))
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; top_k_index [T, K] expert ids; top_k_weights [T, K] -> [T, H] weighted sum."""
@@ -130,23 +124,18 @@ class MLXQuantizedExperts(nn.Module):
         return self._loop(x, top_k_index, top_k_weights)
 
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act(gate) * up
+        return gated(self.act, gate_up)
 
     def _loop(self, x, top_k_index, top_k_weights):
         glu = self.switch_glu
-        out = torch.zeros_like(x)
-        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)  # [E, K, T]
-        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert in hit[:, 0].tolist():
-            slot, token = torch.where(expert_mask[expert])
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
             one = torch.tensor([expert], device=x.device)
-            rows = x[token]
             h = self.act(F.linear(rows, glu.gate_proj.dequantized(one, x.dtype)[0]))
             h = h * F.linear(rows, glu.up_proj.dequantized(one, x.dtype)[0])
-            h = F.linear(h, glu.down_proj.dequantized(one, x.dtype)[0]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, h.to(out.dtype))
-        return out
+            return F.linear(h, glu.down_proj.dequantized(one, x.dtype)[0])
+
+        return loop_experts(x, top_k_index, top_k_weights, self.num_experts, expert_mlp)
 
     def _gathered(self, x, top_k_index, top_k_weights):
         glu = self.switch_glu
