@@ -211,6 +211,18 @@ def _launch_shape(bits: int, group_size: int, n: int, k: int, tiles: GemvTiles) 
     return bn, _chunk(bits, group_size), n % bn == 0, (k // (32 // bits)) % _step(bits, group_size, tiles) == 0
 
 
+def _check(x: torch.Tensor, bits: int, group_size: int, what: str) -> None:
+    reason = unsupported_reason(x.device, x.dtype, bits, group_size)
+    if reason or x.shape[-1] % group_size:
+        raise ValueError(f"{what}: {reason or f'K={x.shape[-1]} is not a multiple of the group size {group_size}'}")
+
+
+def _contiguous(x, packed, scales, offsets):
+    """The operands as the kernel reads them: contiguous, the words as int32."""
+    packed = packed.view(torch.int32) if packed.dtype != torch.int32 else packed
+    return x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
+
+
 def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
          group_size: int, zero_point: bool = False, tiles: GemvTiles | None = None,
          rows_per_program: int | None = None) -> torch.Tensor:
@@ -218,12 +230,8 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: t
     -> y [M, N] in x's dtype, accumulated in float32."""
     m, k = x.shape
     n = packed.shape[0]
-    reason = unsupported_reason(x.device, x.dtype, bits, group_size)
-    if reason or k % group_size:
-        raise ValueError(f"quant_gemv: {reason or f'K={k} is not a multiple of the group size {group_size}'}")
-    if packed.dtype != torch.int32:
-        packed = packed.view(torch.int32)
-    x, packed, scales, offsets = x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
+    _check(x, bits, group_size, "quant_gemv.gemv")
+    x, packed, scales, offsets = _contiguous(x, packed, scales, offsets)
     tiles = tiles or TILES[bits]
     bn, chunk, even_n, even_k = _launch_shape(bits, group_size, n, k, tiles)
     mb = rows_per_program or min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
@@ -246,12 +254,10 @@ def expert_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, off
     t, k = x.shape
     e, n, _ = packed.shape
     p = experts.numel()
-    reason = unsupported_reason(x.device, x.dtype, bits, group_size)
-    if reason or k % group_size or p > t * rows_per_x:
-        raise ValueError(f"quant_gemv.expert_gemv: {reason or f'K={k}, group {group_size}, {p} pairs for {t} rows'}")
-    if packed.dtype != torch.int32:
-        packed = packed.view(torch.int32)
-    x, packed, scales, offsets = x.contiguous(), packed.contiguous(), scales.contiguous(), offsets.contiguous()
+    _check(x, bits, group_size, "quant_gemv.expert_gemv")
+    if p > t * rows_per_x:
+        raise ValueError(f"quant_gemv.expert_gemv: {p} pairs for {t} rows of {rows_per_x} pairs")
+    x, packed, scales, offsets = _contiguous(x, packed, scales, offsets)
     tiles = TILES[bits]
     bn, chunk, even_n, even_k = _launch_shape(bits, group_size, n, k, tiles)
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
