@@ -54,6 +54,16 @@ def mlx_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
     return [int(token) for token, _ in steps]
 
 
+def verispec_greedy(model_dir: Path, num_tokens: int) -> list[int]:
+    """verispec's own greedy decoding of PROMPT (float32, CPU, eos ignored)."""
+    from verispec.engine.engine import load_engine
+    from verispec.engine.params import SamplingParams
+
+    engine = load_engine(str(model_dir), dtype="float32", device="cpu", prefill_step_size=16)
+    return engine.generate_all(PROMPT, SamplingParams(max_tokens=num_tokens, temperature=0.0,
+                                                      ignore_eos=True)).token_ids
+
+
 def quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     from verispec.models.layers.quant_linear import MLXAffineEmbedding, QuantizedLinear
 

@@ -10,14 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.float_quant_linear import Float8Linear
 from verispec.models.layers.quant_linear import PackedIntLinear
 
-from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library
+from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library, verispec_greedy
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install compressed-tensors)")
 # transformers notes that the checkpoint's own quantization_config wins over run_compressed=False's; expected
@@ -76,9 +74,7 @@ def test_greedy_equals_transformers_on_decompressed(ct_checkpoints, name):
             nxt = int(theirs(ids).logits[0, -1].argmax())
             expected.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    engine = load_engine(str(ct_checkpoints[name]), dtype="float32", device="cpu", prefill_step_size=16)
-    ours = engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
-    assert ours == expected
+    assert verispec_greedy(ct_checkpoints[name], 16) == expected
 
 
 def library_decompressed(path: Path) -> dict[str, torch.Tensor]:
@@ -121,9 +117,7 @@ def test_quantized_embedding_equals_library_decompression(tiny_models, tmp_path)
         for prefix, weight in theirs.items():
             params[f"{prefix}.weight"].copy_(weight)
     expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(PROMPT):].tolist()
-    engine = load_engine(str(path), dtype="float32", device="cpu")
-    ours = engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
-    assert ours == expected
+    assert verispec_greedy(path, 16) == expected
 
 
 def test_bfloat16_scales_decode_as_the_library_does(tiny_models, tmp_path):

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear
@@ -17,7 +15,7 @@ from verispec.quant import mlx_affine
 from verispec.quant.packing import pack_rows, unpack_rows
 
 from tests.quant.conftest import (PROMPT, TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors,
-                                  quantized_modules, to_torch)
+                                  quantized_modules, to_torch, verispec_greedy)
 
 @pytest.mark.parametrize("bits", mlx_affine.SUPPORTED_BITS)
 @pytest.mark.parametrize("group", mlx_affine.SUPPORTED_GROUP_SIZES)
@@ -106,8 +104,7 @@ def test_weights_equal_mlx_lm_dequantized(mlx_checkpoints, name):
 
 @pytest.mark.parametrize("name", ["qwen3-4bit-g64", "qwen3-mixed", "qwen2-tied-4bit-g32"])
 def test_greedy_equals_mlx_lm(mlx_checkpoints, name):
-    engine = load_engine(str(mlx_checkpoints[name]), dtype="float32", device="cpu", prefill_step_size=16)
-    ours = engine.generate_all(PROMPT, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)).token_ids
+    ours = verispec_greedy(mlx_checkpoints[name], 24)
     mlx_model, _ = mlx_tensors(mlx_checkpoints[name])
     assert ours == mlx_greedy(mlx_model, PROMPT, 24)
 

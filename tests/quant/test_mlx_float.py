@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.float_quant_linear import MLXFloatEmbedding, MLXFloatLinear
 from verispec.quant import mlx_float
 
-from tests.quant.conftest import PROMPT, TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors, to_torch
+from tests.quant.conftest import PROMPT, TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors, to_torch, verispec_greedy
 
 MODES = list(mlx_float.MODES)
 
@@ -51,6 +49,5 @@ def test_checkpoint_weights_and_greedy_equal_mlx_lm(checkpoints, mode):
         expected = to_torch(mx.dequantize(theirs[f"{path}.weight"], theirs[f"{path}.scales"],
                                           group_size=spec.group_size, bits=spec.bits, mode=mode, dtype=mx.float32))
         torch.testing.assert_close(layer.dequantized_weight(torch.float32), expected, rtol=0, atol=0)
-    engine = load_engine(str(checkpoints[mode]), dtype="float32", device="cpu", prefill_step_size=16)
-    tokens = engine.generate_all(PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)).token_ids
+    tokens = verispec_greedy(checkpoints[mode], 20)
     assert tokens == mlx_greedy(mlx_model, PROMPT, 20)

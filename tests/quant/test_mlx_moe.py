@@ -18,7 +18,7 @@ from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.quant_experts import MLXQuantizedExperts
 
-from tests.quant.conftest import PROMPT, import_mlx, mlx_convert, mlx_greedy, mlx_tensors
+from tests.quant.conftest import PROMPT, import_mlx, mlx_convert, mlx_greedy, mlx_tensors, verispec_greedy
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,7 @@ def test_expert_stacks_equal_mx_dequantize(moe_checkpoints, name):
 
 @pytest.mark.parametrize("name", ["8bit-g32", "4bit-g64"])
 def test_greedy_equals_mlx_lm(moe_checkpoints, name):
-    engine = load_engine(str(moe_checkpoints[name]), dtype="float32", device="cpu", prefill_step_size=16)
-    ours = engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
+    ours = verispec_greedy(moe_checkpoints[name], 16)
     mlx_model, _ = mlx_tensors(moe_checkpoints[name])
     assert ours == mlx_greedy(mlx_model, PROMPT, 16)
 

@@ -12,14 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.float_quant_linear import NVFP4Linear
 from verispec.quant import nvfp4
 
-from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library, import_mlx, to_torch
+from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library, import_mlx, to_torch, verispec_greedy
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 
@@ -109,8 +107,7 @@ def test_greedy_equals_transformers_on_decompressed(nvfp4_checkpoints, layout):
             nxt = int(theirs(ids).logits[0, -1].argmax())
             expected.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    engine = load_engine(str(nvfp4_checkpoints[layout]), dtype="float32", device="cpu", prefill_step_size=16)
-    assert engine.generate_all(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids == expected
+    assert verispec_greedy(nvfp4_checkpoints[layout], 16) == expected
 
 
 def test_modelopt_fp8(tiny_models, tmp_path):

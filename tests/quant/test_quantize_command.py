@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from verispec.cli import main
-from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
 from verispec.loading.model_loader import load_model
 
 from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
 
 from tests.quant.conftest import (PROMPT, TINY_SHAPE, decompressed_by_library, import_mlx, mlx_convert, mlx_greedy,
-                                  mlx_tensors, quantized_modules, to_torch)
+                                  mlx_tensors, quantized_modules, to_torch, verispec_greedy)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +43,7 @@ def test_mlx_lm_reads_what_we_write(float_models, tmp_path, capsys, model, fmt, 
         expected = to_torch(mx.dequantize(theirs[f"{source}.weight"], theirs[f"{source}.scales"],
                                           theirs[f"{source}.biases"], group_size=group, bits=layer.bits))
         torch.testing.assert_close(layer.dequantized_weight(torch.float32), expected, rtol=1e-6, atol=1e-7)
-    engine = load_engine(str(out), dtype="float32", device="cpu", prefill_step_size=16)
-    tokens = engine.generate_all(PROMPT, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)).token_ids
+    tokens = verispec_greedy(out, 20)
     assert tokens == mlx_greedy(mlx_model, PROMPT, 20)
 
 
