@@ -5,14 +5,9 @@
 #   http:      the demo served to 1 and 8 clients, engine process (the CUDA default) vs one process (SERVES=)
 # Results under $OUT.
 set -uo pipefail
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-fi
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-rounds,synthetic,http}
 SERVES=${SERVES:-"--serve=--demo --engine-process|--serve=--demo --no-engine-process"}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
+source "$(dirname "$0")/gpu_common.sh"
 if has rounds; then
   for n in 1 8; do
     timeout 300 python3 scripts/round_profile.py -m verispec/demo/model --method mtp --concurrency $n --gen-tokens 256 \

@@ -9,13 +9,8 @@
 #             with its MTP head and without speculation
 # Results under $OUT; a short table last.
 set -uo pipefail
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-fi
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests,identity,bench8,spec8}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
+source "$(dirname "$0")/gpu_common.sh"
 if has tests; then
   timeout 300 python3 -m pytest -o addopts="" -q -x tests/kernels/test_decode_attention.py tests/kernels/test_quant_matmul.py tests/engine 2>&1 | tail -4
 fi
