@@ -78,10 +78,17 @@ def decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bi
            zero_point: bool, dtype: torch.dtype) -> torch.Tensor:
     """packed [R, W]; scales, offsets [R, G] -> [R, G*group_size] in `dtype`, decoded in float32
     (float64 for a float64 `dtype`): the kernel where it runs, torch's form of the same values
-    elsewhere. Every quantized layer's weight, table rows or expert stack decodes through here."""
-    compute = torch.promote_types(dtype, torch.float32)
-    if available(packed.device, bits) and compute == torch.float32:
+    elsewhere (`decode_torch`). Quantized layers' weights and expert stacks decode through here."""
+    if available(packed.device, bits) and torch.promote_types(dtype, torch.float32) == torch.float32:
         return dequantize(packed, scales, offsets, bits, group_size, zero_point, dtype)
+    return decode_torch(packed, scales, offsets, bits, group_size, zero_point, dtype)
+
+
+def decode_torch(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int,
+                 zero_point: bool, dtype: torch.dtype) -> torch.Tensor:
+    """`decode`'s values in torch's form on any device (embedding lookups take it: a few rows per
+    step, inside captured decode graphs where the kernel has not been measured)."""
+    compute = torch.promote_types(dtype, torch.float32)
     rows, num_groups = scales.shape
     q = unpack_rows(packed, bits, num_groups * group_size).view(rows, num_groups, group_size).to(compute)
     s, o = scales.to(compute).unsqueeze(-1), offsets.to(compute).unsqueeze(-1)

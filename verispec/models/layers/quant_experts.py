@@ -47,22 +47,16 @@ class QuantizedExpertStack(nn.Module):
         self.scales = float_param(num_experts, out_features, in_features // group_size)
         self.biases = float_param(num_experts, out_features, in_features // group_size)
 
-    def dequantized(self, experts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """experts [P] ids (None: all of them, read in place) -> their matrices [P, out_features,
-        in_features] in `dtype`, decoded in float32."""
-        weight, scales, biases = ((self.weight, self.scales, self.biases) if experts is None else
-                                  (self.weight[experts], self.scales[experts], self.biases[experts]))
+    def dequantized(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """experts [P] ids -> their matrices [P, out_features, in_features] in `dtype`, decoded in float32."""
+        weight, scales, biases = self.weight[experts], self.scales[experts], self.biases[experts]
         p, n = weight.shape[:2]
         w = dequantize.decode(weight.reshape(p * n, -1), scales.reshape(p * n, -1), biases.reshape(p * n, -1),
                               self.bits, self.group_size, False, dtype)
         return w.view(p, n, -1)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """Every expert's matrix [E, out_features, in_features] in `dtype`: in one pass where the
-        dequantization kernel runs, else a chunk of experts at a time (torch's form keeps int32 and
-        float32 temporaries of what it decodes)."""
-        if dequantize.available(self.weight.device, self.bits) and dtype != torch.float64:
-            return self.dequantized(None, dtype)
+        """Every expert's matrix [E, out_features, in_features] in `dtype`, a chunk of experts at a time."""
         out = torch.empty(self.num_experts, self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
         for start in range(0, self.num_experts, DEQUANT_EXPERTS_PER_CHUNK):
             ids = torch.arange(start, min(start + DEQUANT_EXPERTS_PER_CHUNK, self.num_experts), device=out.device)

@@ -305,7 +305,7 @@ class MLXAffineEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
-        w = dequantize.decode(self.weight[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size,
+        w = dequantize.decode_torch(self.weight[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size,
                               False, self.scales.dtype)
         return w.view(*input_ids.shape, self.embedding_dim)
 
@@ -343,7 +343,7 @@ class PackedIntEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
-        w = dequantize.decode(self.weight_packed[rows], self.weight_scale[rows], self.zeros[rows], self.bits,
+        w = dequantize.decode_torch(self.weight_packed[rows], self.weight_scale[rows], self.zeros[rows], self.bits,
                               self.group_size, True, self.weight_scale.dtype)
         return w.view(*input_ids.shape, self.embedding_dim)
 
