@@ -2,8 +2,9 @@
 # On the lent GPU (device tool): issue #14's speed targets measured side by side, batch 1, random
 # weights quantized on the device (`verispec bench --quant`). Results (bench.json / bench.md per
 # run) under $OUT. STAGES picks what runs (default "qwen large"):
-#   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (tinygemm for decode/verify, the default) and
-#           4-bit on the Gluon GEMV (VERISPEC_QUANT_KERNEL=gemv), each plain and with EAGLE3
+#   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (the tensor-core kernel for decode/verify, the
+#           default), 4-bit on tinygemm (VERISPEC_QUANT_KERNEL=builtin) and on the Gluon GEMV
+#           (VERISPEC_QUANT_KERNEL=gemv), each plain and with EAGLE3
 #           (verify_decode_ratio: the cost of a 4-token verify pass)
 #   large - Gemma 4 26B-A4B (MoE: quantized experts), Gemma 4 31B dense and Qwen3.6-27B hybrid:
 #           bf16 against 8-bit and 4-bit, plain decode
@@ -26,6 +27,7 @@ if [[ " $STAGES " == *" qwen "* ]]; then
     run qwen3-8b-bf16 -- "${spec[@]}"
     run qwen3-8b-mlx-8bit -- "${spec[@]}" --quant mlx-8bit
     run qwen3-8b-mlx-4bit -- "${spec[@]}" --quant mlx-4bit
+    run qwen3-8b-mlx-4bit-tinygemm VERISPEC_QUANT_KERNEL=builtin -- "${spec[@]}" --quant mlx-4bit
     run qwen3-8b-mlx-4bit-gemv VERISPEC_QUANT_KERNEL=gemv -- "${spec[@]}" --quant mlx-4bit
 fi
 if [[ " $STAGES " == *" large "* ]]; then

@@ -130,3 +130,18 @@ def test_gemv_choice_follows_the_knob(monkeypatch):
     monkeypatch.setenv(QUANT_KERNEL_ENV, "gemv")
     assert layer.gemv_reason(cuda, torch.bfloat16) == auto
     assert convert_for_builtin_int4(torch.nn.Sequential(layer), torch.bfloat16) == 0  # no tinygemm copy
+
+
+def test_mma_choice_follows_the_knob(monkeypatch):
+    """4-bit decode / verify passes take the tensor-core kernel only in the default mode; each
+    other mode, and the CPU, is named as the reason."""
+    from verispec.kernels import quant_mma
+
+    layer = mlx_layer(64)
+    cuda = torch.device("cuda")
+    assert layer.mma_reason(torch.device("cpu"), torch.bfloat16) == "device cpu"
+    assert layer.mma_reason(cuda, torch.bfloat16) == quant_mma.unsupported_reason(cuda, torch.bfloat16, 4, 64,
+                                                                                 layer.in_features)
+    for mode in ("gemv", "builtin", "triton"):
+        monkeypatch.setenv(QUANT_KERNEL_ENV, mode)
+        assert layer.mma_reason(cuda, torch.bfloat16) == f"{QUANT_KERNEL_ENV}={mode}"

@@ -3,10 +3,14 @@ under the checkpoint's own names (so loading is a copy, no conversion step).
 
 Packed values are int32 buffers (the uint32 bits of the file); scales and offsets are float
 parameters, so `next(model.parameters())` still gives the model's dtype. Forward:
+- 4-bit layers on CUDA (sm_90+) in bfloat16 / float16, at most quant_mma.MAX_ROWS rows (decode,
+  verify): the tensor-core kernel (kernels/quant_mma.py), which reads the checkpoint's words and
+  costs about the same for 8 rows as for 1;
 - 4-bit layers on CUDA in bfloat16, once `use_builtin_int4` has converted them (the engine does
-  at start, see `convert_for_builtin_int4`): torch's built-in int4 product (tinygemm,
-  kernels/int4_builtin.py) for passes of at most int4_builtin.MAX_ROWS rows, or for every pass
-  when the checkpoint's words were released (VERISPEC_QUANT_KERNEL=builtin);
+  at start for layers the tensor-core kernel does not take, see `convert_for_builtin_int4`):
+  torch's built-in int4 product (tinygemm, kernels/int4_builtin.py) for passes of at most
+  int4_builtin.MAX_ROWS rows, or for every pass when the checkpoint's words were released
+  (VERISPEC_QUANT_KERNEL=builtin);
 - CUDA, at most quant_gemv.MAX_ROWS rows (decode, verify), bits 2 / 4 / 8: the Gluon GEMV
   (kernels/quant_gemv.py), reading the checkpoint's words at near the memory bandwidth; a row's
   result does not depend on the pass's width;
@@ -27,7 +31,7 @@ from torch import nn
 from verispec import log
 from verispec.config import env
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import dequantize, int4_builtin, quant_gemv, quant_matmul
+from verispec.kernels import dequantize, int4_builtin, quant_gemv, quant_matmul, quant_mma
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -119,7 +123,10 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if self.int4_packed is not None and (rows <= int4_builtin.MAX_ROWS or self.released()):
             y = int4_builtin.matmul(flat.contiguous(), self.int4_packed, self.group_size, self.int4_scale_zero)
-        elif rows <= quant_gemv.MAX_ROWS and self._takes_gemv(x):
+        elif rows <= quant_mma.MAX_ROWS and self._takes(self.mma_reason, x):
+            y = quant_mma.mma_gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
+                                   self.group_size, self.zero_point)
+        elif rows <= quant_gemv.MAX_ROWS and self._takes(self.gemv_reason, x):
             y = quant_gemv.gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                 self.group_size, self.zero_point)
         elif rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
@@ -133,13 +140,22 @@ class QuantizedLinear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def _takes_gemv(self, x: torch.Tensor) -> bool:
-        """gemv_reason is None, decided once per device and dtype (forward runs per layer per pass)."""
-        key = (x.device, x.dtype)
-        cache = self.__dict__.setdefault("_gemv_decisions", {})
+    def _takes(self, reason_of, x: torch.Tensor) -> bool:
+        """reason_of (a *_reason method) has no objection, decided once per kernel, device and dtype
+        (forward runs per layer per pass)."""
+        key = (reason_of.__name__, x.device, x.dtype)
+        cache = self.__dict__.setdefault("_kernel_decisions", {})
         if key not in cache:
-            cache[key] = self.gemv_reason(x.device, x.dtype) is None
+            cache[key] = reason_of(x.device, x.dtype) is None
         return cache[key]
+
+    def mma_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why decode / verify passes of this layer do not take the tensor-core kernel (None: they do)."""
+        if device.type != "cuda":
+            return f"device {device.type}"
+        if env().quant_kernel != "auto":
+            return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
+        return quant_mma.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features)
 
     def gemv_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode / verify passes of this layer do not take the Gluon GEMV (None: they do)."""
@@ -373,14 +389,16 @@ QUANT_KERNELS = ("auto", "builtin", "gemv", "triton")
 
 
 def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
-    """Gives every eligible 4-bit layer under `root` torch's int4 kernel (kernels/int4_builtin.py)
-    for decode and verify passes; the others take the Gluon GEMV (kernels/quant_gemv.py) or the
-    Triton kernel, each reason logged once under VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks:
-    auto (default) keeps the checkpoint's words too, for wider passes (batches, prefill), at twice
-    the quantized weights' memory; builtin drops them (least memory; every pass on tinygemm, which
-    is slow from 16 rows: see docs/benchmarks.md); gemv converts nothing and runs 4-bit layers on
-    the GEMV too (faster decode steps, dearer verify passes); triton converts nothing and uses
-    neither the GEMV nor tinygemm. Returns how many layers were converted."""
+    """Gives every eligible 4-bit layer under `root` that the tensor-core kernel
+    (kernels/quant_mma.py) does not take torch's int4 kernel (kernels/int4_builtin.py) for decode
+    and verify passes; the others take the Gluon GEMV (kernels/quant_gemv.py) or the Triton kernel,
+    each reason logged once under VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks: auto (default)
+    runs 4-bit layers on the tensor-core kernel where it can (sm_90+, bfloat16 / float16), else
+    on tinygemm, keeping the checkpoint's words too for wider passes (batches, prefill), at twice
+    the quantized weights' memory; builtin gives every 4-bit layer tinygemm and drops the words
+    (every pass on tinygemm, which is slow from 16 rows: see docs/benchmarks.md); gemv converts
+    nothing and runs 4-bit layers on the GEMV too; triton converts nothing and uses neither the
+    GEMV nor tinygemm. Returns how many layers were converted."""
     choice = env().quant_kernel
     if choice not in QUANT_KERNELS:
         raise UnsupportedModelError(f"{QUANT_KERNEL_ENV}={choice!r}: accepted values are {', '.join(QUANT_KERNELS)}")
@@ -388,6 +406,11 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
         _log_gemv_reasons(root, dtype)
         return 0
     eligible = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None]
+    on_mma = _choose(eligible, lambda m: m.mma_reason(m.packed_values().device, dtype), "the tensor-core kernel "
+                     "takes decode / verify passes of %d quantized layers", "quantized layers with %s do not take "
+                     "the tensor-core kernel")
+    taken = {id(m) for m in on_mma}
+    eligible = [m for m in eligible if id(m) not in taken]
     chosen = _choose(eligible, lambda m: m.builtin_int4_reason(dtype), "torch's int4 kernel (tinygemm) takes %d "
                      "quantized layers", "quantized layers with %s are not given torch's int4 kernel")
     for module in chosen:
@@ -398,8 +421,10 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
 
 def _log_gemv_reasons(root: nn.Module, dtype: torch.dtype) -> None:
     """Under VERISPEC_DEBUG=1: how many layers run decode / verify passes on the Gluon GEMV, and
-    why the others do not (once per reason). Layers tinygemm took are not counted."""
-    layers = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None]
+    why the others do not (once per reason). Layers tinygemm or the tensor-core kernel took are not
+    counted."""
+    layers = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None
+              and m.mma_reason(m.packed_values().device, dtype) is not None]
     _choose(layers, lambda m: m.gemv_reason(m.packed_values().device, dtype), "the Gluon GEMV takes decode / "
             "verify passes of %d quantized layers", "quantized layers with %s keep the Triton dequant-matmul "
             "kernel for decode passes")
