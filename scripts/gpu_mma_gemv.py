@@ -5,7 +5,10 @@ against the Gluon GEMV (quant_gemv.py) and torch's int4 kernel (tinygemm), as
 gpu_gemv_variants.py times them (a CUDA graph cycling through copies of each weight, so it is
 read from memory, not L2).
 
-  python3 scripts/gpu_mma_gemv.py [--out DIR] [--budget-s 300] [--tiles 2x2x4,1x2x4]
+  python3 scripts/gpu_mma_gemv.py [--out DIR] [--budget-s 300] [--tiles 1x2x4n,2x1x4] [--skip-check]
+
+A tile is ROWTILESxBLOCKSxWARPS, with a trailing n for activations loaded in the step that uses
+them rather than one step ahead (quant_mma.MmaTiles.prefetch_x=False).
 """
 from __future__ import annotations
 
@@ -65,8 +68,8 @@ def check_correctness() -> list[dict]:
 def parse_tiles(text: str) -> list[quant_mma.MmaTiles]:
     out = []
     for item in text.split(","):
-        rt, kb, w = (int(v) for v in item.split("x"))
-        out.append(quant_mma.MmaTiles(rt, kb, w))
+        rt, kb, w = (int(v) for v in item.rstrip("n").split("x"))
+        out.append(quant_mma.MmaTiles(rt, kb, w, prefetch_x=not item.endswith("n")))
     return out
 
 
@@ -88,7 +91,7 @@ def main() -> None:
             break
         layer = Copies(n, k, 4, args.group)
         x8 = torch.randn(max(MS), k, device="cuda", dtype=torch.bfloat16)
-        cands = [(f"mma r{t.row_tiles} b{t.blocks} w{t.num_warps}",
+        cands = [(f"mma r{t.row_tiles} b{t.blocks} w{t.num_warps}" + ("" if t.prefetch_x else " xn"),
                   lambda x, p, s, b, t=t: quant_mma.mma_gemv(x, p, s, b, 4, args.group, tiles=t))
                  for t in parse_tiles(args.tiles)]
         cands.append(("gemv", lambda x, p, s, b: qg.gemv(x, p, s, b, 4, args.group)))

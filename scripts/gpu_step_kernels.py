@@ -17,6 +17,7 @@ import time
 import torch
 
 GROUPS = (  # first match wins: (group, substrings of the kernel name)
+    ("quantized product (Gluon: mma, GEMV)", ("_mma_kernel", "_gemv_kernel")),
     ("4-bit product (tinygemm)", ("int4", "tinygemm")),
     ("quantized product (Triton)", ("dequant", "quant_matmul")),
     ("bf16 product (cuBLAS)", ("gemv", "gemm", "nvjet", "cutlass", "sm90_xmma", "splitkreduce")),

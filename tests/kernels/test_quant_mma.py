@@ -43,7 +43,7 @@ def test_matches_reference_and_rows_are_independent(dtype, zero_point, group):
     # the same weights dequantized in the dtype and multiplied by torch: the error to be expected
     w = dequantize_reference(packed, scales, offsets, 4, group, zero_point).to(dtype)
     baseline = float(((x @ w.T).double() - ref).norm() / ref.norm())
-    for tiles in (kernel.TILES, kernel.WIDE_TILES, kernel.LONG_TILES):
+    for tiles in (kernel.TILES, kernel.WIDE_TILES, kernel.LONG_TILES, kernel.HEAD_TILES):
         alone = kernel.mma_gemv(x[:1], packed, scales, offsets, 4, group, zero_point, tiles)
         for m in range(1, kernel.MAX_ROWS + 1):
             y = kernel.mma_gemv(x[:m], packed, scales, offsets, 4, group, zero_point, tiles)
@@ -75,7 +75,8 @@ def test_reasons():
 
 
 def test_tiles_by_shape():
-    assert kernel.tiles_for(151936, 4096) == kernel.WIDE_TILES
+    assert kernel.tiles_for(151936, 4096) == kernel.HEAD_TILES
+    assert kernel.tiles_for(24576, 4096) == kernel.WIDE_TILES
     assert kernel.tiles_for(4096, 12288) == kernel.LONG_TILES
     assert kernel.tiles_for(6144, 4096) == kernel.TILES
 

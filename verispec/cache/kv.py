@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.kernels import kv_write
+
 
 @dataclass(frozen=True)
 class LayerCacheSpec:
@@ -155,8 +157,11 @@ class KVCache:
         Indexing by a device tensor (not Python ints) keeps the step capturable in a CUDA graph;
         every sequence of the batch shares the positions of row 0."""
         rows = positions[0]
-        self.keys[layer].index_copy_(2, rows, k)
-        self.values[layer].index_copy_(2, rows, v)
+        if kv_write.available(k.device):  # one launch for both (kernels/kv_write.py)
+            kv_write.write_kv(k, v, self.keys[layer], self.values[layer], rows, row_dim=2, batch_dim=0, head_dim=1)
+        else:
+            self.keys[layer].index_copy_(2, rows, k)
+            self.values[layer].index_copy_(2, rows, v)
         self.pending = k.shape[2]
 
     def commit(self, num_rows: int) -> None:

@@ -58,17 +58,21 @@ class MmaTiles:
     row_tiles: int = 1
     blocks: int = 2
     num_warps: int = 4
+    prefetch_x: bool = True  # the activations too are loaded a step ahead (more registers)
 
 
 # measured on the H200 over one Qwen3-8B step's layers (scripts/gpu_mma_gemv.py, docs/benchmarks.md):
 # wide layers (gate_up, lm_head) read best with 32-row programs, long ones (down) with 4 blocks
+HEAD_TILES = MmaTiles(row_tiles=2, blocks=1, prefetch_x=False)
 WIDE_TILES = MmaTiles(row_tiles=2, blocks=1)
-LONG_TILES = MmaTiles(row_tiles=1, blocks=4)
-TILES = MmaTiles(row_tiles=1, blocks=2)
+LONG_TILES = MmaTiles(row_tiles=1, blocks=4, prefetch_x=False)
+TILES = MmaTiles(row_tiles=1, blocks=2, prefetch_x=False)
 
 
 def tiles_for(n: int, k: int) -> MmaTiles:
     """The tiles for a weight [n, k]."""
+    if n >= 65536:  # vocabulary-sized
+        return HEAD_TILES
     return WIDE_TILES if n >= 16384 else LONG_TILES if k >= 8192 else TILES
 
 
@@ -169,9 +173,36 @@ if gluon is not None:
                                                  dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
 
     @gluon.jit
+    def _load_x(x_ptr, k0, x_k, K: gl.constexpr, EVEN_K: gl.constexpr):
+        # rows past M read row M-1 again (x_ptr is clamped): their columns of the product are never
+        # stored, and a mask would cost a zeroing instruction per register
+        if EVEN_K:
+            return gl.load(x_ptr + k0, mask=k0 < K)
+        else:
+            return gl.load(x_ptr + k0, mask=x_k + k0 < K, other=0.0)
+
+    @gluon.jit
+    def _load_step(w_ptr, s_ptr, o_ptr, x_ptr, k0, start, s_ok, x_k, K: gl.constexpr, GROUP: gl.constexpr,
+                   UNMASKED: gl.constexpr, EVEN_K: gl.constexpr):
+        """One step's operands at K offset k0: words, scales and offsets [WS, BN, KB, 4(, 4)],
+        activations [WS, 8, BK] (nothing is read at or past K or N, nor for rows past M)."""
+        if UNMASKED:
+            live = k0 < K
+            words = gl.load(w_ptr + k0 // 8, mask=live)
+            s = gl.load(s_ptr + k0 // GROUP, mask=live)
+            o = gl.load(o_ptr + k0 // GROUP, mask=live)
+        else:
+            ok = s_ok & (start + k0 < K)
+            words = gl.load(w_ptr + k0 // 8, mask=gl.expand_dims(ok, 4), other=0)
+            s = gl.load(s_ptr + k0 // GROUP, mask=ok, other=0.0)
+            o = gl.load(o_ptr + k0 // GROUP, mask=ok, other=0.0)
+        return words, s, o, _load_x(x_ptr, k0, x_k, K, EVEN_K)
+
+    @gluon.jit
     def _mma_kernel(X, WQ, S, O, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
                     K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, RT: gl.constexpr,
-                    KB: gl.constexpr, EVEN_N: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr):
+                    KB: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH_X: gl.constexpr, LW: gl.constexpr,
+                    LX: gl.constexpr):
         WS: gl.constexpr = gl.num_warps()  # warps, each its own share of K
         BN: gl.constexpr = 16 * RT
         BK: gl.constexpr = _BLOCK * KB  # per warp and iteration
@@ -206,26 +237,17 @@ if gluon is not None:
         mx = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
         kx = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
         x_k = gl.expand_dims(gl.expand_dims(xw, 1), 2) * BK + gl.expand_dims(gl.expand_dims(kx, 0), 1)
-        x_row = gl.expand_dims(gl.expand_dims(mx, 0), 2)
+        x_row = gl.expand_dims(gl.expand_dims(gl.minimum(mx, M - 1), 0), 2)
         x_ptr = X + x_row * stride_xm + x_k
 
         acc = gl.zeros([WS, BN, MT], gl.float32, layout=MMA)
-        if EVEN_N and EVEN_K:
-            words = gl.load(w_ptr)
-        else:
-            words = gl.load(w_ptr, mask=gl.expand_dims(s_ok, 4), other=0)
+        # software pipeline: every load of the next step (words, scales, offsets, activations) is
+        # issued before this step's are used, so no step waits a full memory round trip
+        words, s, o, xv = _load_step(w_ptr, S + s_off, O + s_off, x_ptr, 0, start, s_ok, x_k, K, GROUP,
+                                     EVEN_N and EVEN_K, EVEN_K)
         for k0 in range(0, K, STEP):
-            # the next step's words are requested before this one's are decoded
-            if EVEN_N and EVEN_K:
-                nxt = gl.load(w_ptr + (k0 + STEP) // 8, mask=k0 + STEP < K)
-                s = gl.load(S + s_off + k0 // GROUP)
-                o = gl.load(O + s_off + k0 // GROUP)
-            else:
-                nxt = gl.load(w_ptr + (k0 + STEP) // 8, mask=gl.expand_dims(s_ok & (start + (k0 + STEP) < K), 4),
-                              other=0)
-                ok = s_ok & (start + k0 < K)
-                s = gl.load(S + s_off + k0 // GROUP, mask=ok, other=0.0)
-                o = gl.load(O + s_off + k0 // GROUP, mask=ok, other=0.0)
+            words_n, s_n, o_n, xv_n = _load_step(w_ptr, S + s_off, O + s_off, x_ptr, k0 + STEP, start, s_ok, x_k, K,
+                                                 GROUP, EVEN_N and EVEN_K, EVEN_K)
             if ZERO_POINT:
                 o = (o.to(gl.float32) + (1024.0 if HALF else 128.0)).to(O.dtype.element_ty)  # exact: z < 16
             v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, gl.expand_dims(_pair(s), 4),
@@ -234,15 +256,13 @@ if gluon is not None:
             a = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
             a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 7, 6, 3, 5)), [WS, BN, BK])
             a = gl.convert_layout(a, LA, assert_trivial=True)
-            if EVEN_K:
-                xv = gl.load(x_ptr + k0, mask=x_row < M, other=0.0)
-            else:
-                xv = gl.load(x_ptr + k0, mask=(x_row < M) & (x_k + k0 < K), other=0.0)
+            if not PREFETCH_X:
+                xv = _load_x(x_ptr, k0, x_k, K, EVEN_K)
             # [WS, 8, KB, t, c, p, i1, i0] (physical order) -> [WS, KB, c, i1, i0, t, p, 8] -> [WS, BK, 8]
-            xv = gl.permute(gl.reshape(xv, [WS, MT, KB, 4, 4, 2, 2, 2]), (0, 2, 4, 6, 7, 3, 5, 1))
-            xv = gl.convert_layout(gl.reshape(xv, [WS, BK, MT]), LB, assert_trivial=True)
-            acc = mma_v2(a, xv, acc)
-            words = nxt
+            b = gl.permute(gl.reshape(xv, [WS, MT, KB, 4, 4, 2, 2, 2]), (0, 2, 4, 6, 7, 3, 5, 1))
+            b = gl.convert_layout(gl.reshape(b, [WS, BK, MT]), LB, assert_trivial=True)
+            acc = mma_v2(a, b, acc)
+            words, s, o, xv = words_n, s_n, o_n, xv_n
         y = gl.sum(acc, axis=0)  # [BN, MT]: the warps' shares, added in a fixed order
         ry = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
         my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
@@ -278,6 +298,6 @@ def mma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offset
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _mma_kernel[(triton.cdiv(n, bn),)](
         x, packed, scales, offsets, y, m, n, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        K=k, GROUP=group_size, ZERO_POINT=zero_point, RT=tiles.row_tiles, KB=blocks, EVEN_N=n % bn == 0,
+        K=k, GROUP=group_size, ZERO_POINT=zero_point, RT=tiles.row_tiles, KB=blocks, EVEN_N=n % bn == 0, PREFETCH_X=tiles.prefetch_x,
         LW=words_layout, LX=acts_layout, num_warps=tiles.num_warps)
     return y
