@@ -36,7 +36,11 @@ class GraphedCall:
                 fn(*self.inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: only this thread's unsafe calls can spoil the capture. In the default
+        # ("global") mode a sync or cudaMalloc from any other thread invalidates it - e.g. another
+        # engine's worker finishing its last step while this one captures (a long
+        # scripts/gpu_spec_identity.py run failed so, cudaErrorStreamCaptureInvalidated)
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def pool(self):
