@@ -8,7 +8,8 @@ read from memory, not L2).
   python3 scripts/gpu_mma_gemv.py [--out DIR] [--budget-s 300] [--tiles 1x2x4n,2x1x4] [--skip-check]
 
 A tile is ROWTILESxBLOCKSxWARPS, with a trailing n for activations loaded in the step that uses
-them rather than one step ahead (quant_mma.MmaTiles.prefetch_x=False).
+them rather than one step ahead (quant_mma.MmaTiles.prefetch_x=False), then + for programmatic
+dependent launch (quant_mma.PDL, off by default).
 """
 from __future__ import annotations
 
@@ -65,12 +66,26 @@ def check_correctness() -> list[dict]:
     return rows
 
 
-def parse_tiles(text: str) -> list[quant_mma.MmaTiles]:
+def parse_tiles(text: str) -> list[tuple[quant_mma.MmaTiles, bool]]:
+    """(tiles, programmatic dependent launch) per item: ROWTILESxBLOCKSxWARPS, then n (activations
+    in-step), then + (programmatic dependent launch, off by default: quant_mma.PDL)."""
     out = []
     for item in text.split(","):
+        pdl = item.endswith("+")
+        item = item.rstrip("+")
         rt, kb, w = (int(v) for v in item.rstrip("n").split("x"))
-        out.append(quant_mma.MmaTiles(rt, kb, w, prefetch_x=not item.endswith("n")))
+        out.append((quant_mma.MmaTiles(rt, kb, w, prefetch_x=not item.endswith("n")), pdl))
     return out
+
+
+def mma_call(tiles: quant_mma.MmaTiles, pdl: bool, group: int):
+    def call(x, p, s, b):
+        previous, quant_mma.PDL = quant_mma.PDL, pdl  # read at launch (and so at capture)
+        try:
+            return quant_mma.mma_gemv(x, p, s, b, 4, group, tiles=tiles)
+        finally:
+            quant_mma.PDL = previous
+    return call
 
 
 def main() -> None:
@@ -91,9 +106,8 @@ def main() -> None:
             break
         layer = Copies(n, k, 4, args.group)
         x8 = torch.randn(max(MS), k, device="cuda", dtype=torch.bfloat16)
-        cands = [(f"mma r{t.row_tiles} b{t.blocks} w{t.num_warps}" + ("" if t.prefetch_x else " xn"),
-                  lambda x, p, s, b, t=t: quant_mma.mma_gemv(x, p, s, b, 4, args.group, tiles=t))
-                 for t in parse_tiles(args.tiles)]
+        cands = [(f"mma r{t.row_tiles} b{t.blocks} w{t.num_warps}" + ("" if t.prefetch_x else " xn")
+                  + (" pdl" if pdl else ""), mma_call(t, pdl, args.group)) for t, pdl in parse_tiles(args.tiles)]
         cands.append(("gemv", lambda x, p, s, b: qg.gemv(x, p, s, b, 4, args.group)))
         cands.append(("tinygemm", None))
         for label, fn in cands:

@@ -99,10 +99,17 @@ if gluon is not None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
+    def _wait_for_previous_grid():
+        # programmatic dependent launch (quant_mma.PDL): this kernel may start while the previous
+        # one finishes; it reads nothing that kernel writes, and writes nothing, before this line
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _gemv_kernel(X, WQ, S, O, Y, IDX, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_we, stride_se,
                      K: gl.constexpr, BITS: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr,
                      MB: gl.constexpr, R: gl.constexpr, TR: gl.constexpr, CHUNK: gl.constexpr,
-                     EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, EXPERTS: gl.constexpr, ROWS_PER_X: gl.constexpr):
+                     EVEN_N: gl.constexpr, EVEN_K: gl.constexpr, EXPERTS: gl.constexpr, ROWS_PER_X: gl.constexpr,
+                     GRID_WAIT: gl.constexpr):
         # EXPERTS: program (n tile, pair p) multiplies expert IDX[p]'s matrix (WQ/S/O [E, N, ...]) by
         # x row p // ROWS_PER_X into y row p (MB = 1; M counts pairs)
         TC: gl.constexpr = 32 // TR
@@ -122,6 +129,8 @@ if gluon is not None:
         MASK: gl.constexpr = (1 << BITS) - 1
         pid_n = gl.program_id(0)
         if EXPERTS:
+            if GRID_WAIT:
+                _wait_for_previous_grid()  # the expert ids are the previous kernels' output
             pair = gl.program_id(1)
             expert = gl.load(IDX + pair).to(gl.int64)
             WQ = WQ + expert * stride_we
@@ -160,6 +169,8 @@ if gluon is not None:
             words = gl.load(w_ptr)
         else:
             words = gl.load(w_ptr, mask=w_mask, other=0)
+        if GRID_WAIT and not EXPERTS:
+            _wait_for_previous_grid()  # only the first words (immutable weights) were read above
         for w0 in range(0, WORDS, STEP):
             # the next tile's words are requested before this one is used, so a load is always in flight
             if EVEN_N and EVEN_K:
@@ -204,6 +215,17 @@ if gluon is not None:
         gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 1) < M) & (gl.expand_dims(ny, 0) < N))
 
 
+# Programmatic dependent launch on sm_90+: the first words load while the previous kernel
+# finishes. Off, as quant_mma.PDL (which says why).
+PDL = False
+
+
+@functools.cache
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch where the GPU has it (griddepcontrol: sm_90+)."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 @functools.cache
 def _launch_shape(bits: int, group_size: int, n: int, k: int, tiles: GemvTiles) -> tuple[int, int, bool, bool]:
     """(rows per program BN, chunk words, N divides, K divides) for a weight [n, k]."""
@@ -240,7 +262,8 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: t
     _gemv_kernel[grid](x, packed, scales, offsets, y, y, m, n, x.stride(0), packed.stride(0), scales.stride(0),
                        y.stride(0), 0, 0, K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=mb,
                        R=tiles.r, TR=tiles.tr, CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=False,
-                       ROWS_PER_X=1, num_warps=tiles.num_warps, enable_fp_fusion=False)
+                       ROWS_PER_X=1, GRID_WAIT=PDL and _pdl(x.device), num_warps=tiles.num_warps,
+                       enable_fp_fusion=False, launch_pdl=PDL and _pdl(x.device))
     return y
 
 
@@ -266,5 +289,6 @@ def expert_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, off
                        packed.stride(1), scales.stride(1), y.stride(0), packed.stride(0), scales.stride(0),
                        K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=1, R=tiles.r, TR=tiles.tr,
                        CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=True, ROWS_PER_X=rows_per_x,
-                       num_warps=tiles.num_warps, enable_fp_fusion=False)
+                       GRID_WAIT=PDL and _pdl(x.device), num_warps=tiles.num_warps, enable_fp_fusion=False,
+                       launch_pdl=PDL and _pdl(x.device))
     return y
