@@ -99,9 +99,9 @@ if gluon is not None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _wait_for_previous_grid():
-        # programmatic dependent launch (quant_mma.PDL): this kernel may start while the previous
-        # one finishes; it reads nothing that kernel writes, and writes nothing, before this line
+    def wait_for_previous_grid():
+        # programmatic dependent launch (PDL): a kernel may start while the previous one finishes;
+        # it must read nothing that kernel writes, and write nothing, before this line
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -130,7 +130,7 @@ if gluon is not None:
         pid_n = gl.program_id(0)
         if EXPERTS:
             if GRID_WAIT:
-                _wait_for_previous_grid()  # the expert ids are the previous kernels' output
+                wait_for_previous_grid()  # the expert ids are the previous kernels' output
             pair = gl.program_id(1)
             expert = gl.load(IDX + pair).to(gl.int64)
             WQ = WQ + expert * stride_we
@@ -170,7 +170,7 @@ if gluon is not None:
         else:
             words = gl.load(w_ptr, mask=w_mask, other=0)
         if GRID_WAIT and not EXPERTS:
-            _wait_for_previous_grid()  # only the first words (immutable weights) were read above
+            wait_for_previous_grid()  # only the first words (immutable weights) were read above
         for w0 in range(0, WORDS, STEP):
             # the next tile's words are requested before this one is used, so a load is always in flight
             if EVEN_N and EVEN_K:

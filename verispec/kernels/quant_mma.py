@@ -42,6 +42,8 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from verispec.kernels.quant_gemv import wait_for_previous_grid
 except ImportError:  # CPU-only installs, or a Triton without Gluon
     triton = None
     gluon = None
@@ -122,6 +124,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, grou
     return None
 
 
+@functools.cache
 def _decode_asm(half: bool, zero_point: bool) -> str:
     """PTX for `_decode_word`: outputs $0..$7 (value j in $j), inputs $8 word, $9 scale pair,
     $10 offset pair (zero point: (magic + z) pair)."""
@@ -142,11 +145,6 @@ def _decode_asm(half: bool, zero_point: bool) -> str:
 if gluon is not None:
     _BLOCK = gl.constexpr(BLOCK)
     _MAX_ROWS = gl.constexpr(MAX_ROWS)
-    _CONSTRAINTS = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")
-    _ASM_BF16_AFFINE = gl.constexpr(_decode_asm(False, False))
-    _ASM_BF16_ZERO_POINT = gl.constexpr(_decode_asm(False, True))
-    _ASM_F16_AFFINE = gl.constexpr(_decode_asm(True, False))
-    _ASM_F16_ZERO_POINT = gl.constexpr(_decode_asm(True, True))
 
     @gluon.jit
     def _pair(v):
@@ -154,23 +152,11 @@ if gluon is not None:
         return gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [v], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _decode_word(word, scale2, offset2, ZERO_POINT: gl.constexpr, HALF: gl.constexpr):
-        """word: 8 values at bits 4j; scale2 / offset2: pairs -> the 8 weights (HALF: float16, else
-        bfloat16), value j in result j. ZERO_POINT: offset2 holds (magic + z) pairs."""
-        if HALF:
-            if ZERO_POINT:
-                return gl.inline_asm_elementwise(_ASM_F16_ZERO_POINT, _CONSTRAINTS, [word, scale2, offset2],
-                                                 dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-            else:
-                return gl.inline_asm_elementwise(_ASM_F16_AFFINE, _CONSTRAINTS, [word, scale2, offset2],
-                                                 dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        else:
-            if ZERO_POINT:
-                return gl.inline_asm_elementwise(_ASM_BF16_ZERO_POINT, _CONSTRAINTS, [word, scale2, offset2],
-                                                 dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-            else:
-                return gl.inline_asm_elementwise(_ASM_BF16_AFFINE, _CONSTRAINTS, [word, scale2, offset2],
-                                                 dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    def _decode_word(word, scale2, offset2, ASM: gl.constexpr, OUT: gl.constexpr):
+        """word: 8 values at bits 4j; scale2 / offset2: pairs -> the 8 weights in OUT (bfloat16 or
+        float16), value j in result j; ASM is `_decode_asm`'s program for the dtype and form."""
+        return gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [word, scale2, offset2],
+                                         dtype=(OUT.value,) * 8, is_pure=True, pack=1)
 
     @gluon.jit
     def _load_x(x_ptr, k0, x_k, K: gl.constexpr, EVEN_K: gl.constexpr):
@@ -199,16 +185,10 @@ if gluon is not None:
         return words, s, o
 
     @gluon.jit
-    def _wait_for_previous_grid():
-        # programmatic dependent launch: this kernel may start while the previous one finishes;
-        # everything before this line reads only the (immutable) weights
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _mma_kernel(X, WQ, S, O, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
                     K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, RT: gl.constexpr,
                     KB: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH_X: gl.constexpr, GRID_WAIT: gl.constexpr,
-                    LW: gl.constexpr, LX: gl.constexpr):
+                    DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr):
         WS: gl.constexpr = gl.num_warps()  # warps, each its own share of K
         BN: gl.constexpr = 16 * RT
         BK: gl.constexpr = _BLOCK * KB  # per warp and iteration
@@ -251,7 +231,7 @@ if gluon is not None:
         # issued before this step's are used, so no step waits a full memory round trip
         words, s, o = _load_weights(w_ptr, S + s_off, O + s_off, 0, start, s_ok, K, GROUP, EVEN_N and EVEN_K)
         if GRID_WAIT:
-            _wait_for_previous_grid()
+            wait_for_previous_grid()
         if PREFETCH_X:
             xv = _load_x(x_ptr, 0, x_k, K, EVEN_K)
         for k0 in range(0, K, STEP):
@@ -262,7 +242,8 @@ if gluon is not None:
             if ZERO_POINT:
                 o = (o.to(gl.float32) + (1024.0 if HALF else 128.0)).to(O.dtype.element_ty)  # exact: z < 16
             v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, gl.expand_dims(_pair(s), 4),
-                                                          gl.expand_dims(_pair(o), 4), ZERO_POINT, HALF)
+                                                          gl.expand_dims(_pair(o), 4), DECODE_ASM,
+                                                          X.dtype.element_ty)
             # [WS, BN, KB, t, c, p, i0, i1] (value 4p + i of word c, i = i0 + 2 i1) -> the mma's k order
             a = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
             a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 7, 6, 3, 5)), [WS, BN, BK])
@@ -321,6 +302,7 @@ def mma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offset
     _mma_kernel[(triton.cdiv(n, bn),)](
         x, packed, scales, offsets, y, m, n, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
         K=k, GROUP=group_size, ZERO_POINT=zero_point, RT=tiles.row_tiles, KB=blocks, EVEN_N=n % bn == 0,
-        PREFETCH_X=tiles.prefetch_x, GRID_WAIT=PDL, LW=words_layout, LX=acts_layout, num_warps=tiles.num_warps,
+        PREFETCH_X=tiles.prefetch_x, GRID_WAIT=PDL, DECODE_ASM=_decode_asm(x.dtype == torch.float16, zero_point),
+        LW=words_layout, LX=acts_layout, num_warps=tiles.num_warps,
         launch_pdl=PDL)
     return y
