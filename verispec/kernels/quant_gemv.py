@@ -70,14 +70,21 @@ def _step(bits: int, group_size: int, tiles: GemvTiles) -> int:
     return (32 // tiles.tr) * tiles.num_warps * _chunk(bits, group_size)
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int) -> str | None:
-    """Why a layer cannot take this kernel (None: it can)."""
+def platform_reason(device: torch.device) -> str | None:
+    """Why a Gluon kernel with NVIDIA inline assembly cannot run on `device` (None: it can)."""
     if gluon is None:
         return "this Triton has no Gluon"
     if device.type != "cuda":
         return f"device {device.type}"
     if torch.version.hip:
-        return "ROCm (the GEMV's inline assembly is NVIDIA PTX)"
+        return "ROCm (the kernel's inline assembly is NVIDIA PTX)"
+    return None
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int) -> str | None:
+    """Why a layer cannot take this kernel (None: it can)."""
+    if reason := platform_reason(device):
+        return reason
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"activations in {str(dtype).removeprefix('torch.')}"
     if bits not in SUPPORTED_BITS:

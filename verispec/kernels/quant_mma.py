@@ -37,17 +37,12 @@ import functools
 
 import torch
 
-try:
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+from verispec.kernels.quant_gemv import gl, gluon, platform_reason, triton  # gl/gluon/triton: None without Gluon
+
+if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from verispec.kernels.quant_gemv import wait_for_previous_grid
-except ImportError:  # CPU-only installs, or a Triton without Gluon
-    triton = None
-    gluon = None
-    gl = None
 
 MAX_ROWS = 8  # the mma's N side
 BLOCK = 128  # values per thread group of 4 lanes and row: 4 lanes x 4 words x 8 values
@@ -103,12 +98,8 @@ def _layouts(num_warps: int, row_tiles: int, blocks: int):
 def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
                        in_features: int) -> str | None:
     """Why a layer cannot take this kernel (None: it can)."""
-    if gluon is None:
-        return "this Triton has no Gluon"
-    if device.type != "cuda":
-        return f"device {device.type}"
-    if torch.version.hip:
-        return "ROCm (the kernel's inline assembly is NVIDIA PTX)"
+    if reason := platform_reason(device):
+        return reason
     if dtype not in (torch.bfloat16, torch.float16):
         return f"activations in {str(dtype).removeprefix('torch.')} (the mma takes bfloat16 and float16)"
     if bits != 4:
