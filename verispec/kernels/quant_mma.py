@@ -20,10 +20,13 @@ Operand layout. A thread of an mma owns, per 16x16 tile, values at k = 2t, 2t+1,
 lane % 4) of rows g and g+8 (g = lane / 4). The order of k inside the product is free as long as
 the weights and the activations follow the same one, so the kernel gives each thread whole words:
 thread t of a row reads 4 consecutive words (a 16-byte load, values 32t..32t+31 of a 128-value
-block), and the mma's k order is a permutation of the block (`_permute_block`) under which those
-values are exactly what the thread's fragments hold. The activations are loaded in the physical
-order (64 bytes per thread per row) and permuted the same way; `convert_layout(...,
-assert_trivial=True)` makes the compiler prove that neither operand moves between threads.
+block), and the mma's k order is a permutation of the block (the kernel's reshape / permute of
+[.., t, word, value] into [.., word, value bits, t, pair]) under which those values are exactly
+what the thread's fragments hold. The activations are loaded in the physical order (64 bytes per
+thread per row) and permuted the same way; `convert_layout(..., assert_trivial=True)` makes the
+compiler prove that neither operand moves between threads (`_layouts` gives the load layouts).
+The warps of a program split K (the mma's batch dimension) and are summed once, in a fixed order,
+at the end; the tiles are chosen by the weight's shape (`tiles_for`).
 
 Exactness: every output element is its own mma column, decoded the same way whatever M is, so a
 row's result does not depend on the other rows (speculative verify == plain decode, row by row).
