@@ -228,8 +228,8 @@ PDL = False
 
 
 @functools.cache
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch where the GPU has it (griddepcontrol: sm_90+)."""
+def is_sm90(device: torch.device) -> bool:
+    """The GPU is sm_90 or later (griddepcontrol, packed bfloat16 subtraction); asked once per device."""
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -269,8 +269,8 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: t
     _gemv_kernel[grid](x, packed, scales, offsets, y, y, m, n, x.stride(0), packed.stride(0), scales.stride(0),
                        y.stride(0), 0, 0, K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=mb,
                        R=tiles.r, TR=tiles.tr, CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=False,
-                       ROWS_PER_X=1, GRID_WAIT=PDL and _pdl(x.device), num_warps=tiles.num_warps,
-                       enable_fp_fusion=False, launch_pdl=PDL and _pdl(x.device))
+                       ROWS_PER_X=1, GRID_WAIT=PDL and is_sm90(x.device), num_warps=tiles.num_warps,
+                       enable_fp_fusion=False, launch_pdl=PDL and is_sm90(x.device))
     return y
 
 
@@ -296,6 +296,6 @@ def expert_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, off
                        packed.stride(1), scales.stride(1), y.stride(0), packed.stride(0), scales.stride(0),
                        K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=1, R=tiles.r, TR=tiles.tr,
                        CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=True, ROWS_PER_X=rows_per_x,
-                       GRID_WAIT=PDL and _pdl(x.device), num_warps=tiles.num_warps, enable_fp_fusion=False,
-                       launch_pdl=PDL and _pdl(x.device))
+                       GRID_WAIT=PDL and is_sm90(x.device), num_warps=tiles.num_warps, enable_fp_fusion=False,
+                       launch_pdl=PDL and is_sm90(x.device))
     return y

@@ -40,7 +40,8 @@ import functools
 
 import torch
 
-from verispec.kernels.quant_gemv import gl, gluon, platform_reason, triton  # gl/gluon/triton: None without Gluon
+# gl, gluon and triton are None without Gluon
+from verispec.kernels.quant_gemv import gl, gluon, is_sm90, platform_reason, triton
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -113,7 +114,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, grou
         return f"{in_features} input features (not a multiple of {BLOCK})"
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if torch.cuda.get_device_capability(device) < (9, 0):
+    if not is_sm90(device):
         return "a GPU before sm_90 (packed bfloat16 subtraction)"
     return None
 

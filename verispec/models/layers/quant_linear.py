@@ -151,19 +151,13 @@ class QuantizedLinear(nn.Module):
 
     def mma_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode / verify passes of this layer do not take the tensor-core kernel (None: they do)."""
-        if device.type != "cuda":
-            return f"device {device.type}"
-        if env().quant_kernel != "auto":
-            return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
-        return quant_mma.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features)
+        return (_mode_reason(device, ("auto",))
+                or quant_mma.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features))
 
     def gemv_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode / verify passes of this layer do not take the Gluon GEMV (None: they do)."""
-        if device.type != "cuda":
-            return f"device {device.type}"
-        if env().quant_kernel not in ("auto", "gemv"):
-            return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
-        return quant_gemv.unsupported_reason(device, dtype, self.bits, self.group_size)
+        return (_mode_reason(device, ("auto", "gemv"))
+                or quant_gemv.unsupported_reason(device, dtype, self.bits, self.group_size))
 
     def same_quantization(self, other: "QuantizedLinear") -> bool:
         return (type(self) is type(other) and self.bits == other.bits and self.group_size == other.group_size
@@ -386,6 +380,16 @@ class ConcatLinear(nn.Module):
 
 QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | builtin | gemv | triton
 QUANT_KERNELS = ("auto", "builtin", "gemv", "triton")
+
+
+def _mode_reason(device: torch.device, modes: tuple[str, ...]) -> str | None:
+    """Why a Gluon kernel is not used on `device` under the current VERISPEC_QUANT_KERNEL when it
+    runs only in `modes` (None: it may be)."""
+    if device.type != "cuda":
+        return f"device {device.type}"
+    if env().quant_kernel not in modes:
+        return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
+    return None
 
 
 def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
