@@ -9,7 +9,7 @@ read from memory, not L2).
 
 A tile is ROWTILESxBLOCKSxWARPS, with a trailing n for activations loaded in the step that uses
 them rather than one step ahead (quant_mma.MmaTiles.prefetch_x=False), then + for programmatic
-dependent launch (quant_mma.PDL, off by default).
+dependent launch (quant_gemv.PDL; without +, the tile is timed with it off).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def check_correctness() -> list[dict]:
 
 def parse_tiles(text: str) -> list[tuple[quant_mma.MmaTiles, bool]]:
     """(tiles, programmatic dependent launch) per item: ROWTILESxBLOCKSxWARPS, then n (activations
-    in-step), then + (programmatic dependent launch, off by default: quant_mma.PDL)."""
+    in-step), then + (programmatic dependent launch, quant_gemv.PDL)."""
     out = []
     for item in text.split(","):
         pdl = item.endswith("+")
@@ -80,11 +80,11 @@ def parse_tiles(text: str) -> list[tuple[quant_mma.MmaTiles, bool]]:
 
 def mma_call(tiles: quant_mma.MmaTiles, pdl: bool, group: int):
     def call(x, p, s, b):
-        previous, quant_mma.PDL = quant_mma.PDL, pdl  # read at launch (and so at capture)
+        previous, qg.PDL = qg.PDL, pdl  # read at launch (and so at capture)
         try:
             return quant_mma.mma_gemv(x, p, s, b, 4, group, tiles=tiles)
         finally:
-            quant_mma.PDL = previous
+            qg.PDL = previous
     return call
 
 
@@ -129,6 +129,7 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 step.pop(label, None)
             print(json.dumps(row), flush=True)
+            results.setdefault("layers", []).append(row)
         layer.free()
     print(f"## 4-bit, group {args.group}: one Qwen3-8B step's linears (us, count-weighted sums)")
     for label, ms in sorted(step.items(), key=lambda kv: kv[1].get(1, 1e18)):

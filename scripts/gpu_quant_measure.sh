@@ -4,8 +4,9 @@
 # run) under $OUT. STAGES picks what runs (default "qwen large"):
 #   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (the tensor-core kernel for decode/verify, the
 #           default), 4-bit on tinygemm (VERISPEC_QUANT_KERNEL=builtin) and on the Gluon GEMV
-#           (VERISPEC_QUANT_KERNEL=gemv), each plain and with EAGLE3
-#           (verify_decode_ratio: the cost of a 4-token verify pass)
+#           (VERISPEC_QUANT_KERNEL=gemv), and 4-bit without programmatic dependent launch
+#           (VERISPEC_PDL=0), each plain and with EAGLE3 (verify_decode_ratio: the cost of a
+#           4-token verify pass); QWEN_ROWS picks rows by name (default all)
 #   large - Gemma 4 26B-A4B (MoE: quantized experts), Gemma 4 31B dense and Qwen3.6-27B hybrid:
 #           bf16 against 8-bit and 4-bit, plain decode
 set -uo pipefail
@@ -13,8 +14,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"qwen large"}
 LARGE=${LARGE:-"gemma4-26b-a4b gemma4-31b qwen3.6-27b"}  # the large stage's shapes
 QUANTS=${QUANTS:-"none mlx-8bit mlx-4bit"}  # and their weights
+QWEN_ROWS=${QWEN_ROWS:-"bf16 mlx-8bit mlx-4bit mlx-4bit-nopdl mlx-4bit-tinygemm mlx-4bit-gemv"}
 run() {  # run NAME [env assignments...] -- bench args...
     local name=$1; shift
+    if [[ $name == qwen3-8b-* && " $QWEN_ROWS " != *" ${name#qwen3-8b-} "* ]]; then return; fi
     local envs=()
     while [ "$1" != "--" ]; do envs+=("$1"); shift; done
     shift
@@ -27,6 +30,7 @@ if [[ " $STAGES " == *" qwen "* ]]; then
     run qwen3-8b-bf16 -- "${spec[@]}"
     run qwen3-8b-mlx-8bit -- "${spec[@]}" --quant mlx-8bit
     run qwen3-8b-mlx-4bit -- "${spec[@]}" --quant mlx-4bit
+    run qwen3-8b-mlx-4bit-nopdl VERISPEC_PDL=0 -- "${spec[@]}" --quant mlx-4bit
     run qwen3-8b-mlx-4bit-tinygemm VERISPEC_QUANT_KERNEL=builtin -- "${spec[@]}" --quant mlx-4bit
     run qwen3-8b-mlx-4bit-gemv VERISPEC_QUANT_KERNEL=gemv -- "${spec[@]}" --quant mlx-4bit
 fi

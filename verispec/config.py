@@ -33,6 +33,7 @@ class EnvSettings:
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
     quant_kernel: str = "auto"  # VERISPEC_QUANT_KERNEL: auto | builtin | gemv | triton (quant_linear.convert_for_builtin_int4)
     quant_tiles: str | None = None  # VERISPEC_QUANT_TILES: JSON TileConfig fields (kernels/quant_matmul.py)
+    pdl: bool = True  # VERISPEC_PDL=0: quantized kernels launch without programmatic dependent launch
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -49,6 +50,7 @@ class EnvSettings:
             use_fla=os.environ.get("VERISPEC_FLA", "1").strip().lower() not in ("0", "false", "no", "off"),
             quant_kernel=env.get("VERISPEC_QUANT_KERNEL", "auto").strip() or "auto",
             quant_tiles=env.get("VERISPEC_QUANT_TILES") or None,
+            pdl=env.get("VERISPEC_PDL", "1").strip().lower() not in ("0", "false", "no", "off"),
         )
 
 

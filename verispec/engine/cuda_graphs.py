@@ -16,8 +16,36 @@ from __future__ import annotations
 
 import torch
 
+from verispec import log
 from verispec.cache.kv import KVCache
+from verispec.kernels import quant_gemv
 from verispec.models.base import CausalLM
+
+
+def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: only this thread's unsafe calls can spoil the capture. In the default
+    # ("global") mode a sync or cudaMalloc from any other thread invalidates it - e.g. another
+    # engine's worker finishing its last step while this one captures (a long
+    # scripts/gpu_spec_identity.py run failed so, cudaErrorStreamCaptureInvalidated)
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = fn(*inputs)
+    return graph, outputs
+
+
+def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    """`fn(*inputs)` captured as a CUDA graph -> (graph, its outputs). A capture that fails while
+    the quantized kernels launch with programmatic dependent launch is made again without it (a
+    failure seen once, not reproduced since: docs/gpu.md), and says so; any other failure raises."""
+    try:
+        return _capture_once(fn, inputs, pool)
+    except RuntimeError as exc:
+        if not quant_gemv.PDL:
+            raise
+        log.warning("CUDA graph capture failed (%s); capturing again without programmatic dependent launch",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    with quant_gemv.launches_without_pdl():
+        return _capture_once(fn, inputs, pool)
 
 
 class GraphedCall:
@@ -35,13 +63,7 @@ class GraphedCall:
             for _ in range(2):  # warm-up runs compile/autotune kernels outside the capture
                 fn(*self.inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: only this thread's unsafe calls can spoil the capture. In the default
-        # ("global") mode a sync or cudaMalloc from any other thread invalidates it - e.g. another
-        # engine's worker finishing its last step while this one captures (a long
-        # scripts/gpu_spec_identity.py run failed so, cudaErrorStreamCaptureInvalidated)
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.outputs = fn(*self.inputs)
+        self.graph, self.outputs = capture(fn, self.inputs, pool)
 
     def pool(self):
         return self.graph.pool()

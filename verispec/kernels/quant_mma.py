@@ -41,6 +41,7 @@ import functools
 import torch
 
 # gl, gluon and triton are None without Gluon
+from verispec.kernels import quant_gemv
 from verispec.kernels.quant_gemv import gl, gluon, is_sm90, platform_reason, triton
 
 if gluon is not None:
@@ -259,13 +260,6 @@ if gluon is not None:
         gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
 
 
-# Programmatic dependent launch (sm_90): the kernel is queued to start while the previous kernel
-# on the stream finishes, loads its first weights, then waits for that kernel's results. Off: on
-# the H200 it took Qwen3-8B 4-bit decode from 326.5-331.7 to 352.6-359.1 tok/s, but a run of
-# scripts/gpu_spec_identity.py that captures graphs for several engines in one process then
-# failed a capture (cudaErrorStreamCaptureInvalidated; the same run without it passed, 16/16
-# identical), so it stays off until that is understood (docs/gpu.md).
-PDL = False
 
 
 def _blocks(k: int, tiles: MmaTiles) -> int:
@@ -294,10 +288,11 @@ def mma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offset
     words_layout, acts_layout = _layouts(tiles.num_warps, tiles.row_tiles, blocks)
     bn = 16 * tiles.row_tiles
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = quant_gemv.PDL  # programmatic dependent launch (quant_gemv.PDL says what it is)
     _mma_kernel[(triton.cdiv(n, bn),)](
         x, packed, scales, offsets, y, m, n, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
         K=k, GROUP=group_size, ZERO_POINT=zero_point, RT=tiles.row_tiles, KB=blocks, EVEN_N=n % bn == 0,
-        PREFETCH_X=tiles.prefetch_x, GRID_WAIT=PDL, DECODE_ASM=_decode_asm(x.dtype == torch.float16, zero_point),
+        PREFETCH_X=tiles.prefetch_x, GRID_WAIT=pdl, DECODE_ASM=_decode_asm(x.dtype == torch.float16, zero_point),
         LW=words_layout, LX=acts_layout, num_warps=tiles.num_warps,
-        launch_pdl=PDL)
+        launch_pdl=pdl)
     return y

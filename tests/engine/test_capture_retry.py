@@ -1,0 +1,53 @@
+"""A CUDA graph capture that fails while the quantized kernels use programmatic dependent launch
+is made once more without it (and says so); other failures are not hidden."""
+from __future__ import annotations
+
+import pytest
+
+from verispec.engine import cuda_graphs
+from verispec.kernels import quant_gemv
+
+
+def test_a_failed_capture_is_made_again_without_pdl(monkeypatch):
+    seen, warnings = [], []
+
+    def capture_once(fn, inputs, pool):
+        seen.append(quant_gemv.PDL)
+        if len(seen) == 1:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        return "graph", fn(*inputs)
+
+    monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
+    monkeypatch.setattr(quant_gemv, "PDL", True)
+    monkeypatch.setattr(cuda_graphs.log, "warning", lambda msg, *args: warnings.append(msg % args))
+    graph, out = cuda_graphs.capture(lambda a: (a + 1,), [1])
+    assert (graph, out) == ("graph", (2,))
+    assert seen == [True, False]
+    assert quant_gemv.PDL is True  # restored after the capture
+    assert len(warnings) == 1 and "without programmatic dependent launch" in warnings[0]
+    assert "previous error during capture" in warnings[0]
+
+
+def test_without_pdl_a_failed_capture_raises(monkeypatch):
+    calls = []
+
+    def capture_once(fn, inputs, pool):
+        calls.append(1)
+        raise RuntimeError("CUDA error: capture invalidated")
+
+    monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
+    monkeypatch.setattr(quant_gemv, "PDL", False)
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        cuda_graphs.capture(lambda a: (a,), [1])
+    assert calls == [1]
+
+
+def test_a_second_failure_raises(monkeypatch):
+    def capture_once(fn, inputs, pool):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
+    monkeypatch.setattr(quant_gemv, "PDL", True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cuda_graphs.capture(lambda a: (a,), [1])
+    assert quant_gemv.PDL is True
