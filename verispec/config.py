@@ -34,6 +34,7 @@ class EnvSettings:
     quant_kernel: str = "auto"  # VERISPEC_QUANT_KERNEL: auto | builtin | gemv | triton (quant_linear.convert_for_builtin_int4)
     quant_tiles: str | None = None  # VERISPEC_QUANT_TILES: JSON TileConfig fields (kernels/quant_matmul.py)
     pdl: bool = True  # VERISPEC_PDL=0: quantized kernels launch without programmatic dependent launch
+    gate_in_product: bool = False  # VERISPEC_GATE_IN_PRODUCT=1: SiLU(gate) * up in the 4-bit gate/up kernel (experimental)
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -51,6 +52,7 @@ class EnvSettings:
             quant_kernel=env.get("VERISPEC_QUANT_KERNEL", "auto").strip() or "auto",
             quant_tiles=env.get("VERISPEC_QUANT_TILES") or None,
             pdl=env.get("VERISPEC_PDL", "1").strip().lower() not in ("0", "false", "no", "off"),
+            gate_in_product=_env_flag("VERISPEC_GATE_IN_PRODUCT"),
         )
 
 

@@ -63,6 +63,29 @@ def test_other_rows_do_not_change_a_row():
     assert torch.equal(kernel.mma_gemv(x2, packed, scales, offsets, 4, 64)[0], y[0])
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_silu_gate_epilogue_matches_the_unfused_activation(dtype, zero_point):
+    """Rows in chunks of GATE_CHUNK gate rows then their up rows: the kernel's SiLU(gate) * up
+    equals the plain product's chunks taken apart and activated (within a rounding of the
+    activation), and a row's result still does not depend on the pass's width."""
+    chunk, half, k = kernel.GATE_CHUNK, 96, 1024
+    packed, scales, offsets = operands(2 * half, k, 64, zero_point, dtype, 11)
+    x = torch.randn(kernel.MAX_ROWS, k, generator=torch.Generator().manual_seed(5)).to(cuda, dtype)
+    alone = kernel.mma_gemv(x[:1], packed, scales, offsets, 4, 64, zero_point, silu_gate=True)
+    for m in range(1, kernel.MAX_ROWS + 1):
+        y = kernel.mma_gemv(x[:m], packed, scales, offsets, 4, 64, zero_point, silu_gate=True)
+        plain = kernel.mma_gemv(x[:m], packed, scales, offsets, 4, 64, zero_point).view(m, half // chunk, 2, chunk)
+        gate, up = plain[:, :, 0].reshape(m, half), plain[:, :, 1].reshape(m, half)
+        expected = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+        assert y.shape == (m, half) and y.dtype == dtype
+        torch.testing.assert_close(y, expected, rtol=2 ** -7, atol=1e-5)
+        assert torch.equal(y[0], alone[0]), m
+    with pytest.raises(ValueError, match="gate/up rows"):
+        kernel.mma_gemv(x[:1], packed[:40], scales[:40], offsets[:40], 4, 64, zero_point, silu_gate=True)
+
+
 def test_reasons():
     cpu = torch.device("cpu")
     assert "cpu" in kernel.unsupported_reason(cpu, torch.bfloat16, 4, 64, 4096) or kernel.gluon is None

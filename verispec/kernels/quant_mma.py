@@ -50,6 +50,7 @@ if gluon is not None:
     from verispec.kernels.quant_gemv import wait_for_previous_grid
 
 MAX_ROWS = 8  # the mma's N side
+GATE_CHUNK = 16  # gate rows (then as many up rows) a program of a SiLU-gated product holds: one mma tile
 BLOCK = 128  # values per thread group of 4 lanes and row: 4 lanes x 4 words x 8 values
 
 
@@ -184,7 +185,7 @@ if gluon is not None:
     def _mma_kernel(X, WQ, S, O, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
                     K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, RT: gl.constexpr,
                     KB: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH_X: gl.constexpr, GRID_WAIT: gl.constexpr,
-                    DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr):
+                    DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, SILU_GATE: gl.constexpr):
         WS: gl.constexpr = gl.num_warps()  # warps, each its own share of K
         BN: gl.constexpr = 16 * RT
         BK: gl.constexpr = _BLOCK * KB  # per warp and iteration
@@ -254,10 +255,22 @@ if gluon is not None:
             if PREFETCH_X:
                 xv = xv_n
         y = gl.sum(acc, axis=0)  # [BN, MT]: the warps' shares, added in a fixed order
-        ry = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-        my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
-        y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
-        gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
+        if SILU_GATE:
+            # rows 0-15 are 16 gate rows, 16-31 the matching up rows (QuantizedLinear.interleave_gate_up):
+            # SiLU(gate) * up, each rounded to the output dtype first as the unfused path stores them
+            gate, up = gl.split(gl.permute(gl.reshape(y, [2, 16, MT]), (1, 2, 0)))
+            gate = gate.to(Y.dtype.element_ty).to(gl.float32)
+            up = up.to(Y.dtype.element_ty).to(gl.float32)
+            out = gate / (1.0 + gl.exp(-gate)) * up  # [16, MT]
+            ry = pid * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, out.type.layout))
+            my = gl.arange(0, MT, layout=gl.SliceLayout(0, out.type.layout))
+            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
+            gl.store(y_ptr, out.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
+        else:
+            ry = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
+            my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
+            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
+            gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
 
 
 
@@ -271,28 +284,33 @@ def _blocks(k: int, tiles: MmaTiles) -> int:
 
 
 def mma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
-             group_size: int, zero_point: bool = False, tiles: MmaTiles | None = None) -> torch.Tensor:
+             group_size: int, zero_point: bool = False, tiles: MmaTiles | None = None,
+             silu_gate: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, bfloat16 / float16); packed [N, K/8] int32; scales, offsets [N,
     K/group_size] in x's dtype (offsets: unsigned zero points when `zero_point`) -> y [M, N] in
-    x's dtype, accumulated in float32."""
+    x's dtype, accumulated in float32. With `silu_gate` the rows are GATE_CHUNK gate rows, then
+    the matching GATE_CHUNK up rows, and so on, and y [M, N/2] is SiLU(gate) * up."""
     m, k = x.shape
     n = packed.shape[0]
     reason = unsupported_reason(x.device, x.dtype, bits, group_size, k)
+    if not reason and silu_gate and n % (2 * GATE_CHUNK):
+        reason = f"{n} gate/up rows (SiLU in the epilogue takes multiples of {2 * GATE_CHUNK})"
     if reason or m > MAX_ROWS:
         raise ValueError(f"quant_mma.mma_gemv: {reason or f'{m} rows (at most {MAX_ROWS})'}")
     packed = packed.view(torch.int32) if packed.dtype != torch.int32 else packed
     x, packed = x.contiguous(), packed.contiguous()
     scales, offsets = scales.to(x.dtype).contiguous(), offsets.to(x.dtype).contiguous()
     tiles = tiles or tiles_for(n, k)
+    if silu_gate:  # a program's 32 rows: 16 gate rows and their 16 up rows
+        tiles = dataclasses.replace(tiles, row_tiles=2)
     blocks = _blocks(k, tiles)
     words_layout, acts_layout = _layouts(tiles.num_warps, tiles.row_tiles, blocks)
     bn = 16 * tiles.row_tiles
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n // 2 if silu_gate else n, dtype=x.dtype, device=x.device)
     pdl = quant_gemv.PDL  # programmatic dependent launch (quant_gemv.PDL says what it is)
     _mma_kernel[(triton.cdiv(n, bn),)](
         x, packed, scales, offsets, y, m, n, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
         K=k, GROUP=group_size, ZERO_POINT=zero_point, RT=tiles.row_tiles, KB=blocks, EVEN_N=n % bn == 0,
         PREFETCH_X=tiles.prefetch_x, GRID_WAIT=pdl, DECODE_ASM=_decode_asm(x.dtype == torch.float16, zero_point),
-        LW=words_layout, LX=acts_layout, num_warps=tiles.num_warps,
-        launch_pdl=pdl)
+        LW=words_layout, LX=acts_layout, SILU_GATE=silu_gate, num_warps=tiles.num_warps, launch_pdl=pdl)
     return y

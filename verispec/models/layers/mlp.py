@@ -32,6 +32,7 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
         self.gated = lambda gate, up: self.act(gate) * up
         self.gate_up_proj: nn.Linear | None = None  # set by merge_projections()
+        self.gated_product = False  # the merged quantized gate/up applies the activation itself
 
     def merge_projections(self) -> None:
         """gate_proj and up_proj as one GEMM (the separate weights are released)."""
@@ -43,7 +44,24 @@ class GatedMLP(nn.Module):
         if self.act is F.silu:
             self.gated = compiled(silu_mul)
 
+    def gate_in_product_reason(self, dtype: torch.dtype) -> str | None:
+        """Why SiLU(gate) * up cannot run in the merged gate/up product's kernel (None: it can)."""
+        layer = self.gate_up_proj
+        if self.act is not F.silu:
+            return "an activation other than SiLU"
+        if layer is None or not hasattr(layer, "silu_gate_reason"):
+            return "no merged quantized gate/up projection"
+        return layer.silu_gate_reason(layer.packed_values().device, dtype)
+
+    def gate_in_product(self) -> None:
+        """The merged gate/up's rows are interleaved for the tensor-core kernel, which then writes
+        SiLU(gate) * up itself (quant_linear.gate_in_products decides)."""
+        self.gate_up_proj.interleave_gate_up()
+        self.gated_product = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, H]
+        if self.gated_product:
+            return self.down_proj(self.gate_up_proj.silu_gated(x))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:

@@ -57,6 +57,7 @@ class QuantizedLinear(nn.Module):
     group_size: int
     zero_point: bool = False
     checkpoint_buffers: tuple[str, ...] = ()  # integer tensors the loader copies in like parameters
+    gate_chunk: int = 0  # > 0: a merged [gate; up] layer's rows interleaved in chunks (interleave_gate_up)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -139,6 +140,54 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def silu_gate_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this merged [gate; up] layer's decode / verify passes cannot apply SiLU(gate) * up
+        in the tensor-core kernel's epilogue (None: they can, once interleave_gate_up ran)."""
+        if reason := self.mma_reason(device, dtype):
+            return reason
+        if self.bias is not None:
+            return "a bias (added before the activation)"
+        if self.int4_packed is not None:
+            return "a tinygemm copy of the weight"
+        if self.out_features % (2 * quant_mma.GATE_CHUNK):
+            return f"{self.out_features // 2} intermediate features (not a multiple of {quant_mma.GATE_CHUNK})"
+        return None
+
+    def interleave_gate_up(self) -> None:
+        """Reorders the rows of a merged [gate (I rows); up (I rows)] layer into GATE_CHUNK gate
+        rows, the same GATE_CHUNK up rows, and so on: one program of the tensor-core kernel then
+        holds both halves of its outputs and writes SiLU(gate) * up (`silu_gated`)."""
+        if self.gate_chunk:
+            raise RuntimeError("interleave_gate_up: the rows are interleaved already")
+        chunk, half = quant_mma.GATE_CHUNK, self.out_features // 2
+        order = torch.arange(self.out_features).view(2, half // chunk, chunk).transpose(0, 1).reshape(-1)
+        self.reorder_rows(order)
+        self.gate_chunk = chunk
+
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        """Output row i becomes what row order[i] was (words, scales, offsets and bias alike)."""
+        for name in self.row_tensor_names() + (("bias",) if self.bias is not None else ()):
+            old = getattr(self, name)
+            new = old[order.to(old.device)].contiguous()
+            setattr(self, name, nn.Parameter(new, requires_grad=False) if isinstance(old, nn.Parameter) else new)
+
+    def row_tensor_names(self) -> tuple[str, ...]:
+        """The [N, ...] tensors that follow the output rows."""
+        return self.checkpoint_tensor_names()
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> SiLU(gate) * up [..., N/2]
+        """After interleave_gate_up: decode / verify passes in the tensor-core kernel with the
+        activation in its epilogue; other passes multiply, then take the chunks apart."""
+        rows = x.numel() // self.in_features
+        half = self.out_features // 2
+        if rows <= quant_mma.MAX_ROWS and self._takes(self.silu_gate_reason, x):
+            y = quant_mma.mma_gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
+                                   self.group_offsets(), self.bits, self.group_size, self.zero_point, silu_gate=True)
+            return y.view(*x.shape[:-1], half)
+        y = self(x).view(*x.shape[:-1], half // self.gate_chunk, 2, self.gate_chunk)
+        gate, up = y[..., 0, :].reshape(*x.shape[:-1], half), y[..., 1, :].reshape(*x.shape[:-1], half)
+        return F.silu(gate) * up
 
     def _takes(self, reason_of, x: torch.Tensor) -> bool:
         """reason_of (a *_reason method) has no objection, decided once per kernel, device and dtype
@@ -278,6 +327,14 @@ class PackedIntLinear(QuantizedLinear):
 
     def finish_loading(self) -> None:
         PackedIntTensors.finish(self, self.out_features, self.in_features, "layer")
+
+    def row_tensor_names(self) -> tuple[str, ...]:
+        return ("weight_packed", "weight_scale", "zeros")  # the N-packed zero points are packed again
+
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        super().reorder_rows(order)
+        if not self.symmetric:
+            self.weight_zero_point = pack_rows(self.zeros.T.to(torch.int64), self.bits).T.contiguous()
 
     @classmethod
     def concat_rows(cls, layers: list["PackedIntLinear"]) -> "PackedIntLinear":
@@ -420,6 +477,20 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
     for module in chosen:
         module.use_builtin_int4(release=choice == "builtin")
     _log_gemv_reasons(root, dtype)
+    return len(chosen)
+
+
+def gate_in_products(root: nn.Module, dtype: torch.dtype) -> int:
+    """Every gated MLP under `root` whose merged quantized gate/up the tensor-core kernel can
+    finish with SiLU(gate) * up takes that path (GatedMLP.gate_in_product: one kernel fewer a
+    layer); under VERISPEC_DEBUG=1, how many did and why others did not. Returns the count."""
+    # not twice: engines built one after another on one model (a plain and a speculative one) each
+    # call this, and a second interleave would scramble the rows
+    mlps = [m for m in root.modules() if hasattr(m, "gate_in_product") and not m.gated_product]
+    chosen = _choose(mlps, lambda m: m.gate_in_product_reason(dtype), "SiLU(gate) * up runs in the gate/up "
+                     "product's epilogue for %d MLPs", "MLPs with %s keep SiLU(gate) * up as its own kernel")
+    for mlp in chosen:
+        mlp.gate_in_product()
     return len(chosen)
 
 
