@@ -5,8 +5,9 @@ import os
 from dataclasses import dataclass
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+def _env_flag(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    return default if not raw else raw not in ("0", "false", "no", "off")
 
 
 def _env_int(name: str) -> int | None:
@@ -48,10 +49,10 @@ class EnvSettings:
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
             eagle3_block=_env_int("VERISPEC_EAGLE3_BLOCK"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
-            use_fla=os.environ.get("VERISPEC_FLA", "1").strip().lower() not in ("0", "false", "no", "off"),
+            use_fla=_env_flag("VERISPEC_FLA", default=True),
             quant_kernel=env.get("VERISPEC_QUANT_KERNEL", "auto").strip() or "auto",
             quant_tiles=env.get("VERISPEC_QUANT_TILES") or None,
-            pdl=env.get("VERISPEC_PDL", "1").strip().lower() not in ("0", "false", "no", "off"),
+            pdl=_env_flag("VERISPEC_PDL", default=True),
             gate_in_product=_env_flag("VERISPEC_GATE_IN_PRODUCT"),
         )
 

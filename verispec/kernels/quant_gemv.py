@@ -287,11 +287,12 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: t
     mb = rows_per_program or min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, mb))
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[grid](x, packed, scales, offsets, y, y, m, n, x.stride(0), packed.stride(0), scales.stride(0),
                        y.stride(0), 0, 0, K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=mb,
                        R=tiles.r, TR=tiles.tr, CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=False,
-                       ROWS_PER_X=1, GRID_WAIT=pdl_enabled(x.device), num_warps=tiles.num_warps,
-                       enable_fp_fusion=False, launch_pdl=pdl_enabled(x.device))
+                       ROWS_PER_X=1, GRID_WAIT=pdl, num_warps=tiles.num_warps, enable_fp_fusion=False,
+                       launch_pdl=pdl)
     return y
 
 
@@ -313,10 +314,10 @@ def expert_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, off
     bn, chunk, even_n, even_k = _launch_shape(bits, group_size, n, k, tiles)
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, bn), p)
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[grid](x, packed, scales, offsets, y, experts.to(torch.int32).contiguous(), p, n, x.stride(0),
                        packed.stride(1), scales.stride(1), y.stride(0), packed.stride(0), scales.stride(0),
                        K=k, BITS=bits, GROUP=group_size, ZERO_POINT=zero_point, MB=1, R=tiles.r, TR=tiles.tr,
                        CHUNK=chunk, EVEN_N=even_n, EVEN_K=even_k, EXPERTS=True, ROWS_PER_X=rows_per_x,
-                       GRID_WAIT=pdl_enabled(x.device), num_warps=tiles.num_warps, enable_fp_fusion=False,
-                       launch_pdl=pdl_enabled(x.device))
+                       GRID_WAIT=pdl, num_warps=tiles.num_warps, enable_fp_fusion=False, launch_pdl=pdl)
     return y

@@ -61,7 +61,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, H]
         if self.gated_product:
-            return self.down_proj(self.gate_up_proj.silu_gated(x))
+            return self.down_proj(self.gate_up_proj.silu_gated(x, self.gated))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:

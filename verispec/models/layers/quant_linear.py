@@ -176,9 +176,10 @@ class QuantizedLinear(nn.Module):
         """The [N, ...] tensors that follow the output rows."""
         return self.checkpoint_tensor_names()
 
-    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> SiLU(gate) * up [..., N/2]
+    def silu_gated(self, x: torch.Tensor, gated) -> torch.Tensor:  # x: [..., K] -> SiLU(gate) * up [..., N/2]
         """After interleave_gate_up: decode / verify passes in the tensor-core kernel with the
-        activation in its epilogue; other passes multiply, then take the chunks apart."""
+        activation in its epilogue; other passes multiply, take the chunks apart and apply
+        `gated(gate, up)` (the MLP's own SiLU(gate) * up, as it runs unmerged)."""
         rows = x.numel() // self.in_features
         half = self.out_features // 2
         if rows <= quant_mma.MAX_ROWS and self._takes(self.silu_gate_reason, x):
@@ -187,7 +188,7 @@ class QuantizedLinear(nn.Module):
             return y.view(*x.shape[:-1], half)
         y = self(x).view(*x.shape[:-1], half // self.gate_chunk, 2, self.gate_chunk)
         gate, up = y[..., 0, :].reshape(*x.shape[:-1], half), y[..., 1, :].reshape(*x.shape[:-1], half)
-        return F.silu(gate) * up
+        return gated(gate, up)
 
     def _takes(self, reason_of, x: torch.Tensor) -> bool:
         """reason_of (a *_reason method) has no objection, decided once per kernel, device and dtype
