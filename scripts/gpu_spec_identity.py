@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--quant", default="none", help="comma-separated: none, mlx-8bit, mlx-4bit")
     ap.add_argument("--models", default="llama,qwen3")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--no-graphs", action="store_true", help="eager passes (EngineConfig.cuda_graphs=False)")
+    ap.add_argument("--no-overlap", action="store_true", help="plain decode without the overlapped loop")
     args = ap.parse_args()
     t0 = time.time()
     root = Path(tempfile.mkdtemp())
@@ -87,7 +89,8 @@ def main() -> None:
     for model_type, mdir, ddir in targets:
         for dtype in args.dtypes.split(","):
             print(f"{model_type} {dtype}", flush=True)
-            plain_engine = load_engine(str(mdir), dtype=dtype, device=args.device)
+            plain_engine = load_engine(str(mdir), dtype=dtype, device=args.device, cuda_graphs=not args.no_graphs,
+                                       overlap_decode=False if args.no_overlap else None)
             tok = plain_engine.tokenizer
             prompts = [tok.encode(text[i * 997: i * 997 + 400]) for i in range(args.prompts)]
             params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)

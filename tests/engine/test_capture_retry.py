@@ -51,3 +51,31 @@ def test_a_second_failure_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
         cuda_graphs.capture(lambda a: (a,), [1])
     assert quant_gemv.PDL is True
+
+
+def test_a_failed_capture_stops_recording_into_its_pool(monkeypatch):
+    """So that the retry can capture into the same pool (torch leaves the allocator recording
+    when ending a broken capture fails)."""
+    import contextlib
+
+    ended = []
+
+    class FakeGraph:
+        def pool(self):
+            return (7, 1)
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode=None):
+        yield
+
+    def broken(a):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_graphs.torch._C, "_cuda_endAllocateToPool", lambda d, p: ended.append((d, p)),
+                        raising=False)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        cuda_graphs._capture_once(broken, [1], None)
+    assert ended == [(0, (7, 1))]

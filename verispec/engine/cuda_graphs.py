@@ -28,9 +28,24 @@ def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDA
     # ("global") mode a sync or cudaMalloc from any other thread invalidates it - e.g. another
     # engine's worker finishing its last step while this one captures (a long
     # scripts/gpu_spec_identity.py run failed so, cudaErrorStreamCaptureInvalidated)
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = fn(*inputs)
+    try:
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = fn(*inputs)
+    except BaseException:
+        _stop_recording_to_pool(graph)
+        raise
     return graph, outputs
+
+
+def _stop_recording_to_pool(graph: torch.cuda.CUDAGraph) -> None:
+    """After a failed capture: torch ends the capture but, when ending it fails, leaves the caching
+    allocator recording into the graph's pool, and the next capture into that pool then fails with
+    "beginAllocateToPool: already recording" (seen on the H200: a retry without programmatic
+    dependent launch could not start). Ends that recording if it is still open."""
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
+    except Exception as exc:  # already ended (the usual case) or the capture never began
+        log.debug("after a failed capture, the pool's recording was already closed (%s)", exc)
 
 
 def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:

@@ -32,7 +32,7 @@ from verispec.errors import UnsupportedModelError
 from verispec.models.base import ForwardOutput, HFLayoutLM
 from verispec.models.gemma4 import scaled_embedding
 from verispec.models.layers.attention import AttentionInputs, attend
-from verispec.models.layers.fused import compiled, merged_linear, prepare_qk
+from verispec.models.layers.fused import fast_prepare_qk, merged_linear, prepare_qk
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
@@ -159,7 +159,7 @@ class Gemma3Attention(nn.Module):
             del self.q_proj, self.k_proj, self.v_proj
 
     def fuse(self) -> None:
-        self.prepare_qk = compiled(prepare_qk)
+        self.prepare_qk = fast_prepare_qk
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]; cos/sin [B, T, D]

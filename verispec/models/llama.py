@@ -14,7 +14,7 @@ from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
-from verispec.models.layers.fused import add_rms_norm, compiled, merged_linear, prepare_qk
+from verispec.models.layers.fused import add_rms_norm, compiled, fast_prepare_qk, merged_linear, prepare_qk
 from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             del self.q_proj, self.k_proj, self.v_proj
 
     def fuse(self) -> None:
-        self.prepare_qk = compiled(prepare_qk)
+        self.prepare_qk = fast_prepare_qk
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]

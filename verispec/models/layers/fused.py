@@ -43,6 +43,27 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def fast_prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                    unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prepare_qk` as the fused models run it: our one-launch kernel (kernels/qk_prep.py, whose
+    row results do not depend on the pass's width, as speculative == plain greedy needs) where it
+    takes the inputs, else the compiled function (why: logged once under VERISPEC_DEBUG=1)."""
+    from verispec.kernels import qk_prep
+
+    reason = qk_prep.unsupported_reason(q, k, cos)
+    if reason is None:
+        return qk_prep.prepare_qk(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        from verispec import log
+        log.debug("queries and keys prepared by the compiled torch function, not kernels/qk_prep.py: %s", reason)
+    return compiled(prepare_qk)(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+
+
+_logged_fallbacks: set[str] = set()
+
+
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Qwen3.5's attention output gate: x * sigmoid(gate)."""
     return x * torch.sigmoid(gate)

@@ -11,7 +11,7 @@ from torch import nn
 
 from verispec.cache.kv import LayerCacheSpec
 from verispec.models.layers.attention import AttentionInputs, attend
-from verispec.models.layers.fused import compiled, merged_linear, prepare_qk, sigmoid_gate
+from verispec.models.layers.fused import compiled, fast_prepare_qk, merged_linear, prepare_qk, sigmoid_gate
 from verispec.models.layers.norm import RMSNorm
 
 
@@ -45,7 +45,7 @@ class GatedAttention(nn.Module):
             del self.q_proj, self.k_proj, self.v_proj
 
     def fuse(self) -> None:
-        self.prepare_qk = compiled(prepare_qk)
+        self.prepare_qk = fast_prepare_qk
         self.gate = compiled(sigmoid_gate)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
