@@ -84,7 +84,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compiled-qk", action="store_true",
+                    help="prepare queries and keys with the compiled torch function, not kernels/qk_prep.py")
     args = ap.parse_args()
+    if args.compiled_qk:
+        from verispec.kernels import qk_prep
+        qk_prep.unsupported_reason = lambda *a: "--compiled-qk"
     t0 = time.time()
     rows = run(args.device, args.new_tokens, args.prompts)
     if args.out:

@@ -14,6 +14,9 @@ cache, which no sequence reaches before they are overwritten.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from verispec import log
@@ -29,7 +32,8 @@ def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDA
     # engine's worker finishing its last step while this one captures (a long
     # scripts/gpu_spec_identity.py run failed so, cudaErrorStreamCaptureInvalidated)
     try:
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with _no_garbage_collection(), torch.inference_mode(), \
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn(*inputs)
     except BaseException:
         _stop_recording_to_pool(graph)
@@ -37,11 +41,28 @@ def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDA
     return graph, outputs
 
 
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's cycle collector off for the capture. A collection that runs inside it (any
+    allocation can start one) frees whatever unreachable cycles hold, e.g. an engine dropped
+    earlier with its CUDA graphs, and destroying a graph is not permitted while this thread
+    captures: the capture is invalidated ("operation failed due to a previous error during
+    capture", after torch's "operation not permitted when stream is capturing (function reset)"
+    warnings). torch stopped collecting before captures (torch.compiler.config.force_cudagraph_gc),
+    so the engines of scripts/gpu_spec_identity.py met it now and then. Collection resumes after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _stop_recording_to_pool(graph: torch.cuda.CUDAGraph) -> None:
-    """After a failed capture: torch ends the capture but, when ending it fails, leaves the caching
-    allocator recording into the graph's pool, and the next capture into that pool then fails with
-    "beginAllocateToPool: already recording" (seen on the H200: a retry without programmatic
-    dependent launch could not start). Ends that recording if it is still open."""
+    """After a failed capture: torch ends the capture but, when ending it fails, may leave the
+    caching allocator recording into the graph's pool; the next capture into that pool then fails
+    with "beginAllocateToPool: already recording". Ends that recording if it is still open."""
     try:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
     except Exception as exc:  # already ended (the usual case) or the capture never began
@@ -49,18 +70,17 @@ def _stop_recording_to_pool(graph: torch.cuda.CUDAGraph) -> None:
 
 
 def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:
-    """`fn(*inputs)` captured as a CUDA graph -> (graph, its outputs). A capture that fails while
-    the quantized kernels launch with programmatic dependent launch is made again without it (a
-    failure seen once, not reproduced since: docs/gpu.md), and says so; any other failure raises."""
+    """`fn(*inputs)` captured as a CUDA graph -> (graph, its outputs). A capture that fails is made
+    once more, into a memory pool of its own (the shared one may still be marked as recording) and
+    without programmatic dependent launch (suspected once, before the collector was found out),
+    and says so; a second failure raises."""
     try:
         return _capture_once(fn, inputs, pool)
     except RuntimeError as exc:
-        if not quant_gemv.PDL:
-            raise
-        log.warning("CUDA graph capture failed (%s); capturing again without programmatic dependent launch",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        log.warning("CUDA graph capture failed (%s); capturing once more, into a pool of its own and without "
+                    "programmatic dependent launch", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     with quant_gemv.launches_without_pdl():
-        return _capture_once(fn, inputs, pool)
+        return _capture_once(fn, inputs, None)
 
 
 class GraphedCall:
