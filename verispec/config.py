@@ -35,7 +35,7 @@ class EnvSettings:
     quant_kernel: str = "auto"  # VERISPEC_QUANT_KERNEL: auto | builtin | gemv | triton (quant_linear.convert_for_builtin_int4)
     quant_tiles: str | None = None  # VERISPEC_QUANT_TILES: JSON TileConfig fields (kernels/quant_matmul.py)
     pdl: bool = True  # VERISPEC_PDL=0: quantized kernels launch without programmatic dependent launch
-    gate_in_product: bool = False  # VERISPEC_GATE_IN_PRODUCT=1: SiLU(gate) * up in the 4-bit gate/up kernel (experimental)
+    gate_in_product: bool = True  # VERISPEC_GATE_IN_PRODUCT=0: SiLU(gate) * up as its own kernel, not in the 4-bit gate/up kernel
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -53,7 +53,7 @@ class EnvSettings:
             quant_kernel=env.get("VERISPEC_QUANT_KERNEL", "auto").strip() or "auto",
             quant_tiles=env.get("VERISPEC_QUANT_TILES") or None,
             pdl=_env_flag("VERISPEC_PDL", default=True),
-            gate_in_product=_env_flag("VERISPEC_GATE_IN_PRODUCT"),
+            gate_in_product=_env_flag("VERISPEC_GATE_IN_PRODUCT", default=True),
         )
 
 

