@@ -73,3 +73,41 @@ def test_broadcast_cos_over_sequences():
 def test_reasons():
     q = torch.zeros(1, 1, 2, 64)
     assert "device cpu" in qk_prep.unsupported_reason(q, q, torch.zeros(1, 1, 64))
+
+
+def test_chunked_queries_as_gated_attention_hands_them():
+    """Qwen3.5 splits each head's [q; gate] projection: q is a view with a head stride of 2 D."""
+    b, t, h, hkv, d = 1, 3, 4, 2, 64
+    gen = torch.Generator().manual_seed(11)
+    qg = torch.randn(b, t, h, 2 * d, generator=gen).to(DEVICE)
+    q = qg.chunk(2, dim=-1)[0]
+    _, k, cos, sin, qw, kw = inputs(b, t, h, hkv, d, 16, torch.float32, seed=2)
+    got, _ = qk_prep.prepare_qk(q, k, cos, sin, qw, kw, 1e-6, True)
+    want, _ = reference(q, k, cos, sin, qw, kw, 1e-6, True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_writes_keys_and_values_into_the_cache(paged):
+    """With cache rows the same launch writes the finished keys and the values where
+    kernels/kv_write.py would: the paged pools (a row per token) and the contiguous cache (rows
+    shared by the sequences)."""
+    from verispec.kernels.kv_write import KVDestination
+
+    b, t, hq, hkv, d = 2, 3, 4, 2, 64
+    q, k, cos, sin, qw, kw = inputs(b, t, hq, hkv, d, d, torch.bfloat16, seed=9)
+    v = torch.randn(b, t, hkv, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    v = v.transpose(1, 2)  # [B, Hkv, T, D] as attention hands it over
+    if paged:
+        shape, rows = (20, hkv, d), torch.tensor([3, 17, 5, 0, 11, 8], device=DEVICE)
+        dest = lambda kc, vc: KVDestination(kc, vc, rows, row_dim=0, batch_dim=None, head_dim=1)  # noqa: E731
+    else:
+        shape, rows = (b, hkv, 12, d), torch.tensor([4, 5, 6], device=DEVICE)
+        dest = lambda kc, vc: KVDestination(kc, vc, rows, row_dim=2, batch_dim=0, head_dim=1)  # noqa: E731
+    caches = [torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    got_q, got_k = qk_prep.prepare_qk(q, k, cos, sin, qw, kw, 1e-6, False, v, dest(caches[0], caches[1]))
+    want_q, want_k = qk_prep.prepare_qk(q, k, cos, sin, qw, kw, 1e-6, False)
+    dest(caches[2], caches[3]).write(want_k, v)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0 and caches[1].abs().sum() > 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.kernels import kv_write
+from verispec.kernels.kv_write import KVDestination
 
 
 @dataclass(frozen=True)
@@ -156,13 +156,13 @@ class KVCache:
 
         Indexing by a device tensor (not Python ints) keeps the step capturable in a CUDA graph;
         every sequence of the batch shares the positions of row 0."""
-        rows = positions[0]
-        if kv_write.available(k.device):  # one launch for both (kernels/kv_write.py)
-            kv_write.write_kv(k, v, self.keys[layer], self.values[layer], rows, row_dim=2, batch_dim=0, head_dim=1)
-        else:
-            self.keys[layer].index_copy_(2, rows, k)
-            self.values[layer].index_copy_(2, rows, v)
-        self.pending = k.shape[2]
+        self.kv_destination(layer, positions).write(k, v)
+
+    def kv_destination(self, layer: int, positions: torch.Tensor) -> KVDestination:
+        """Where write_at would put this pass's rows ([B, T] positions), for a kernel that writes
+        them itself; they count as pending rows from here on."""
+        self.pending = positions.shape[1]
+        return KVDestination(self.keys[layer], self.values[layer], positions[0], row_dim=2, batch_dim=0, head_dim=1)
 
     def commit(self, num_rows: int) -> None:
         """Keep the first `num_rows` pending rows of the last forward."""

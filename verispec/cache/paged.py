@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec, _PendingRecurrent
-from verispec.kernels import kv_write
+from verispec.kernels.kv_write import KVDestination
 
 SCRATCH = 0  # block id / state slot that padded rows use
 
@@ -305,14 +305,13 @@ class BatchCache:
 
     # ---- attention layers -------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, Hkv, T, D] into the pool rows of this pass's positions (index_copy_: capturable)."""
-        b, h, t, d = k.shape
-        if kv_write.available(k.device):  # one launch for both (kernels/kv_write.py)
-            kv_write.write_kv(k, v, self.pools.keys[layer], self.pools.values[layer], self.write_slots, row_dim=0,
-                              batch_dim=None, head_dim=1)
-            return
-        self.pools.keys[layer].index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(b * t, h, d))
-        self.pools.values[layer].index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(b * t, h, d))
+        """k, v [B, Hkv, T, D] into the pool rows of this pass's positions (capturable)."""
+        self.kv_destination(layer).write(k, v)
+
+    def kv_destination(self, layer: int) -> KVDestination:
+        """Where `write` would put this pass's rows, for a kernel that writes them itself."""
+        return KVDestination(self.pools.keys[layer], self.pools.values[layer], self.write_slots, row_dim=0,
+                             batch_dim=None, head_dim=1)
 
     def read_slots(self) -> torch.Tensor:
         """Pool rows of positions 0..num_keys-1 for every sequence: [B, num_keys] (built once a pass)."""

@@ -12,6 +12,8 @@ batch stride 0) and the contiguous cache ([B, Hkv, capacity, D], rows = position
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -38,6 +40,53 @@ if triton is not None:
         dst = row * sc_row + b * sc_b + h * sc_h + d
         tl.store(KC + dst, tl.load(K + b * sk_b + h * sk_h + t * sk_t + d, mask=ok), mask=ok)
         tl.store(VC + dst, tl.load(V + b * sv_b + h * sv_h + t * sv_t + d, mask=ok), mask=ok)
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a pass's new keys and values go in one layer's cache, for a kernel that writes them
+    itself (kernels/qk_prep.py): element (row, b, h, d) of k_cache / v_cache sits at row *
+    stride_row + b * stride_batch + h * stride_head + d, and token (b, t) goes to row
+    rows[b * T + t] ([B * T]) or rows[t] ([T]: every sequence the same rows)."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    rows: torch.Tensor
+    row_dim: int
+    batch_dim: int | None
+    head_dim: int
+
+    @property
+    def stride_row(self) -> int:
+        return self.k_cache.stride(self.row_dim)
+
+    @property
+    def stride_batch(self) -> int:
+        return 0 if self.batch_dim is None else self.k_cache.stride(self.batch_dim)
+
+    @property
+    def stride_head(self) -> int:
+        return self.k_cache.stride(self.head_dim)
+
+    def check(self, v: torch.Tensor | None, b: int, t: int) -> None:
+        if v is None:
+            raise ValueError("a cache destination needs the values too")
+        if self.k_cache.stride(-1) != 1 or self.k_cache.stride() != self.v_cache.stride() or v.stride(-1) != 1:
+            raise ValueError("KVDestination: the head dimension must be contiguous and both caches laid out alike")
+        if self.rows.numel() not in (b * t, t) or self.rows.stride(-1) != 1:
+            raise ValueError(f"KVDestination: {self.rows.numel()} rows for {b} x {t} tokens")
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] written here (write_kv; index_copy_ off CUDA)."""
+        if available(k.device):
+            write_kv(k, v, self.k_cache, self.v_cache, self.rows, self.row_dim, self.batch_dim, self.head_dim)
+            return
+        b, h, t, d = k.shape
+        if self.batch_dim is None:  # pools [slots, Hkv, D]
+            self.k_cache.index_copy_(self.row_dim, self.rows, k.transpose(1, 2).reshape(b * t, h, d))
+            self.v_cache.index_copy_(self.row_dim, self.rows, v.transpose(1, 2).reshape(b * t, h, d))
+        else:
+            self.k_cache.index_copy_(self.row_dim, self.rows, k)
+            self.v_cache.index_copy_(self.row_dim, self.rows, v)
 
 
 def available(device: torch.device) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.kernels.kv_write import KVDestination
+
 try:
     import triton
     import triton.language as tl
@@ -27,60 +29,69 @@ except ImportError:  # CPU-only installs: the torch functions stand in
 
 if triton is not None:
 
-    @triton.jit
-    def _norm_rope_heads(X, W, COS, SIN, OUT, x_row, stride_xh, cs_row, out_row, stride_oh, eps,
-                         H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
-                         UNIT_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One token's H heads [H, D] at X + x_row (head stride stride_xh) -> OUT + out_row (head
-        stride stride_oh): RMSNorm per head (if HAS_NORM), then RoPE on the first ROT dims."""
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        ok = (h < H) & (d < D)
-        half: tl.constexpr = ROT // 2
-        # the rotate-half partner of each rotated dim: d + half in the first half, d - half in the second
-        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
-        x = tl.load(X + x_row + h * stride_xh + d, mask=ok, other=0.0)
-        xp = tl.load(X + x_row + h * stride_xh + partner, mask=ok, other=0.0)
-        dtype = x.dtype
-        if HAS_NORM:
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BLOCK_H]
-            w = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
-            wp = tl.load(W + partner, mask=d < D, other=0.0).to(tl.float32)
-            if UNIT_OFFSET:
-                y = (xf * rstd[:, None] * (1.0 + w)).to(dtype)
-                yp = (xp.to(tl.float32) * rstd[:, None] * (1.0 + wp)).to(dtype)
-            else:
-                y = (w * (xf * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-                yp = (wp * (xp.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-        else:
-            y, yp = x, xp
-        cos = tl.load(COS + cs_row + d, mask=d < ROT, other=1.0).to(tl.float32)
-        sin = tl.load(SIN + cs_row + d, mask=d < ROT, other=0.0).to(tl.float32)
-        sign = tl.where(d < half, -1.0, 1.0)
-        rotated = (y.to(tl.float32) * cos + sign * yp.to(tl.float32) * sin).to(dtype)
-        out = tl.where(d < ROT, rotated, y)
-        tl.store(OUT + out_row + h * stride_oh + d, out, mask=ok)
-
     # the pass's token count and the strides that follow it vary call to call: specialising on
     # them would compile again inside requests and change nothing but the addressing
-    @triton.jit(do_not_specialize=["T", "sq_b", "sk_b", "sc_b", "sc_t"])
-    def _qk_prep_kernel(Q, K, QW, KW, COS, SIN, QO, KO, T,
-                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_b, sc_t, eps,
+    @triton.jit(do_not_specialize=["T", "sq_b", "sk_b", "sv_b", "sc_b", "sc_t", "sr_b"])
+    def _qk_prep_kernel(Q, K, V, QW, KW, COS, SIN, QO, KO, KC, VC, ROWS, T,
+                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
+                        sr_b, sd_row, sd_b, sd_h, eps,
                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                        HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                        BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, WRITE_KV: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+        """Program (token, head): a query head (head < HQ), a key head (HQ <= head < HQ + HKV) or,
+        with WRITE_KV, a value head copied into the cache (the rest)."""
         token = tl.program_id(0)  # b * T + t
-        b = token // T
+        head = tl.program_id(1)
+        b = (token // T).to(tl.int64)
         t = token % T
-        cs_row = b.to(tl.int64) * sc_b + t * sc_t
-        # outputs [B, H, T, D] contiguous: head stride T * D
-        _norm_rope_heads(Q, QW, COS, SIN, QO, b.to(tl.int64) * sq_b + t * sq_t, sq_h, cs_row,
-                         (b.to(tl.int64) * HQ * T + t) * D, T * D, eps,
-                         HQ, D, ROT, HAS_NORM, UNIT_OFFSET, BLOCK_HQ, BLOCK_D)
-        _norm_rope_heads(K, KW, COS, SIN, KO, b.to(tl.int64) * sk_b + t * sk_t, sk_h, cs_row,
-                         (b.to(tl.int64) * HKV * T + t) * D, T * D, eps,
-                         HKV, D, ROT, HAS_NORM, UNIT_OFFSET, BLOCK_HKV, BLOCK_D)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        dst = b * 0
+        if WRITE_KV:
+            dst = tl.load(ROWS + b * sr_b + t).to(tl.int64) * sd_row + b * sd_b
+        if head >= HQ + HKV:  # only launched with WRITE_KV
+            h = head - HQ - HKV
+            v = tl.load(V + b * sv_b + t * sv_t + h * sv_h + d, mask=ok)
+            tl.store(VC + dst + h * sd_h + d, v, mask=ok)
+        else:
+            if head < HQ:
+                h = head
+                src = Q + b * sq_b + t * sq_t + h * sq_h
+                weight = QW
+                out = QO + ((b * HQ + h) * T + t) * D  # [B, HQ, T, D] contiguous
+            else:
+                h = head - HQ
+                src = K + b * sk_b + t * sk_t + h * sk_h
+                weight = KW
+                out = KO + ((b * HKV + h) * T + t) * D
+            half: tl.constexpr = ROT // 2
+            # the rotate-half partner of each rotated dim: d + half in the first half, d - half in the second
+            partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+            x = tl.load(src + d, mask=ok, other=0.0)
+            xp = tl.load(src + partner, mask=ok, other=0.0)
+            dtype = x.dtype
+            if HAS_NORM:
+                xf = x.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+                w = tl.load(weight + d, mask=ok, other=0.0).to(tl.float32)
+                wp = tl.load(weight + partner, mask=ok, other=0.0).to(tl.float32)
+                if UNIT_OFFSET:
+                    y = (xf * rstd * (1.0 + w)).to(dtype)
+                    yp = (xp.to(tl.float32) * rstd * (1.0 + wp)).to(dtype)
+                else:
+                    y = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
+                    yp = (wp * (xp.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
+            else:
+                y, yp = x, xp
+            cos = tl.load(COS + b * sc_b + t * sc_t + d, mask=d < ROT, other=1.0).to(tl.float32)
+            sin = tl.load(SIN + b * sc_b + t * sc_t + d, mask=d < ROT, other=0.0).to(tl.float32)
+            sign = tl.where(d < half, -1.0, 1.0)
+            rotated = (y.to(tl.float32) * cos + sign * yp.to(tl.float32) * sin).to(dtype)
+            result = tl.where(d < ROT, rotated, y)
+            tl.store(out + d, result, mask=ok)
+            if WRITE_KV:
+                if head >= HQ:
+                    tl.store(KC + dst + h * sd_h + d, result, mask=ok)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> str | None:
@@ -100,11 +111,14 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> s
 
 def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-               unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               unit_offset: bool, v: torch.Tensor | None = None,
+               cache_rows: KVDestination | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What `layers.fused.prepare_qk` computes, in one launch: q [B, T, Hq, D], k [B, T, Hkv, D]
     (any strides, head dim contiguous), cos / sin [B, T, rot] (rot <= D: partial RoPE on the
     first rot dims), per-head norm weights [D] (both or neither) -> q [B, Hq, T, D], k [B, Hkv,
-    T, D], contiguous."""
+    T, D], contiguous. With `cache_rows` (and v [B, Hkv, T, D], any strides) the finished keys
+    and the values are also written into the cache there, in the same launch (what
+    kernels/kv_write.py would do next)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qo = torch.empty((b, hq, t, d), dtype=q.dtype, device=q.device)
@@ -117,11 +131,19 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if sin.stride() != cos.stride():
         sin = sin.contiguous()
         cos = cos.contiguous()
-    _qk_prep_kernel[(b * t,)](
-        q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, qo, ko, t,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), cos.stride(1), eps,
-        HQ=hq, HKV=hkv, D=d, ROT=cos.shape[-1], HAS_NORM=has_norm, UNIT_OFFSET=unit_offset,
-        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    write = cache_rows is not None
+    if write:
+        cache_rows.check(v, b, t)
+        kc, vc, rows = cache_rows.k_cache, cache_rows.v_cache, cache_rows.rows
+        sr_b = t if rows.numel() == b * t and b > 1 else 0
+        sd = (cache_rows.stride_row, cache_rows.stride_batch, cache_rows.stride_head)
+        sv = (v.stride(0), v.stride(2), v.stride(1))  # v is [B, Hkv, T, D]: (b, t, h) strides
+    else:
+        kc, vc, rows, v, sr_b, sd, sv = qo, qo, qo, q, 0, (0, 0, 0), (0, 0, 0)
+    _qk_prep_kernel[(b * t, hq + hkv * (2 if write else 1))](
+        q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, qo, ko, kc, vc, rows, t,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *sv,
+        cos.stride(0), cos.stride(1), sr_b, *sd, eps,
+        HQ=hq, HKV=hkv, D=d, ROT=cos.shape[-1], HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, WRITE_KV=write,
+        BLOCK_D=triton.next_power_of_2(d), num_warps=1)
     return qo, ko

@@ -104,10 +104,14 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        has_norm = self.q_norm is not None
-        q, k = self.prepare_qk(q, k, cos, sin, self.q_norm.weight if has_norm else None,
-                               self.k_norm.weight if has_norm else None, self.eps, False)
-        out = attend(q, k, v, inputs, self.layer_idx, self.window, self.scale)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        if self.prepare_qk is fast_prepare_qk and (rows := inputs.kv_destination(self.layer_idx)) is not None:
+            # the keys and values go into the cache in the same launch (one kernel a layer fewer)
+            q, k = fast_prepare_qk(q, k, cos, sin, *norms, self.eps, False, v=v, cache_rows=rows)
+            out = attend(q, k, v, inputs, self.layer_idx, self.window, self.scale, written=True)
+        else:
+            q, k = self.prepare_qk(q, k, cos, sin, *norms, self.eps, False)
+            out = attend(q, k, v, inputs, self.layer_idx, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

@@ -9,6 +9,7 @@ from torch.nn.attention.bias import causal_lower_right
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
 from verispec.kernels import decode_attention as split_k
+from verispec.kernels.kv_write import KVDestination
 
 
 def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None,
@@ -90,6 +91,17 @@ class AttentionInputs:
             self.num_keys = cache.length + num_tokens
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
+    def kv_destination(self, layer: int) -> KVDestination | None:
+        """Where this pass's new keys and values go in `layer`'s cache, for a kernel that writes
+        them itself (then `attend(..., written=True)`): every paged pass, and the passes that
+        attend in place on the contiguous cache (decode / verify); None for prompt passes on the
+        contiguous cache, which append through `cache.append`. The rows count as written."""
+        if self.paged:
+            return self.cache.kv_destination(layer)
+        if self.use_kernel:
+            return self.cache.kv_destination(layer, self.positions)
+        return None
+
     def mask(self, window: int | None) -> torch.Tensor | None:
         if window not in self._masks:
             num_keys = self.cache.num_keys if self.paged else self.num_keys  # the paged cache gathers that many
@@ -98,14 +110,17 @@ class AttentionInputs:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, layer: int,
-           window: int | None, scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D], new k/v [B, Hkv, T, D] -> out [B, Hq, T, D]; writes k/v into the cache."""
+           window: int | None, scale: float, written: bool = False) -> torch.Tensor:
+    """q [B, Hq, T, D], new k/v [B, Hkv, T, D] -> out [B, Hq, T, D]; writes k/v into the cache,
+    unless `written` (they went to inputs.kv_destination(layer) already)."""
     cache = inputs.cache
     if inputs.paged:
-        cache.write(layer, k, v)
+        if not written:
+            cache.write(layer, k, v)
         return paged_attention(q, inputs, layer, window, scale)
     if inputs.use_kernel:
-        cache.write_at(layer, k, v, inputs.positions)
+        if not written:
+            cache.write_at(layer, k, v, inputs.positions)
         # the torch reference stands in off-GPU, so the in-place path is testable on CPU
         kernel = split_k.decode_attention if split_k.available(q.device) else split_k.decode_attention_reference
         return kernel(q, cache.keys[layer], cache.values[layer], inputs.positions, scale, window)

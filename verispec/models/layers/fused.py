@@ -45,20 +45,26 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def fast_prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                    unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    unit_offset: bool, v: torch.Tensor | None = None,
+                    cache_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`prepare_qk` as the fused models run it: our one-launch kernel (kernels/qk_prep.py, whose
     row results do not depend on the pass's width, as speculative == plain greedy needs) where it
-    takes the inputs, else the compiled function (why: logged once under VERISPEC_DEBUG=1)."""
+    takes the inputs, else the compiled function (why: logged once under VERISPEC_DEBUG=1). With
+    `cache_rows` (a kv_write.KVDestination) and v [B, Hkv, T, D], the finished keys and the values
+    are in the cache on return (written by the same launch where the kernel runs)."""
     from verispec.kernels import qk_prep
 
     reason = qk_prep.unsupported_reason(q, k, cos)
     if reason is None:
-        return qk_prep.prepare_qk(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+        return qk_prep.prepare_qk(q, k, cos, sin, q_weight, k_weight, eps, unit_offset, v, cache_rows)
     if reason not in _logged_fallbacks:
         _logged_fallbacks.add(reason)
         from verispec import log
         log.debug("queries and keys prepared by the compiled torch function, not kernels/qk_prep.py: %s", reason)
-    return compiled(prepare_qk)(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+    q, k = compiled(prepare_qk)(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+    if cache_rows is not None:
+        cache_rows.write(k, v)
+    return q, k
 
 
 _logged_fallbacks: set[str] = set()
