@@ -4,10 +4,8 @@ The KV cache is read in place ([B, Hkv, capacity, D] buffers) and every bound co
 device-side `positions` [B, T] (query t sees keys 0..positions[t], minus a sliding window), so a
 step has static shapes and can be captured in a CUDA graph. Pass 1 splits each sequence's keys
 over NUM_SPLITS programs per kv head; each program handles all G*T query rows that share the kv
-head (GQA group x query tokens) as one matrix, so K and V are read once per kv head. The last of
-a kv head's programs to finish (a counter per sequence and kv head, left at zero again) combines
-the partial results with their log-sum-exp, in a fixed order of splits: one launch a layer, where a
-second kernel for the combine cost ~60 us of a Qwen3-8B decode step on the H200.
+head (GQA group x query tokens) as one matrix, so K and V are read once per kv head. Pass 2
+combines the partial results with their log-sum-exp.
 
 `decode_attention_reference` is the plain-torch definition the kernel is tested against.
 """
@@ -62,7 +60,7 @@ if triton is not None:
     # specialisation is a compile (0.5-1 s on the H200) inside whichever request meets it first.
     @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window"],
                 do_not_specialize_on_alignment=["POS", "BT"])
-    def _split_kernel(Q, K, V, POS, OPART, LSE, BT, OUT, COUNT,
+    def _split_kernel(Q, K, V, POS, OPART, LSE, BT,
                       stride_qb, stride_qh, stride_qt,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
@@ -145,44 +143,19 @@ if triton is not None:
         tl.store(LSE + row * NUM_SPLITS + s, lse, mask=row_valid)
         tl.store(OPART + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :], out,
                  mask=row_valid[:, None] & d_valid[None, :])
-        # count this split in (release: its partials are visible before the count); the last one
-        # (acquire: it sees every other split's) combines the head's rows and resets the counter
-        counter = COUNT + b * tl.num_programs(1) + h
-        tl.debug_barrier()  # every thread's partial stores before the one atomic that publishes them
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            first_row = (b * hq_total + h * G) * T
-            for m in range(G * T):
-                _combine_row(OPART, LSE, OUT, first_row + m, D, NUM_SPLITS, BLOCK_D)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _combine_row(OPART, LSE, OUT, row, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One query row's NUM_SPLITS partial results [NUM_SPLITS, D] weighted by their
-        log-sum-exp into OUT's row (.cg loads: the other programs' partials, not L1's copy)."""
+    def _combine_kernel(OPART, LSE, OUT, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
         offs_s = tl.arange(0, NUM_SPLITS)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
-        lse = tl.load(LSE + row * NUM_SPLITS + offs_s, cache_modifier=".cg")
+        lse = tl.load(LSE + row * NUM_SPLITS + offs_s)
         m = tl.max(lse, 0)
         w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
-        o = tl.load(OPART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=d_valid[None, :],
-                    other=0.0, cache_modifier=".cg")
+        o = tl.load(OPART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=d_valid[None, :], other=0.0)
         out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
         tl.store(OUT + row * D + offs_d, out.to(OUT.dtype.element_ty), mask=d_valid)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 counter per (sequence, kv head), kept by the device: the kernel leaves them
-    at zero, so one buffer serves every call and CUDA graph (made before any capture, in the
-    warm-up passes; grown, if ever, outside one)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -251,7 +224,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         table, table_stride = positions, 0  # unused
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, positions, opart, lse, table, out, _split_counters(q.device, b * hkv),
+        q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
         *strides_k, *strides_v,
         positions.stride(0), table_stride,
@@ -260,6 +233,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages,
     )
+    _combine_kernel[(b * hq * t,)](opart, lse, out, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=4)
     return out
 
 
