@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.demo.tiny import build_tiny_gemma3, build_tiny_qwen3_5
 from verispec.engine.engine import load_engine
 from verispec.engine.params import SamplingParams
 from verispec.kernels import qk_prep
@@ -15,10 +16,24 @@ pytestmark = pytest.mark.skipif(qk_prep.triton is None or torch.cuda.is_availabl
                                 reason="CPU check through Triton's interpreter (CUDA runs it in the GPU scripts)")
 
 
-@pytest.mark.parametrize("name,model_type,overrides", [("qwen3", "qwen3", {}),
-                                                       ("mistral-window", "mistral", {"sliding_window": 8})])
-def test_greedy_output_equals_the_unfused_model(tiny_models, monkeypatch, name, model_type, overrides):
-    engine = load_engine(str(tiny_models.get(name, model_type, **overrides)), device="cpu")
+def checkpoint(case: str, tiny_models, tokenizer_dir, tmp_path):
+    if case == "qwen3":
+        return tiny_models.get("qwen3", "qwen3")
+    if case == "mistral-window":
+        return tiny_models.get("mistral-window", "mistral", sliding_window=8)
+    builder = {"gemma3": build_tiny_gemma3, "qwen3_5": build_tiny_qwen3_5}[case]
+    builder(tmp_path / case, seed=3, tokenizer_dir=tokenizer_dir)
+    return tmp_path / case
+
+
+# Llama-family attention writes its keys and values in the kernel; Gemma 3 (unit-offset q/k
+# norms, two RoPE tables) and Qwen3.5's gated attention (queries a strided view, partial RoPE)
+# prepare q and k there and write the cache themselves
+@pytest.mark.parametrize("case,writes_cache", [("qwen3", True), ("mistral-window", True), ("gemma3", False),
+                                               ("qwen3_5", False)])
+def test_greedy_output_equals_the_unfused_model(tiny_models, tokenizer_dir, tmp_path, monkeypatch, case,
+                                                writes_cache):
+    engine = load_engine(str(checkpoint(case, tiny_models, tokenizer_dir, tmp_path)), device="cpu")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompt = list(range(5, 22))
     want = engine.generate_all(prompt, params).token_ids
@@ -33,4 +48,4 @@ def test_greedy_output_equals_the_unfused_model(tiny_models, monkeypatch, name, 
         monkeypatch.setattr(m, "prepare_qk", fused.fast_prepare_qk)
     got = engine.generate_all(prompt, params).token_ids
     assert got == want
-    assert calls and all(calls)  # every pass wrote its keys and values in the kernel
+    assert calls and all(c == writes_cache for c in calls)
