@@ -67,7 +67,13 @@ class KVDestination:
     def stride_head(self) -> int:
         return self.k_cache.stride(self.head_dim)
 
+    def rows_batch_stride(self, b: int, t: int) -> int:
+        """How far apart two sequences' rows sit in `rows` for a pass of b x t tokens: t with a row
+        per token of several sequences, 0 when the sequences share rows (or there is one)."""
+        return t if self.rows.numel() == b * t and b > 1 else 0
+
     def check(self, v: torch.Tensor | None, b: int, t: int) -> None:
+        """A pass of b x t tokens with values v can be written here (ValueError naming what not)."""
         if v is None:
             raise ValueError("a cache destination needs the values too")
         if self.k_cache.stride(-1) != 1 or self.k_cache.stride() != self.v_cache.stride() or v.stride(-1) != 1:
@@ -100,12 +106,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     same rows); `batch_dim` is the caches' batch dimension (None: no batch dimension, as in the
     paged pools), `head_dim` their head dimension."""
     b, h, t, d = k.shape
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+    dest = KVDestination(k_cache, v_cache, rows, row_dim, batch_dim, head_dim)
+    if k.stride(-1) != 1:
         raise ValueError("kv_write.write_kv: the head dimension must be contiguous and both caches laid out alike")
-    if rows.numel() not in (b * t, t) or rows.stride(-1) != 1:
-        raise ValueError(f"kv_write.write_kv: {rows.numel()} rows for {b} x {t} tokens")
+    dest.check(v, b, t)
     _kv_write_kernel[(b * t,)](
-        k, v, k_cache, v_cache, rows, t, t if rows.numel() == b * t and b > 1 else 0,
+        k, v, k_cache, v_cache, rows, t, dest.rows_batch_stride(b, t),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(row_dim), 0 if batch_dim is None else k_cache.stride(batch_dim), k_cache.stride(head_dim),
+        dest.stride_row, dest.stride_batch, dest.stride_head,
         H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=2)

@@ -135,7 +135,7 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if write:
         cache_rows.check(v, b, t)
         kc, vc, rows = cache_rows.k_cache, cache_rows.v_cache, cache_rows.rows
-        sr_b = t if rows.numel() == b * t and b > 1 else 0
+        sr_b = cache_rows.rows_batch_stride(b, t)
         sd = (cache_rows.stride_row, cache_rows.stride_batch, cache_rows.stride_head)
         sv = (v.stride(0), v.stride(2), v.stride(1))  # v is [B, Hkv, T, D]: (b, t, h) strides
     else:

@@ -273,8 +273,6 @@ if gluon is not None:
             gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
 
 
-
-
 def _blocks(k: int, tiles: MmaTiles) -> int:
     """Blocks per iteration: the tile's, or fewer where K is not a multiple of them."""
     blocks = tiles.blocks
