@@ -1,6 +1,7 @@
-"""The fused attention prologue end to end: with queries and keys prepared by kernels/qk_prep.py
-(run here by Triton's interpreter, tests/conftest.py), which also writes the keys and values into
-the engine's paged cache, greedy output equals the unfused model's, token for token."""
+"""Our small-op kernels end to end: with queries and keys prepared by kernels/qk_prep.py (which
+also writes the keys and values into the engine's paged cache) and the residual add + RMSNorm by
+kernels/rms_norm.py, run here by Triton's interpreter (tests/conftest.py), greedy output equals
+the unfused model's, token for token."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from verispec.demo.tiny import build_tiny_gemma3, build_tiny_qwen3_5
 from verispec.engine.engine import load_engine
 from verispec.engine.params import SamplingParams
-from verispec.kernels import qk_prep
+from verispec.kernels import qk_prep, rms_norm
 from verispec.models.layers import fused
 
 pytestmark = pytest.mark.skipif(qk_prep.triton is None or torch.cuda.is_available(),
@@ -46,6 +47,18 @@ def test_greedy_output_equals_the_unfused_model(tiny_models, tokenizer_dir, tmp_
     assert attentions
     for m in attentions:
         monkeypatch.setattr(m, "prepare_qk", fused.fast_prepare_qk)
+    monkeypatch.setattr(rms_norm, "unsupported_reason", lambda *a: None)
+    norm_calls = []
+    norm_kernel = rms_norm.add_rms_norm
+    monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: norm_calls.append(1) or norm_kernel(*a))
+    # Gemma 3's sandwich norms keep the compiled path: only the families that add then norm take it
+    norms = [m for m in engine.model.modules() if hasattr(m, "add_norm")]
+    assert bool(norms) == (case != "gemma3")
+    for m in norms:
+        monkeypatch.setattr(m, "add_norm", fused.fast_add_rms_norm)
+    if norms:
+        monkeypatch.setattr(engine.model, "final_add_norm", fused.fast_add_rms_norm)
     got = engine.generate_all(prompt, params).token_ids
     assert got == want
     assert calls and all(c == writes_cache for c in calls)
+    assert bool(norm_calls) == bool(norms)

@@ -8,7 +8,7 @@ from torch import nn
 
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.models.layers.attention import AttentionInputs
-from verispec.models.layers.fused import add_rms_norm, compiled
+from verispec.models.layers.fused import add_rms_norm, fast_add_rms_norm
 
 
 @dataclass
@@ -82,7 +82,7 @@ class FoldedDecoderLM(HFLayoutLM):
     residual add into the next norm: layer(x, update, cos, sin, inputs) -> (x, its MLP output
     not yet added). Llama/Qwen3 and Qwen3.5 share this forward."""
 
-    final_add_norm = staticmethod(add_rms_norm)  # fuse() swaps in the compiled kernel
+    final_add_norm = staticmethod(add_rms_norm)  # fuse() swaps in the kernel (fast_add_rms_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 capture: tuple[int, ...] = ()) -> ForwardOutput:
@@ -104,7 +104,7 @@ class FoldedDecoderLM(HFLayoutLM):
         return self.lm_head(hidden)
 
     def fuse(self) -> None:  # fuse_small_ops() calls it
-        self.final_add_norm = compiled(add_rms_norm)
+        self.final_add_norm = fast_add_rms_norm
 
 
 def fuse_small_ops(root: nn.Module, compile: bool = True) -> None:

@@ -14,7 +14,7 @@ from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
-from verispec.models.layers.fused import add_rms_norm, compiled, fast_prepare_qk, merged_linear, prepare_qk
+from verispec.models.layers.fused import add_rms_norm, fast_add_rms_norm, fast_prepare_qk, merged_linear, prepare_qk
 from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -125,7 +125,7 @@ class DecoderLayer(nn.Module):
         self.add_norm = add_rms_norm
 
     def fuse(self) -> None:
-        self.add_norm = compiled(add_rms_norm)
+        self.add_norm = fast_add_rms_norm
 
     def forward(self, x: torch.Tensor, update: torch.Tensor | None, cos, sin, inputs: AttentionInputs
                 ) -> tuple[torch.Tensor, torch.Tensor]:

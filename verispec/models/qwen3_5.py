@@ -23,7 +23,7 @@ from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec
 from verispec.errors import UnsupportedModelError
 from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs
-from verispec.models.layers.fused import add_rms_norm, compiled
+from verispec.models.layers.fused import add_rms_norm, fast_add_rms_norm
 from verispec.models.layers.gated_attention import GatedAttention
 from verispec.models.layers.gated_delta_net import GatedDeltaNet
 from verispec.models.layers.mlp import GatedMLP
@@ -130,7 +130,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         return mixer.cache_spec()
 
     def fuse(self) -> None:
-        self.add_norm = compiled(add_rms_norm)
+        self.add_norm = fast_add_rms_norm
 
     def forward(self, x: torch.Tensor, update: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,6 +67,23 @@ def fast_prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     return q, k
 
 
+def fast_add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float,
+                      unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` as the fused models run it: our kernel (kernels/rms_norm.py: a program per
+    row, so a row's bits do not depend on the pass's width; programmatic launch on sm_90) where it
+    takes the inputs, else the compiled function (why: logged once under VERISPEC_DEBUG=1)."""
+    from verispec.kernels import rms_norm as kernel
+
+    reason = kernel.unsupported_reason(x, weight)
+    if reason is None:
+        return kernel.add_rms_norm(x, update, weight, eps, unit_offset)
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        from verispec import log
+        log.debug("residual add + RMSNorm by the compiled torch function, not kernels/rms_norm.py: %s", reason)
+    return compiled(add_rms_norm)(x, update, weight, eps, unit_offset)
+
+
 _logged_fallbacks: set[str] = set()
 
 
