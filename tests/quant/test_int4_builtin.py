@@ -112,7 +112,7 @@ def test_engine_choice_leaves_cpu_layers_and_obeys_the_knob(monkeypatch):
     assert convert_for_builtin_int4(model, torch.bfloat16) == 0  # on the CPU: the layer keeps its words
     assert model[0].int4_packed is None and model[0].weight.numel() > 0
     monkeypatch.setenv(QUANT_KERNEL_ENV, "tinygemm")
-    with pytest.raises(UnsupportedModelError, match="auto, builtin, gemv, triton"):
+    with pytest.raises(UnsupportedModelError, match="auto, mma, builtin, gemv, triton"):
         convert_for_builtin_int4(model, torch.bfloat16)
 
 

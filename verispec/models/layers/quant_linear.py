@@ -31,7 +31,7 @@ from torch import nn
 from verispec import log
 from verispec.config import env
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import dequantize, int4_builtin, quant_gemv, quant_matmul, quant_mma
+from verispec.kernels import dequantize, int4_builtin, quant_frag, quant_gemv, quant_matmul, quant_mma
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -67,6 +67,10 @@ class QuantizedLinear(nn.Module):
         # ran; buffers, so .to() moves them and the roofline counts them
         self.register_buffer("int4_packed", None, persistent=False)
         self.register_buffer("int4_scale_zero", None, persistent=False)
+        # the fragment-order copy of a 4-bit weight (kernels/quant_frag.py), once use_fragment_order ran
+        self.register_buffer("frag_words", None, persistent=False)
+        self.register_buffer("frag_terms", None, persistent=False)
+        self.frag: quant_frag.FragWeights | None = None
 
     # the tensors of one format; overridden per format
     def packed_values(self) -> torch.Tensor:
@@ -124,6 +128,8 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if self.int4_packed is not None and (rows <= int4_builtin.MAX_ROWS or self.released()):
             y = int4_builtin.matmul(flat.contiguous(), self.int4_packed, self.group_size, self.int4_scale_zero)
+        elif self.frag is not None and rows <= quant_frag.MAX_ROWS and x.dtype == self.frag.terms.dtype:
+            y = quant_frag.frag_gemv(flat, self.frag)
         elif rows <= quant_mma.MAX_ROWS and self._takes(self.mma_reason, x):
             y = quant_mma.mma_gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                    self.group_size, self.zero_point)
@@ -143,24 +149,29 @@ class QuantizedLinear(nn.Module):
 
     def silu_gate_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this merged [gate; up] layer's decode / verify passes cannot apply SiLU(gate) * up
-        in the tensor-core kernel's epilogue (None: they can, once interleave_gate_up ran)."""
-        if reason := self.mma_reason(device, dtype):
+        in a tensor-core kernel's epilogue (None: they can, once interleave_gate_up ran)."""
+        if self.frag is None and (reason := self.mma_reason(device, dtype)):
             return reason
         if self.bias is not None:
             return "a bias (added before the activation)"
         if self.int4_packed is not None:
             return "a tinygemm copy of the weight"
-        if self.out_features % (2 * quant_mma.GATE_CHUNK):
-            return f"{self.out_features // 2} intermediate features (not a multiple of {quant_mma.GATE_CHUNK})"
+        if self.out_features % (2 * self._gate_chunk()):
+            return f"{self.out_features // 2} intermediate features (not a multiple of {self._gate_chunk()})"
         return None
 
+    def _gate_chunk(self) -> int:
+        """Gate rows (then as many up rows) one program of the decode kernel holds."""
+        return quant_frag.GATE_CHUNK if self.frag is not None else quant_mma.GATE_CHUNK
+
     def interleave_gate_up(self) -> None:
-        """Reorders the rows of a merged [gate (I rows); up (I rows)] layer into GATE_CHUNK gate
-        rows, the same GATE_CHUNK up rows, and so on: one program of the tensor-core kernel then
-        holds both halves of its outputs and writes SiLU(gate) * up (`silu_gated`)."""
+        """Reorders the rows of a merged [gate (I rows); up (I rows)] layer into chunks of gate rows,
+        the same rows of up, and so on (8 for the fragment-order kernel, 16 for quant_mma): one
+        program of the decode kernel then holds both halves of its outputs and writes SiLU(gate) *
+        up (`silu_gated`)."""
         if self.gate_chunk:
             raise RuntimeError("interleave_gate_up: the rows are interleaved already")
-        chunk, half = quant_mma.GATE_CHUNK, self.out_features // 2
+        chunk, half = self._gate_chunk(), self.out_features // 2
         order = torch.arange(self.out_features).view(2, half // chunk, chunk).transpose(0, 1).reshape(-1)
         self.reorder_rows(order)
         self.gate_chunk = chunk
@@ -171,6 +182,8 @@ class QuantizedLinear(nn.Module):
             old = getattr(self, name)
             new = old[order.to(old.device)].contiguous()
             setattr(self, name, nn.Parameter(new, requires_grad=False) if isinstance(old, nn.Parameter) else new)
+        if self.frag is not None:  # the copy follows the rows
+            self.use_fragment_order(self.frag.terms.dtype)
 
     def row_tensor_names(self) -> tuple[str, ...]:
         """The [N, ...] tensors that follow the output rows."""
@@ -182,6 +195,9 @@ class QuantizedLinear(nn.Module):
         `gated(gate, up)` (the MLP's own SiLU(gate) * up, as it runs unmerged)."""
         rows = x.numel() // self.in_features
         half = self.out_features // 2
+        if self.frag is not None and rows <= quant_frag.MAX_ROWS and x.dtype == self.frag.terms.dtype:
+            y = quant_frag.frag_gemv(x.reshape(rows, self.in_features), self.frag, silu_gate=True)
+            return y.view(*x.shape[:-1], half)
         if rows <= quant_mma.MAX_ROWS and self._takes(self.silu_gate_reason, x):
             y = quant_mma.mma_gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
                                    self.group_offsets(), self.bits, self.group_size, self.zero_point, silu_gate=True)
@@ -199,9 +215,25 @@ class QuantizedLinear(nn.Module):
             cache[key] = reason_of(x.device, x.dtype) is None
         return cache[key]
 
+    def frag_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why decode / verify passes of this layer do not take the fragment-order kernel (None: they
+        may, once use_fragment_order ran)."""
+        if self.int4_packed is not None:
+            return "a tinygemm copy of the weight"
+        return (_mode_reason(device, ("auto",))
+                or quant_frag.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features))
+
+    def use_fragment_order(self, dtype: torch.dtype) -> None:
+        """Keeps a copy of the weight in the fragment-order kernel's layout (kernels/quant_frag.py,
+        scales and offsets in `dtype`) for decode and verify passes; wider passes keep the
+        checkpoint's words."""
+        self.frag = quant_frag.repack(self.packed_values(), self.group_scales(), self.group_offsets(),
+                                      self.group_size, self.zero_point, dtype)
+        self.frag_words, self.frag_terms = self.frag.words, self.frag.terms
+
     def mma_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode / verify passes of this layer do not take the tensor-core kernel (None: they do)."""
-        return (_mode_reason(device, ("auto",))
+        return (_mode_reason(device, ("auto", "mma"))
                 or quant_mma.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features))
 
     def gemv_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -436,8 +468,8 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | builtin | gemv | triton
-QUANT_KERNELS = ("auto", "builtin", "gemv", "triton")
+QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | mma | builtin | gemv | triton
+QUANT_KERNELS = ("auto", "mma", "builtin", "gemv", "triton")
 
 
 def _mode_reason(device: torch.device, modes: tuple[str, ...]) -> str | None:
@@ -451,11 +483,13 @@ def _mode_reason(device: torch.device, modes: tuple[str, ...]) -> str | None:
 
 
 def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
-    """Gives every eligible 4-bit layer under `root` that the tensor-core kernel
-    (kernels/quant_mma.py) does not take torch's int4 kernel (kernels/int4_builtin.py) for decode
+    """Gives every 4-bit layer under `root` that the fragment-order kernel (kernels/quant_frag.py:
+    groups of 64 or more) takes its copy in that kernel's layout, and every eligible one the
+    tensor-core kernels do not take torch's int4 kernel (kernels/int4_builtin.py) for decode
     and verify passes; the others take the Gluon GEMV (kernels/quant_gemv.py) or the Triton kernel,
     each reason logged once under VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks: auto (default)
-    runs 4-bit layers on the tensor-core kernel where it can (sm_90+, bfloat16 / float16), else
+    runs 4-bit layers on the fragment-order kernel, else on quant_mma's (sm_90+, bfloat16 / float16;
+    mma: quant_mma's only, keeping no copy), else
     on tinygemm, keeping the checkpoint's words too for wider passes (batches, prefill), at twice
     the quantized weights' memory; builtin gives every 4-bit layer tinygemm and drops the words
     (every pass on tinygemm, which is slow from 16 rows: see docs/benchmarks.md); gemv converts
@@ -467,7 +501,14 @@ def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
     if choice in ("gemv", "triton"):
         _log_gemv_reasons(root, dtype)
         return 0
-    eligible = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None]
+    eligible = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None
+                and m.frag is None]
+    on_frag = _choose(eligible, lambda m: m.frag_reason(m.packed_values().device, dtype), "the fragment-order "
+                      "kernel takes decode / verify passes of %d quantized layers", "quantized layers with %s do "
+                      "not take the fragment-order kernel")
+    for module in on_frag:
+        module.use_fragment_order(dtype)
+    eligible = [m for m in eligible if m.frag is None]
     on_mma = _choose(eligible, lambda m: m.mma_reason(m.packed_values().device, dtype), "the tensor-core kernel "
                      "takes decode / verify passes of %d quantized layers", "quantized layers with %s do not take "
                      "the tensor-core kernel")
