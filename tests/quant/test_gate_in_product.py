@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from tests.quant.test_int4_builtin import mlx_layer, zero_point_layer
 from verispec.kernels import quant_mma
 from verispec.models.layers.mlp import GatedMLP
-from verispec.models.layers.quant_linear import (MLXAffineLinear, PackedIntLinear, gate_in_products,
-                                                 unsigned_zero_points)
+from verispec.models.layers.quant_convert import gate_in_products
+from verispec.models.layers.quant_linear import MLXAffineLinear, PackedIntLinear, unsigned_zero_points
 
 
 def merged_gate_up(kind: str):

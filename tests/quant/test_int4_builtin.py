@@ -10,8 +10,8 @@ import torch
 from verispec.errors import UnsupportedModelError
 from verispec.kernels import int4_builtin
 from verispec.kernels.quant_matmul import dequant_matmul_reference
-from verispec.models.layers.quant_linear import (QUANT_KERNEL_ENV, MLXAffineLinear, PackedIntLinear,
-                                                 convert_for_builtin_int4)
+from verispec.models.layers.quant_convert import convert_for_builtin_int4
+from verispec.models.layers.quant_linear import QUANT_KERNEL_ENV, MLXAffineLinear, PackedIntLinear
 from verispec.quant import mlx_affine
 from verispec.quant.packing import pack_rows
 

@@ -38,7 +38,7 @@ def weight_bytes(model: CausalLM) -> int:
         total -= table_bytes
         total += table_bytes // table.num_embeddings
     # a 4-bit layer given torch's int4 kernel beside its checkpoint words reads only tinygemm's copy
-    # in a decode step (models/layers/quant_linear.convert_for_builtin_int4)
+    # in a decode step (models/layers/quant_convert.convert_for_builtin_int4)
     # (and one given the fragment-order copy, kernels/quant_frag.py, reads only that one)
     for module in model.modules():
         if getattr(module, "int4_packed", None) is not None and not module.released():

@@ -55,7 +55,7 @@ class GatedMLP(nn.Module):
 
     def gate_in_product(self) -> None:
         """The merged gate/up's rows are interleaved for the tensor-core kernel, which then writes
-        SiLU(gate) * up itself (quant_linear.gate_in_products decides)."""
+        SiLU(gate) * up itself (quant_convert.gate_in_products decides)."""
         self.gate_up_proj.interleave_gate_up()
         self.gated_product = True
 

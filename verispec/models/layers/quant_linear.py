@@ -111,8 +111,12 @@ class QuantizedLinear(nn.Module):
         self.int4_scale_zero = int4_builtin.scales_and_zeros(self.group_scales(), self.group_offsets(),
                                                              self.zero_point)
         del q
-        if not release:
-            return
+        if release:
+            self.release_checkpoint()
+
+    def release_checkpoint(self) -> None:
+        """Drops the checkpoint's tensors once a copy in a kernel's layout holds the weight (an
+        embedding sharing them keeps its own reference)."""
         for name in self.checkpoint_tensor_names():
             old = getattr(self, name)
             empty = torch.empty(0, dtype=old.dtype, device=old.device)
@@ -120,6 +124,10 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
+        if self.frag is not None and self.released():
+            if self.frag.words.device.type == "cuda" and quant_frag.tl is not None and dtype != torch.float64:
+                return quant_frag.dequantize_kernel(self.frag, dtype)
+            return quant_frag.dequantize(self.frag, dtype)
         return dequantize.decode(self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                  self.group_size, self.zero_point, dtype)
 
@@ -130,6 +138,11 @@ class QuantizedLinear(nn.Module):
             y = int4_builtin.matmul(flat.contiguous(), self.int4_packed, self.group_size, self.int4_scale_zero)
         elif self.frag is not None and rows <= quant_frag.MAX_ROWS and x.dtype == self.frag.terms.dtype:
             y = quant_frag.frag_gemv(flat, self.frag)
+        elif self.frag is not None and rows <= FRAG_CHUNKED_MAX_ROWS and x.dtype == self.frag.terms.dtype:
+            # 8 rows a launch; a row's result does not depend on the launch's other rows
+            y = torch.cat([quant_frag.frag_gemv(part, self.frag) for part in flat.split(quant_frag.MAX_ROWS)])
+        elif self.released():  # the fragment-order copy alone holds the weight
+            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         elif rows <= quant_mma.MAX_ROWS and self._takes(self.mma_reason, x):
             y = quant_mma.mma_gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                    self.group_size, self.zero_point)
@@ -178,6 +191,8 @@ class QuantizedLinear(nn.Module):
 
     def reorder_rows(self, order: torch.Tensor) -> None:
         """Output row i becomes what row order[i] was (words, scales, offsets and bias alike)."""
+        if self.released():
+            raise RuntimeError("reorder_rows: the checkpoint's words were released (reorder before converting)")
         for name in self.row_tensor_names() + (("bias",) if self.bias is not None else ()):
             old = getattr(self, name)
             new = old[order.to(old.device)].contiguous()
@@ -468,6 +483,10 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+# passes up to this many rows run the fragment-order kernel 8 rows a launch (each launch reads the
+# weight once: 4 launches still beat dequantizing the whole weight for one GEMM); wider ones (prefill)
+# dequantize the fragment-order copy
+FRAG_CHUNKED_MAX_ROWS = 32
 QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | mma | builtin | gemv | triton
 QUANT_KERNELS = ("auto", "mma", "builtin", "gemv", "triton")
 
@@ -480,87 +499,6 @@ def _mode_reason(device: torch.device, modes: tuple[str, ...]) -> str | None:
     if env().quant_kernel not in modes:
         return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
     return None
-
-
-def convert_for_builtin_int4(root: nn.Module, dtype: torch.dtype) -> int:
-    """Gives every 4-bit layer under `root` that the fragment-order kernel (kernels/quant_frag.py:
-    groups of 64 or more) takes its copy in that kernel's layout, and every eligible one the
-    tensor-core kernels do not take torch's int4 kernel (kernels/int4_builtin.py) for decode
-    and verify passes; the others take the Gluon GEMV (kernels/quant_gemv.py) or the Triton kernel,
-    each reason logged once under VERISPEC_DEBUG=1. VERISPEC_QUANT_KERNEL picks: auto (default)
-    runs 4-bit layers on the fragment-order kernel, else on quant_mma's (sm_90+, bfloat16 / float16;
-    mma: quant_mma's only, keeping no copy), else
-    on tinygemm, keeping the checkpoint's words too for wider passes (batches, prefill), at twice
-    the quantized weights' memory; builtin gives every 4-bit layer tinygemm and drops the words
-    (every pass on tinygemm, which is slow from 16 rows: see docs/benchmarks.md); gemv converts
-    nothing and runs 4-bit layers on the GEMV too; triton converts nothing and uses neither the
-    GEMV nor tinygemm. Returns how many layers were converted."""
-    choice = env().quant_kernel
-    if choice not in QUANT_KERNELS:
-        raise UnsupportedModelError(f"{QUANT_KERNEL_ENV}={choice!r}: accepted values are {', '.join(QUANT_KERNELS)}")
-    if choice in ("gemv", "triton"):
-        _log_gemv_reasons(root, dtype)
-        return 0
-    eligible = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None
-                and m.frag is None]
-    on_frag = _choose(eligible, lambda m: m.frag_reason(m.packed_values().device, dtype), "the fragment-order "
-                      "kernel takes decode / verify passes of %d quantized layers", "quantized layers with %s do "
-                      "not take the fragment-order kernel")
-    for module in on_frag:
-        module.use_fragment_order(dtype)
-    eligible = [m for m in eligible if m.frag is None]
-    on_mma = _choose(eligible, lambda m: m.mma_reason(m.packed_values().device, dtype), "the tensor-core kernel "
-                     "takes decode / verify passes of %d quantized layers", "quantized layers with %s do not take "
-                     "the tensor-core kernel")
-    taken = {id(m) for m in on_mma}
-    eligible = [m for m in eligible if id(m) not in taken]
-    chosen = _choose(eligible, lambda m: m.builtin_int4_reason(dtype), "torch's int4 kernel (tinygemm) takes %d "
-                     "quantized layers", "quantized layers with %s are not given torch's int4 kernel")
-    for module in chosen:
-        module.use_builtin_int4(release=choice == "builtin")
-    _log_gemv_reasons(root, dtype)
-    return len(chosen)
-
-
-def gate_in_products(root: nn.Module, dtype: torch.dtype) -> int:
-    """Every gated MLP under `root` whose merged quantized gate/up the tensor-core kernel can
-    finish with SiLU(gate) * up takes that path (GatedMLP.gate_in_product: one kernel fewer a
-    layer); under VERISPEC_DEBUG=1, how many did and why others did not. Returns the count."""
-    # not twice: engines built one after another on one model (a plain and a speculative one) each
-    # call this, and a second interleave would scramble the rows
-    mlps = [m for m in root.modules() if hasattr(m, "gate_in_product") and not m.gated_product]
-    chosen = _choose(mlps, lambda m: m.gate_in_product_reason(dtype), "SiLU(gate) * up runs in the gate/up "
-                     "product's epilogue for %d MLPs", "MLPs with %s keep SiLU(gate) * up as its own kernel")
-    for mlp in chosen:
-        mlp.gate_in_product()
-    return len(chosen)
-
-
-def _log_gemv_reasons(root: nn.Module, dtype: torch.dtype) -> None:
-    """Under VERISPEC_DEBUG=1: how many layers run decode / verify passes on the Gluon GEMV, and
-    why the others do not (once per reason). Layers tinygemm or the tensor-core kernel took are not
-    counted."""
-    layers = [m for m in root.modules() if isinstance(m, QuantizedLinear) and m.int4_packed is None
-              and m.mma_reason(m.packed_values().device, dtype) is not None]
-    _choose(layers, lambda m: m.gemv_reason(m.packed_values().device, dtype), "the Gluon GEMV takes decode / "
-            "verify passes of %d quantized layers", "quantized layers with %s keep the Triton dequant-matmul "
-            "kernel for decode passes")
-
-
-def _choose(layers: list[QuantizedLinear], reason_of, taken: str, refused: str) -> list[QuantizedLinear]:
-    """The layers `reason_of` has no objection to; under VERISPEC_DEBUG=1, their count (`taken`)
-    and each objection once (`refused`)."""
-    chosen, reasons = [], set()
-    for layer in layers:
-        reason = reason_of(layer)
-        if reason is None:
-            chosen.append(layer)
-        elif reason not in reasons:
-            reasons.add(reason)
-            log.debug(refused, reason)
-    if chosen:
-        log.debug(taken, len(chosen))
-    return chosen
 
 
 def merge_quantized(layers: list[nn.Module]) -> nn.Module:
