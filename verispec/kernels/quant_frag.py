@@ -33,8 +33,8 @@ import functools
 import torch
 
 # gl, gluon and triton are None without Gluon
-from verispec.kernels import quant_gemv
-from verispec.kernels.quant_gemv import gl, gluon, is_sm90, platform_reason, triton
+from verispec.kernels import quant_gemv, quant_mma
+from verispec.kernels.quant_gemv import gl, gluon, triton
 from verispec.quant.packing import unpack_rows
 
 try:  # the dequantizing kernel for wide passes is plain Triton (it runs in the CPU interpreter too)
@@ -82,21 +82,13 @@ class FragWeights:
 def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
                        in_features: int) -> str | None:
     """Why a layer cannot take this kernel (None: it can)."""
-    if reason := platform_reason(device):
+    if reason := quant_mma.tensor_core_reason(device, dtype, bits):
         return reason
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"activations in {str(dtype).removeprefix('torch.')} (the mma takes bfloat16 and float16)"
-    if bits != 4:
-        return f"{bits}-bit weights (the fragment-order kernel decodes 4-bit)"
     if group_size % BLOCK:
         return f"group size {group_size} (a block of {BLOCK} values must share one scale)"
     if in_features % BLOCK:
         return f"{in_features} input features (not a multiple of {BLOCK})"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not is_sm90(device):
-        return "a GPU before sm_90"
-    return None
+    return quant_mma.gpu_reason(device)
 
 
 @functools.cache

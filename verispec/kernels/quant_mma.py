@@ -101,24 +101,37 @@ def _layouts(num_warps: int, row_tiles: int, blocks: int):
     return words, acts
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
-                       in_features: int) -> str | None:
-    """Why a layer cannot take this kernel (None: it can)."""
+def tensor_core_reason(device: torch.device, dtype: torch.dtype, bits: int) -> str | None:
+    """Why a 4-bit tensor-core kernel of ours (this one, quant_frag.py) cannot take these
+    activations and weights (None: it can, on a GPU `gpu_reason` accepts)."""
     if reason := platform_reason(device):
         return reason
     if dtype not in (torch.bfloat16, torch.float16):
         return f"activations in {str(dtype).removeprefix('torch.')} (the mma takes bfloat16 and float16)"
     if bits != 4:
-        return f"{bits}-bit weights (the tensor-core kernel decodes 4-bit)"
+        return f"{bits}-bit weights (the tensor-core kernels decode 4-bit)"
+    return None
+
+
+def gpu_reason(device: torch.device) -> str | None:
+    """Why the GPU cannot run the 4-bit tensor-core kernels (None: it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not is_sm90(device):
+        return "a GPU before sm_90 (packed bfloat16 arithmetic)"
+    return None
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
+                       in_features: int) -> str | None:
+    """Why a layer cannot take this kernel (None: it can)."""
+    if reason := tensor_core_reason(device, dtype, bits):
+        return reason
     if group_size % 32:
         return f"group size {group_size} (a thread's 4 words must share a group: a multiple of 32)"
     if in_features % BLOCK:
         return f"{in_features} input features (not a multiple of {BLOCK})"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not is_sm90(device):
-        return "a GPU before sm_90 (packed bfloat16 subtraction)"
-    return None
+    return gpu_reason(device)
 
 
 @functools.cache
