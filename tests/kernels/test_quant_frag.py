@@ -192,7 +192,8 @@ def test_once_the_words_are_released_the_copy_serves_every_width(monkeypatch):
     layer.release_checkpoint()
     assert layer.released() and layer.weight.numel() == 0
     widths = []
-    monkeypatch.setattr(kernel, "frag_gemv", lambda x, *a, **kw: widths.append(x.shape[0]) or emulated_frag_gemv(x, *a, **kw))
+    monkeypatch.setattr(kernel, "frag_gemv",
+                        lambda x, *a, **kw: widths.append(x.shape[0]) or emulated_frag_gemv(x, *a, **kw))
     gen = torch.Generator().manual_seed(2)
     for rows in (1, 8, 12, 32, 40):  # a launch; launches of 8 rows; the dequantized copy (prefill)
         x = torch.randn(rows, k, generator=gen)

@@ -13,7 +13,8 @@ of issue slots at about half the memory's speed. Here:
   with nothing else: the mma sums D = sum_k (128 + q_k) x_k over a block, and the block's
   contribution is s*D + c*X in float32, with X = sum_k x_k (an mma with an all-ones A over the
   same B) and c = o - 128*s (MLX affine: w = s*q + o) or c = -(z + 128)*s (zero point: w =
-  (q - z)*s). That is sum_k (s*q_k + o) x_k without rounding the weights: ~13 instructions a word.
+  (q - z)*s). That is sum_k (s*q_k + o) x_k without rounding the weights: ~16 instructions a
+  word in the compiled loop (docs/benchmarks.md, "Fifteenth session").
 
 Precision: D carries the 128*X term, so ~7 of float32's 24 bits go to cancellation (10 in
 float16): still far below the activations' rounding. Row independence (speculative verify ==
@@ -23,7 +24,9 @@ a fixed order, whatever M is.
 Repacked layout (`repack`), per 16-row tile and 64-value block, 128 words: lane (g, t) = (lane //
 4, lane % 4) holds words c = 0..3, word c = the A fragment of k-step c: nibble i + 4h (i = 0..3,
 h = 0..1) is the value at row g + 8*(i % 2) and block position 16t + 4c + 2*(i // 2) + h, which
-the mma sees at k = 16c + 8*(i // 2) + 2t + h. Scales and offsets: [N/16, K/group, 16].
+the mma sees at k = 16c + 8*(i // 2) + 2t + h. Scales and offsets: `FragWeights.terms`.
+Programs take 1, 2 or 4 tiles of 16 rows (`FragTiles.row_tiles`): one activation load serves
+them all, which keeps a verify pass's activation traffic below the weights' on wide layers.
 """
 from __future__ import annotations
 
@@ -67,10 +70,10 @@ class FragTiles:
 
 @dataclasses.dataclass
 class FragWeights:
-    """4-bit weights in the fragment order (`repack`): words [N16/16, K/64, 128] int32; terms [N16/16, K/group, 8, 4] in the
-    activations' dtype: (scale of row g, of row g + 8, offset of row g, of row g + 8) of each
-    16-row tile (offsets: unsigned zero points when zero_point); N16 = N rounded up to 16 (the
-    extra rows are zeros)."""
+    """4-bit weights in the fragment order (`repack`): words [N16/16, K/64, 128] int32; terms
+    [N16/16, K/group, 8, 4] in the activations' dtype: (scale of row g, of row g + 8, offset of
+    row g, of row g + 8) of each 16-row tile (offsets: unsigned zero points when zero_point);
+    N16 = N rounded up to 16*MAX_ROW_TILES (the extra rows are zeros)."""
     words: torch.Tensor
     terms: torch.Tensor
     out_features: int
