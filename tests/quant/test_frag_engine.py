@@ -1,0 +1,83 @@
+"""The engine's CUDA-only steps for 4-bit layers, run on the CPU with the fragment-order kernel
+replaced by what it computes (torch): an MLX 4-bit model written by mlx_lm.convert takes the
+fragment-order copy in every eligible layer, its merged gate/up is interleaved in chunks of 8
+(the copy follows the rows), the checkpoint's words are dropped, and then prefill (through the
+copy's dequantization, and 8 rows a launch), decode and speculative verify give the tokens the
+unconverted model gives."""
+from __future__ import annotations
+
+import torch
+
+from verispec.engine.engine import load_engine
+from verispec.kernels import quant_frag
+from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
+                                                  release_converted_checkpoints)
+from verispec.models.layers.quant_linear import QuantizedLinear
+
+from tests.quant.conftest import mlx_convert
+from tests.spec.conftest import TARGET_SHAPE, ReplayProposer, greedy, spec_engine
+
+NEW_TOKENS = 24
+
+
+def frag_gemv_in_torch(x, fw, tiles=None, silu_gate=False):
+    """quant_frag.frag_gemv's result, computed by torch in x's dtype."""
+    y = x @ quant_frag.dequantize(fw, x.dtype).T
+    if not silu_gate:
+        return y
+    tiles_of = y.view(x.shape[0], -1, 2, quant_frag.GATE_CHUNK)
+    return torch.nn.functional.silu(tiles_of[:, :, 0].flatten(1)) * tiles_of[:, :, 1].flatten(1)
+
+
+def test_converted_and_released_layers_give_the_same_tokens(tiny_models, tmp_path, monkeypatch):
+    src = tiny_models.get("frag-llama", "llama", **TARGET_SHAPE)
+    path = mlx_convert(src, tmp_path / "llama-4bit", q_bits=4, q_group_size=64)
+    reference = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+    prompts = [list(range(5, 60)), list(range(7, 27))]  # one pass of 55 rows; one of 20
+    plain = [reference.generate_all(ids, greedy(NEW_TOKENS)).token_ids for ids in prompts]
+    # a second engine of its own (the first one's prompt cache would skip the prefills)
+    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+
+    widths, gated = [], []
+
+    def fake(x, fw, tiles=None, silu_gate=False):
+        widths.append(x.shape[0])
+        gated.append(silu_gate)
+        return frag_gemv_in_torch(x, fw, tiles, silu_gate)
+
+    monkeypatch.setattr(QuantizedLinear, "frag_reason", lambda self, device, dtype: None)
+    monkeypatch.setattr(quant_frag, "frag_gemv", fake)
+    model = engine.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert convert_for_builtin_int4(model, torch.float32) == 0  # no tinygemm copy
+    assert all(m.frag is not None for m in layers)
+    assert gate_in_products(model, torch.float32) == TARGET_SHAPE["num_hidden_layers"]
+    assert release_converted_checkpoints(model) == len(layers)
+    assert all(m.released() for m in layers)
+
+    for ids, want in zip(prompts, plain):
+        assert engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
+    assert max(widths) <= quant_frag.MAX_ROWS and 1 in widths and any(gated)
+    # the 20-row prompt: 8 + 8 + 4 rows a launch in each decoder layer's 4 products (the head: last row)
+    assert widths.count(4) >= 4 * TARGET_SHAPE["num_hidden_layers"]
+    # verify passes of 4 rows on the copy: speculative == plain
+    for ids, want in zip(prompts, plain):
+        spec = spec_engine(engine, ReplayProposer(want, model.vocab_size, right_at=lambda j: j % 3 != 1), 3)
+        assert spec.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
+
+
+def test_a_second_engine_on_the_same_model_converts_nothing_twice(tiny_models, tmp_path, monkeypatch):
+    src = tiny_models.get("frag-llama", "llama", **TARGET_SHAPE)
+    path = mlx_convert(src, tmp_path / "llama-4bit", q_bits=4, q_group_size=64)
+    engine = load_engine(str(path), dtype="float32", device="cpu")
+    monkeypatch.setattr(QuantizedLinear, "frag_reason", lambda self, device, dtype: None)
+    model = engine.model
+    convert_for_builtin_int4(model, torch.float32)
+    gate_in_products(model, torch.float32)
+    count = release_converted_checkpoints(model)
+    assert count > 0
+    words = {id(m): m.frag.words for m in model.modules() if isinstance(m, QuantizedLinear)}
+    assert convert_for_builtin_int4(model, torch.float32) == 0
+    assert gate_in_products(model, torch.float32) == 0
+    assert release_converted_checkpoints(model) == 0
+    assert all(m.frag.words is words[id(m)] for m in model.modules() if isinstance(m, QuantizedLinear))
