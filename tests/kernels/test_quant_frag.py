@@ -217,3 +217,21 @@ def test_dequantizing_kernel_equals_the_reference():
         want = dequantize_reference(packed, scales, offsets, 4, group, zero_point)
         for dtype in dtypes:
             assert torch.equal(kernel.dequantize_kernel(fw, dtype), want.to(dtype))
+
+
+def test_activations_in_another_dtype_than_the_copy_skip_both_epilogues(monkeypatch):
+    """A copy with bfloat16 terms cannot take float32 activations, and its rows are interleaved in
+    chunks of 8, which quant_mma's SiLU epilogue (chunks of 16) must not be given either: the pass
+    runs unfused on the checkpoint's words."""
+    n, k, group = 64, 256, 64
+    weights = operands(n, k, group, False, torch.float32, 6)
+    plain = layer_with(weights, n, k, group)
+    layer = layer_with(weights, n, k, group)
+    layer.use_fragment_order(torch.bfloat16)
+    layer.interleave_gate_up()
+    monkeypatch.setattr(kernel, "frag_gemv", lambda *a, **kw: pytest.fail("the copy's terms are bfloat16"))
+    monkeypatch.setattr(MLXAffineLinear, "silu_gate_reason", lambda self, device, dtype: None)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    want = plain(x)
+    got = layer.silu_gated(x, lambda gate, up: torch.nn.functional.silu(gate) * up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(want[:, :n // 2]) * want[:, n // 2:])

@@ -37,13 +37,11 @@ def weight_bytes(model: CausalLM) -> int:
         table_bytes = sum(t.numel() * t.element_size() for t in list(table.parameters()) + list(table.buffers()))
         total -= table_bytes
         total += table_bytes // table.num_embeddings
-    # a 4-bit layer given torch's int4 kernel beside its checkpoint words reads only tinygemm's copy
-    # in a decode step (models/layers/quant_convert.convert_for_builtin_int4)
-    # (and one given the fragment-order copy, kernels/quant_frag.py, reads only that one)
+    # a 4-bit layer given a copy in a kernel's layout beside its checkpoint words (tinygemm's, or
+    # the fragment-order one of kernels/quant_frag.py) reads only the copy in a decode step
+    # (models/layers/quant_convert.py); released words count nothing already
     for module in model.modules():
-        if getattr(module, "int4_packed", None) is not None and not module.released():
-            total -= module.checkpoint_bytes()
-        elif getattr(module, "frag_words", None) is not None:
+        if getattr(module, "int4_packed", None) is not None or getattr(module, "frag_words", None) is not None:
             total -= module.checkpoint_bytes()
     return total
 

@@ -70,7 +70,19 @@ class QuantizedLinear(nn.Module):
         # the fragment-order copy of a 4-bit weight (kernels/quant_frag.py), once use_fragment_order ran
         self.register_buffer("frag_words", None, persistent=False)
         self.register_buffer("frag_terms", None, persistent=False)
-        self.frag: quant_frag.FragWeights | None = None
+
+    @property
+    def frag(self) -> quant_frag.FragWeights | None:
+        """The fragment-order copy as the kernel takes it (None before use_fragment_order): the
+        frag_* buffers and this layer's shape and quantization."""
+        if self.frag_words is None:
+            return None
+        return quant_frag.FragWeights(self.frag_words, self.frag_terms, self.out_features, self.in_features,
+                                      self.group_size, self.zero_point)
+
+    def _frag_for(self, x: torch.Tensor) -> quant_frag.FragWeights | None:
+        """The fragment-order copy if activations like x can run on it (its terms are in x's dtype)."""
+        return self.frag if self.frag_terms is not None and self.frag_terms.dtype == x.dtype else None
 
     # the tensors of one format; overridden per format
     def packed_values(self) -> torch.Tensor:
@@ -124,23 +136,24 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
-        if self.frag is not None and self.released():
-            if self.frag.words.device.type == "cuda" and quant_frag.tl is not None and dtype != torch.float64:
-                return quant_frag.dequantize_kernel(self.frag, dtype)
-            return quant_frag.dequantize(self.frag, dtype)
+        if (frag := self.frag) is not None and self.released():
+            if frag.words.device.type == "cuda" and quant_frag.tl is not None and dtype != torch.float64:
+                return quant_frag.dequantize_kernel(frag, dtype)
+            return quant_frag.dequantize(frag, dtype)
         return dequantize.decode(self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                  self.group_size, self.zero_point, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
+        frag = self._frag_for(x)
         if self.int4_packed is not None and (rows <= int4_builtin.MAX_ROWS or self.released()):
             y = int4_builtin.matmul(flat.contiguous(), self.int4_packed, self.group_size, self.int4_scale_zero)
-        elif self.frag is not None and rows <= quant_frag.MAX_ROWS and x.dtype == self.frag.terms.dtype:
-            y = quant_frag.frag_gemv(flat, self.frag)
-        elif self.frag is not None and rows <= FRAG_CHUNKED_MAX_ROWS and x.dtype == self.frag.terms.dtype:
+        elif frag is not None and rows <= quant_frag.MAX_ROWS:
+            y = quant_frag.frag_gemv(flat, frag)
+        elif frag is not None and rows <= FRAG_CHUNKED_MAX_ROWS:
             # 8 rows a launch; a row's result does not depend on the launch's other rows
-            y = torch.cat([quant_frag.frag_gemv(part, self.frag) for part in flat.split(quant_frag.MAX_ROWS)])
+            y = torch.cat([quant_frag.frag_gemv(part, frag) for part in flat.split(quant_frag.MAX_ROWS)])
         elif self.released():  # the fragment-order copy alone holds the weight
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
         elif rows <= quant_mma.MAX_ROWS and self._takes(self.mma_reason, x):
@@ -197,8 +210,8 @@ class QuantizedLinear(nn.Module):
             old = getattr(self, name)
             new = old[order.to(old.device)].contiguous()
             setattr(self, name, nn.Parameter(new, requires_grad=False) if isinstance(old, nn.Parameter) else new)
-        if self.frag is not None:  # the copy follows the rows
-            self.use_fragment_order(self.frag.terms.dtype)
+        if self.frag_terms is not None:  # the copy follows the rows
+            self.use_fragment_order(self.frag_terms.dtype)
 
     def row_tensor_names(self) -> tuple[str, ...]:
         """The [N, ...] tensors that follow the output rows."""
@@ -210,10 +223,12 @@ class QuantizedLinear(nn.Module):
         `gated(gate, up)` (the MLP's own SiLU(gate) * up, as it runs unmerged)."""
         rows = x.numel() // self.in_features
         half = self.out_features // 2
-        if self.frag is not None and rows <= quant_frag.MAX_ROWS and x.dtype == self.frag.terms.dtype:
-            y = quant_frag.frag_gemv(x.reshape(rows, self.in_features), self.frag, silu_gate=True)
+        frag = self._frag_for(x)
+        if frag is not None and rows <= quant_frag.MAX_ROWS:
+            y = quant_frag.frag_gemv(x.reshape(rows, self.in_features), frag, silu_gate=True)
             return y.view(*x.shape[:-1], half)
-        if rows <= quant_mma.MAX_ROWS and self._takes(self.silu_gate_reason, x):
+        # quant_mma's epilogue expects its own chunks of 16, not the fragment-order copy's 8
+        if self.frag_words is None and rows <= quant_mma.MAX_ROWS and self._takes(self.silu_gate_reason, x):
             y = quant_mma.mma_gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
                                    self.group_offsets(), self.bits, self.group_size, self.zero_point, silu_gate=True)
             return y.view(*x.shape[:-1], half)
@@ -242,9 +257,9 @@ class QuantizedLinear(nn.Module):
         """Keeps a copy of the weight in the fragment-order kernel's layout (kernels/quant_frag.py,
         scales and offsets in `dtype`) for decode and verify passes; wider passes keep the
         checkpoint's words."""
-        self.frag = quant_frag.repack(self.packed_values(), self.group_scales(), self.group_offsets(),
-                                      self.group_size, self.zero_point, dtype)
-        self.frag_words, self.frag_terms = self.frag.words, self.frag.terms
+        frag = quant_frag.repack(self.packed_values(), self.group_scales(), self.group_offsets(), self.group_size,
+                                 self.zero_point, dtype)
+        self.frag_words, self.frag_terms = frag.words, frag.terms
 
     def mma_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why decode / verify passes of this layer do not take the tensor-core kernel (None: they do)."""
