@@ -237,15 +237,8 @@ def _layouts(num_warps: int, blocks: int, row_tiles: int):
 
 @functools.cache
 def _decode_asm(half: bool) -> str:
-    """PTX: outputs $0..$7 (nibble j -> magic + q in $j), input $8 the word. LOP3 0xEA = (a & b) | c."""
-    magic = "0x64006400" if half else "0x43004300"
-    body = "{\n.reg .b32 u, t;\n"
-    for i in range(4):  # nibbles i and i + 4: bits 4i and 16 + 4i
-        source = "$8" if i == 0 else "t"
-        if i:
-            body += f"shr.b32 t, $8, {4 * i};\n"
-        body += f"lop3.b32 u, {source}, 0x000F000F, {magic}, 0xEA;\nmov.b32 {{${i}, ${i + 4}}}, u;\n"
-    return body + "}"
+    """PTX: outputs $0..$7 (nibble j -> magic + q in $j), input $8 the word."""
+    return quant_mma.nibble_pairs_asm("0x64006400" if half else "0x43004300")
 
 
 # two 16-bit floats in a 32-bit word -> each as float32: (bf16: the bits shifted up; f16: cvt)

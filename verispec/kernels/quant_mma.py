@@ -143,12 +143,20 @@ def _decode_asm(half: bool, zero_point: bool) -> str:
         scale = f"sub.{kind} u, u, $10;\nmul.rn.{kind} u, u, $9;\n"
     else:
         scale = f"sub.{kind} u, u, m;\nfma.rn.{kind} u, u, $9, $10;\n"
+    return nibble_pairs_asm(magic, scale)
+
+
+def nibble_pairs_asm(magic: str, then: str = "") -> str:
+    """PTX: the 8 nibbles of the word $8 as magic + q in the 16-bit outputs $0..$7 (value j in $j).
+    Nibbles i and i + 4 (bits 4i and 16 + 4i) come out of one LOP3 (0xEA: (a & b) | c) as a pair
+    in the register u, which the PTX `then` may rework (the register m holds the magic pair)
+    before it is split into $i and $i + 4. quant_frag.py's decode is this with nothing after."""
     body = f"{{\n.reg .b32 u, m, t;\nmov.b32 m, {magic};\n"
-    for i in range(4):  # values i and i + 4: bits 4i and 16 + 4i
+    for i in range(4):
         source = "$8" if i == 0 else "t"
         if i:
             body += f"shr.b32 t, $8, {4 * i};\n"
-        body += f"lop3.b32 u, {source}, 0x000F000F, m, 0xEA;\n{scale}mov.b32 {{${i}, ${i + 4}}}, u;\n"
+        body += f"lop3.b32 u, {source}, 0x000F000F, m, 0xEA;\n{then}mov.b32 {{${i}, ${i + 4}}}, u;\n"
     return body + "}"
 
 
