@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_gemv_variants import LAYERS, Copies  # noqa: E402
+from gpu_mma_gemv import random_operands  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import quant_frag as qf, quant_matmul as qm, quant_mma  # noqa: E402
-from verispec.quant.packing import pack_rows  # noqa: E402
 
 MS = (1, 2, 4, 8)
 
@@ -39,13 +39,7 @@ def check_correctness() -> list[dict]:
                 for n, k in ((200, 512), (4096, 1024), (1000, 384), (48, 4096)):
                     if k % group:
                         continue
-                    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int64)
-                    packed = pack_rows(q, 4)
-                    scales = (torch.rand(n, k // group, device="cuda") * 0.01 + 0.001).to(dtype)
-                    if zero_point:
-                        offsets = torch.randint(0, 16, (n, k // group), device="cuda").to(dtype)
-                    else:
-                        offsets = (-8 * scales.float() + torch.randn(n, k // group, device="cuda") * 1e-3).to(dtype)
+                    q, packed, scales, offsets = random_operands(n, k, group, zero_point, dtype)
                     x8 = torch.randn(8, k, device="cuda", dtype=dtype)
                     ref = qm.dequant_matmul_reference(x8.double(), packed, scales, offsets, 4, group, zero_point)
                     row = {"dtype": str(dtype), "zero_point": zero_point, "group": group, "n": n, "k": k}

@@ -32,6 +32,19 @@ from verispec.quant.packing import pack_rows  # noqa: E402
 MS = (1, 2, 4, 8)
 
 
+def random_operands(n: int, k: int, group: int, zero_point: bool, dtype: torch.dtype):
+    """Random 4-bit values q [n, k] on the GPU, their words, scales and offsets in dtype
+    (offsets: zero points, or MLX-like biases near -8 scales)."""
+    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int64)
+    packed = pack_rows(q, 4)
+    scales = (torch.rand(n, k // group, device="cuda") * 0.01 + 0.001).to(dtype)
+    if zero_point:
+        offsets = torch.randint(0, 16, (n, k // group), device="cuda").to(dtype)
+    else:
+        offsets = (-8 * scales.float() + torch.randn(n, k // group, device="cuda") * 1e-3).to(dtype)
+    return q, packed, scales, offsets
+
+
 def check_correctness() -> list[dict]:
     """Every dtype, layout and group against the float64 reference, ragged N, all widths."""
     rows = []
@@ -40,13 +53,7 @@ def check_correctness() -> list[dict]:
         for zero_point in (False, True):
             for group in (32, 64, 128):
                 for n, k in ((200, 512), (4096, 1024), (1000, 384)):
-                    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int64)
-                    packed = pack_rows(q, 4)
-                    scales = (torch.rand(n, k // group, device="cuda") * 0.01 + 0.001).to(dtype)
-                    if zero_point:
-                        offsets = torch.randint(0, 16, (n, k // group), device="cuda").to(dtype)
-                    else:
-                        offsets = (-8 * scales.float() + torch.randn(n, k // group, device="cuda") * 1e-3).to(dtype)
+                    _, packed, scales, offsets = random_operands(n, k, group, zero_point, dtype)
                     x8 = torch.randn(8, k, device="cuda", dtype=dtype)
                     ref = qm.dequant_matmul_reference(x8.double(), packed, scales, offsets, 4, group, zero_point)
                     row = {"dtype": str(dtype), "zero_point": zero_point, "group": group, "n": n, "k": k}

@@ -95,6 +95,16 @@ def layer_with(q_weights: tuple, n: int, k: int, group: int) -> MLXAffineLinear:
     return layer
 
 
+def plain_and_converted(n: int, k: int, group: int, integer_offsets: bool, seed: int,
+                        copy_dtype: torch.dtype) -> tuple[MLXAffineLinear, MLXAffineLinear]:
+    """Two float32 layers of the same random 4-bit weight, the second with its fragment-order copy
+    (terms in copy_dtype)."""
+    weights = operands(n, k, group, integer_offsets, torch.float32, seed)
+    plain, layer = layer_with(weights, n, k, group), layer_with(weights, n, k, group)
+    layer.use_fragment_order(copy_dtype)
+    return plain, layer
+
+
 def layer_order(n: int) -> torch.Tensor:
     """The rows of a merged [gate; up] layer after interleave_gate_up (chunks of GATE_CHUNK)."""
     chunk = kernel.GATE_CHUNK
@@ -103,10 +113,7 @@ def layer_order(n: int) -> torch.Tensor:
 
 def test_a_layer_takes_the_copy_for_decode_passes_and_the_silu_epilogue(monkeypatch):
     n, k, group = 64, 256, 64
-    weights = operands(n, k, group, False, torch.float32, 5)
-    plain = layer_with(weights, n, k, group)
-    layer = layer_with(weights, n, k, group)
-    layer.use_fragment_order(torch.float32)
+    plain, layer = plain_and_converted(n, k, group, False, 5, torch.float32)
     calls = []
     monkeypatch.setattr(kernel, "frag_gemv", lambda *a, **kw: calls.append(kw) or emulated_frag_gemv(*a, **kw))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
@@ -185,10 +192,7 @@ def test_refuses_what_it_cannot_take_and_names_why():
 
 def test_once_the_words_are_released_the_copy_serves_every_width(monkeypatch):
     n, k, group = 48, 256, 64
-    weights = operands(n, k, group, True, torch.float32, 9)
-    plain = layer_with(weights, n, k, group)
-    layer = layer_with(weights, n, k, group)
-    layer.use_fragment_order(torch.float32)
+    plain, layer = plain_and_converted(n, k, group, True, 9, torch.float32)
     layer.release_checkpoint()
     assert layer.released() and layer.weight.numel() == 0
     widths = []
@@ -224,10 +228,7 @@ def test_activations_in_another_dtype_than_the_copy_skip_both_epilogues(monkeypa
     chunks of 8, which quant_mma's SiLU epilogue (chunks of 16) must not be given either: the pass
     runs unfused on the checkpoint's words."""
     n, k, group = 64, 256, 64
-    weights = operands(n, k, group, False, torch.float32, 6)
-    plain = layer_with(weights, n, k, group)
-    layer = layer_with(weights, n, k, group)
-    layer.use_fragment_order(torch.bfloat16)
+    plain, layer = plain_and_converted(n, k, group, False, 6, torch.bfloat16)
     layer.interleave_gate_up()
     monkeypatch.setattr(kernel, "frag_gemv", lambda *a, **kw: pytest.fail("the copy's terms are bfloat16"))
     monkeypatch.setattr(MLXAffineLinear, "silu_gate_reason", lambda self, device, dtype: None)
