@@ -2,9 +2,11 @@
 """Where a batch-1 decode step's device time goes, kernel by kernel (#14: what besides the weight
 products a 4-bit step pays). For each --quant (none = bf16): random weights of --shape, the
 engine as `verispec bench` builds it (CUDA graphs), a 512-token prompt, then torch.profiler over
---steps decode steps (the prompt's prefill before the profile starts; a step or so may slip out of
-the window, as the engine's worker runs ahead of the consumer): the kernels' device time per step by
-group (weight products, attention, the fused small ops, copies) and by name.
+--steps decode steps (the prompt's prefill before the profile starts; the steps are counted by
+the attention kernel's calls, as the engine's worker runs ahead of the consumer and the window
+cuts steps at both ends): the kernels' device time per step by group (weight products, attention,
+the fused small ops, copies) and by name; with --timeline also the device's idle time between
+kernels and which kernels it comes before.
 
   python3 scripts/gpu_step_kernels.py --shape qwen3-8b --quant none,mlx-4bit
 """
@@ -46,6 +48,8 @@ def main() -> None:
     p.add_argument("--quant", default="none,mlx-4bit")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--timeline", action="store_true",
+                   help="also the gaps: per kernel name, its mean duration and the idle time before it")
     args = p.parse_args()
     for quant in args.quant.split(","):
         opts = BenchOptions(shape=args.shape, quant=None if quant == "none" else quant, contexts=(512,),
@@ -74,19 +78,68 @@ def main() -> None:
                 entry = by_name[event.name]
                 entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
                 entry[1] += 1
+        # the chunks the consumer saw are not the steps the profile holds (the engine's worker runs
+        # ahead, and the window cuts steps at both ends): count them by the attention kernel, which
+        # runs once per layer per step
+        layers = getattr(engine.model, "num_layers", 0)  # (a hybrid model has fewer attention layers)
+        per_layer = [n for name, (_, n) in by_name.items() if "_split_kernel" in name or "_qk_prep" in name]
+        if per_layer and layers:
+            steps = max(per_layer) / layers
         total_us = sum(v[0] for v in by_name.values())
         groups: dict[str, float] = collections.defaultdict(float)
         for name, (us, _) in by_name.items():
             groups[group_of(name)] += us
         print(f"\n== {args.shape} {quant}: graphs {graphs}; wall {wall_ms:.1f} ms for prefill + {args.steps} steps; "
-              f"profiled {steps} decode steps: kernels {total_us / steps:.0f} us per step", flush=True)
+              f"profiled {steps:.1f} decode steps: kernels {total_us / steps:.0f} us per step", flush=True)
         for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {group:30s} {us / steps:8.0f} us/step  {100 * us / total_us:5.1f}%")
         print("  top kernels (us per step, calls per step):")
         for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"    {us / steps:8.1f}  {n / steps:5.1f}  {name[:110]}")
+        if args.timeline:
+            print_timeline(prof, steps, args.top)
         del engine, setup
         torch.cuda.empty_cache()
+
+
+def print_timeline(prof, steps: int, top: int) -> None:
+    """Kernels in device order: the span they cover, the device's idle time between them (a gap is
+    the next kernel's start minus the latest end so far; a programmatic launch can make it
+    negative), and which kernels the idle time comes before."""
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    if not kernels:
+        return
+    span = kernels[-1][1] - kernels[0][0]
+    busy_end = kernels[0][1]
+    idle = 0.0
+    overlap = 0.0
+    before: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    pairs: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])
+    previous = kernels[0][2]
+    for start, end, name in kernels[1:]:
+        gap = start - busy_end
+        entry = before[name]
+        entry[0] += gap
+        entry[1] += 1
+        entry[2] += end - start
+        pair = pairs[(previous[:40], name[:40])]
+        pair[0] += gap
+        pair[1] += 1
+        if gap > 0:
+            idle += gap
+        else:
+            overlap -= gap
+        busy_end = max(busy_end, end)
+        previous = name
+    print(f"  timeline: span {span / steps:.0f} us/step, idle {idle / steps:.0f} us/step, "
+          f"overlapped {overlap / steps:.0f} us/step, {len(kernels) / steps:.1f} kernels/step")
+    print("  idle before (us per step, calls per step, mean gap us, mean duration us):")
+    for name, (gap, n, dur) in sorted(before.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {gap / steps:8.1f}  {n / steps:5.1f}  {gap / n:6.2f}  {dur / n:7.2f}  {name[:90]}")
+    print("  idle by (previous kernel -> kernel) (us per step, mean gap us):")
+    for (a, b), (gap, n) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {gap / steps:8.1f}  {gap / n:6.2f}  {a} -> {b}")
 
 
 if __name__ == "__main__":
