@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompt-tokens", type=int, default=None,
+                    help="prompts of exactly this many tokens (default: 400 characters each). ~8,150 makes "
+                         "the tiny models' generations cross 8,192 keys, where split-K attention's shares grow "
+                         "(64 splits of 128-key blocks for their 2 kv heads)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quant", default="none", help="comma-separated: none, mlx-8bit, mlx-4bit")
     ap.add_argument("--models", default="llama,qwen3")
@@ -75,7 +79,9 @@ def main() -> None:
     targets = []
     for model_type in args.models.split(","):
         fdir = root / model_type
-        build_tiny_model(fdir, model_type, tokenizer_dir=root / "tok", **SHAPE,
+        shape = dict(SHAPE, max_position_embeddings=max(SHAPE["max_position_embeddings"],
+                                                        (args.prompt_tokens or 0) + args.new_tokens + 64))
+        build_tiny_model(fdir, model_type, tokenizer_dir=root / "tok", **shape,
                          **({"head_dim": 64} if model_type == "qwen3" else {}))
         cfg = json.loads((fdir / "config.json").read_text())
         ddir = write_random_eagle3(root / f"{model_type}-eagle3", cfg)
@@ -92,7 +98,12 @@ def main() -> None:
             plain_engine = load_engine(str(mdir), dtype=dtype, device=args.device, cuda_graphs=not args.no_graphs,
                                        overlap_decode=False if args.no_overlap else None)
             tok = plain_engine.tokenizer
-            prompts = [tok.encode(text[i * 997: i * 997 + 400]) for i in range(args.prompts)]
+            if args.prompt_tokens:
+                prompts = [tok.encode(text[i * 997: i * 997 + 12 * args.prompt_tokens])[:args.prompt_tokens]
+                           for i in range(args.prompts)]
+                assert all(len(p) == args.prompt_tokens for p in prompts), "corpus too short for --prompt-tokens"
+            else:
+                prompts = [tok.encode(text[i * 997: i * 997 + 400]) for i in range(args.prompts)]
             params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
             plain_engine.capture_graphs()
             plain = [plain_engine.generate_all(p, params).token_ids for p in prompts]

@@ -14,6 +14,30 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_loop_bounds_fix() -> None:
+    """Triton 3.6's interpreter turns a scalar used as a loop bound into an int with
+    int(ndarray of shape (1,)), which numpy 2.4 refuses; a kernel whose loop bounds come from its
+    inputs (split-K attention) then cannot run there. Same conversion, of the one element."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_verispec_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._verispec_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_loop_bounds_fix()
+
 from verispec.demo.tiny import build_tiny_model, build_tokenizer
 
 # Saving a fixture checkpoint draws a "Writing model shards" bar on stderr where a test may be

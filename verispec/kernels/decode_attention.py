@@ -85,15 +85,21 @@ if triton is not None:
         q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)
         pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
-        last = tl.load(POS + b * stride_pb + (T - 1))
-        kv_len = last + 1
-        lo = kv_len * 0
-        if HAS_WINDOW:
-            first = tl.load(POS + b * stride_pb)
-            lo = tl.maximum(first - window + 1, 0)
-        chunk = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = lo + s * chunk
-        end = tl.minimum(start + chunk, kv_len)
+        # Each query row splits its own keys [lo_t, pos_t] into NUM_SPLITS shares of whole blocks,
+        # as a one-row pass at its position would (shares grow with the keys: a pass's rows can
+        # straddle a growth point). The program covers the union of its rows' shares in blocks
+        # aligned as theirs are, and masks each row to its own share: a block outside it leaves the
+        # row's running sums bit for bit as they were, so a row's result does not depend on the
+        # other rows of the pass (speculative == plain greedy).
+        kv_t = pos_t + 1
+        lo_t = kv_t * 0
+        if HAS_WINDOW:  # the window's first key, rounded down to a block (the mask does the rest)
+            lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
+        chunk_t = tl.cdiv(tl.cdiv(kv_t - lo_t, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start_t = lo_t + s * chunk_t
+        end_t = tl.minimum(start_t + chunk_t, kv_t)
+        start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
+        end = tl.max(tl.where(row_valid, end_t, 0), 0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -119,7 +125,8 @@ if triton is not None:
             else:
                 qk = tl.dot(q, tl.trans(k))
             qk = qk * scale
-            allowed = n_valid[None, :] & (offs_n[None, :] <= pos_t[:, None])
+            allowed = (n_valid[None, :] & (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
+                       & (offs_n[None, :] <= pos_t[:, None]))
             if HAS_WINDOW:
                 allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
             qk = tl.where(allowed, qk, float("-inf"))

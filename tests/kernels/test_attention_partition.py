@@ -1,0 +1,47 @@
+"""A query row's split-K attention does not depend on the other rows of its pass: a verify pass
+over positions p..p+3 gives each row the bits a one-row pass at that position gives, also where
+the keys' split into shares changes size between p and p+3 (speculative == plain greedy needs
+this). Runs on CUDA, and on the CPU in Triton's interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.kernels import decode_attention as kernel
+
+pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")
+
+
+def _device_case():
+    if torch.cuda.is_available():  # the engine's shapes: 16 splits of 128-key blocks, bf16
+        return "cuda", torch.bfloat16, 32, 8, 128, None
+    # the interpreter: small heads, 2 splits of 64-key blocks (float32 tiles) -> shares change
+    # size when the keys pass 128
+    return "cpu", torch.float32, 4, 1, 16, 2
+
+
+def _rows_alone_and_together(first: int, t: int, window: int | None):
+    device, dtype, hq, hkv, d, splits = _device_case()
+    gen = torch.Generator(device=device).manual_seed(first)
+    cap = first + t + 5
+    q = torch.randn(1, hq, t, d, device=device, generator=gen).to(dtype)
+    k = torch.randn(1, hkv, cap, d, device=device, generator=gen).to(dtype)
+    v = torch.randn(1, hkv, cap, d, device=device, generator=gen).to(dtype)
+    pos = torch.arange(first, first + t, device=device)[None]
+    together = kernel.decode_attention(q, k, v, pos, d ** -0.5, window, num_splits=splits)
+    alone = [kernel.decode_attention(q[:, :, i:i + 1].contiguous(), k, v, pos[:, i:i + 1], d ** -0.5, window,
+                                     num_splits=splits) for i in range(t)]
+    return together, torch.cat(alone, dim=2)
+
+
+def _crossing(device: str) -> int:
+    """A first position such that a 4-row pass's keys cross the point where shares grow."""
+    return 2 * 16 * 128 - 2 if device == "cuda" else 2 * 64 - 2
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_rows_of_a_verify_pass_equal_their_one_row_passes(window):
+    device = _device_case()[0]
+    for first in (_crossing(device) // 2 - 2, _crossing(device)):
+        together, alone = _rows_alone_and_together(first, 4, window)
+        assert torch.equal(together, alone), f"positions {first}..{first + 3}, window {window}"
