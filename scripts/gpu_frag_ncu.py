@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_mma_ncu import SHAPES, layer_operands  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
-from verispec.quant.packing import pack_rows  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
 def main() -> None:
@@ -33,10 +32,7 @@ def main() -> None:
     torch.manual_seed(0)
     for name in args.layers.split(","):
         n, k = SHAPES[name]
-        packed = pack_rows(torch.randint(0, 16, (n, k), device="cuda"), 4)
-        scales = (torch.rand(n, k // args.group, device="cuda") * 0.01).bfloat16()
-        offsets = (torch.randn(n, k // args.group, device="cuda") * 0.01).bfloat16()
-        fw = qf.repack(packed, scales, offsets, args.group)
+        fw = qf.repack(*layer_operands(name, args.group), args.group)
         x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
         tiles = [qf.FragTiles(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",") if t] or [None]
         for t in tiles:

@@ -23,6 +23,16 @@ from verispec.quant.packing import pack_rows  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
+def layer_operands(name: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random 4-bit operands of a Qwen3-8B layer shape: packed words [N, K/8], scales and offsets
+    [N, K/group] (bf16), on the GPU."""
+    n, k = SHAPES[name]
+    packed = pack_rows(torch.randint(0, 16, (n, k), device="cuda"), 4)
+    scales = (torch.rand(n, k // group, device="cuda") * 0.01).bfloat16()
+    offsets = (torch.randn(n, k // group, device="cuda") * 0.01).bfloat16()
+    return packed, scales, offsets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiles", default="1x2x4n,1x4x4n,2x1x4")
@@ -31,11 +41,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     for name in args.layers.split(","):
-        n, k = SHAPES[name]
-        packed = pack_rows(torch.randint(0, 16, (n, k), device="cuda"), 4)
-        scales = (torch.rand(n, k // args.group, device="cuda") * 0.01).bfloat16()
-        offsets = (torch.randn(n, k // args.group, device="cuda") * 0.01).bfloat16()
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        packed, scales, offsets = layer_operands(name, args.group)
+        x = torch.randn(1, SHAPES[name][1], device="cuda", dtype=torch.bfloat16)
         for item, (tiles, pdl) in zip(args.tiles.split(","), parse_tiles(args.tiles)):
             call = mma_call(tiles, pdl, args.group)
             call(x, packed, scales, offsets)  # compile outside the profiled launch
