@@ -20,8 +20,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="4096,16384,131072")
     parser.add_argument("--tokens", default="1,3", help="query tokens a pass (1: decode, 4: a 3-draft verify)")
     parser.add_argument("--configs", default=None,
-                        help="SPLITSxBLOCK_NxWARPSxSTAGES[xALIGN],... to time (each printed) instead of the sweep "
-                             "(ALIGN: the keys a split's share is rounded to; default BLOCK_N)")
+                        help="SPLITSxBLOCK_NxWARPSxSTAGES,... to time (each printed) instead of the sweep")
     args = parser.parse_args()
     hq, hkv, d = 32, 8, 128
     print("| context | T | SDPA us | split-K default us | best us | best (splits, block_n, warps, stages) | SDPA / best |")
@@ -41,16 +40,17 @@ def main() -> None:
             best, best_cfg = default, "default"
             configs = ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs
                        else itertools.product((4, 8, 16, 32, 64), (32, 64, 128), (4, 8), (2, 3)))
-            for splits, block_n, warps, stages, *align in configs:
+            for splits, block_n, warps, stages in configs:
                 try:
                     us = graph_time_us(lambda: decode_attention(q, k, v, pos, d ** -0.5, num_splits=splits,
-                                                                block_n=block_n, num_warps=warps, num_stages=stages,
-                                                                align=align[0] if align else None))
-                except Exception:  # a configuration that does not fit (shared memory, registers)
+                                                                block_n=block_n, num_warps=warps, num_stages=stages))
+                except Exception as exc:  # a configuration that does not fit (shared memory, registers)
+                    if args.configs:  # one asked for by name says why it did not run
+                        print(f"  {ctx} T={t} {splits}x{block_n}x{warps}x{stages}: {type(exc).__name__}: "
+                              f"{str(exc)[:120]}", flush=True)
                     continue
                 if args.configs:
-                    print(f"  {ctx} T={t} {splits}x{block_n}x{warps}x{stages}{'x%d' % align[0] if align else ''}: "
-                          f"{us:.2f} us", flush=True)
+                    print(f"  {ctx} T={t} {splits}x{block_n}x{warps}x{stages}: {us:.2f} us", flush=True)
                 if us < best:
                     best, best_cfg = us, (splits, block_n, warps, stages)
             print(f"| {ctx} | {t} | {sdpa:.1f} | {default:.1f} | {best:.1f} | {best_cfg} | {sdpa / best:.2f}x |", flush=True)
