@@ -102,7 +102,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def print_timeline(prof, steps: int, top: int) -> None:
+def print_timeline(prof, steps: float, top: int) -> None:
     """Kernels in device order: the span they cover, the device's idle time between them (a gap is
     the next kernel's start minus the latest end so far; a programmatic launch can make it
     negative), and which kernels the idle time comes before."""

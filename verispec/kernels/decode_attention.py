@@ -125,8 +125,8 @@ if triton is not None:
             else:
                 qk = tl.dot(q, tl.trans(k))
             qk = qk * scale
-            allowed = (n_valid[None, :] & (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
-                       & (offs_n[None, :] <= pos_t[:, None]))
+            # the row's own share; it ends at or before the row's position and the pass's last key
+            allowed = (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
             if HAS_WINDOW:
                 allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
             qk = tl.where(allowed, qk, float("-inf"))
