@@ -6,7 +6,7 @@ them (a CUDA graph cycling through copies of each weight, so it is read from mem
 
   python3 scripts/gpu_frag_gemv.py [--out DIR] [--tiles 1x8x1x1,1x4x1x4] [--skip-check] [--budget-s 400]
 
-A tile here is BLOCKSxWARPS[xDEPTH[xROWTILES[xSTAGES]]] (quant_frag.FragTiles); programmatic dependent launch as
+A tile here is BLOCKSxWARPS[xDEPTH[xROWTILES]] (quant_frag.FragTiles); programmatic dependent launch as
 quant_gemv.PDL. The check compiles every tiling for every shape (~200 s on a fresh machine).
 """
 from __future__ import annotations
@@ -48,8 +48,7 @@ def check_correctness() -> list[dict]:
                         row["unpack_equal"] = bool(torch.equal(qf.unpack_fragments(fw).long(), q))
                         for tiles in (qf.FragTiles(), qf.FragTiles(1, 4), qf.FragTiles(4, 4), qf.FragTiles(2, 8),
                                       qf.FragTiles(1, 8, 2), qf.FragTiles(2, 4, 2), qf.FragTiles(1, 4, 1, 2),
-                                      qf.FragTiles(1, 2, 2, 4), qf.FragTiles(1, 8, 1, 1, 4),
-                                      qf.FragTiles(1, 4, 1, 4, 3), qf.FragTiles(2, 4, 1, 2, 2)):
+                                      qf.FragTiles(1, 2, 2, 4)):
                             y1 = qf.frag_gemv(x8[:1], fw, tiles)
                             for m in (1, 3, 4, 8):
                                 y = qf.frag_gemv(x8[:m], fw, tiles)
@@ -85,7 +84,7 @@ def main() -> None:
         print(f"## correctness: {len(results['check']) - len(bad)}/{len(results['check'])} ok", flush=True)
     torch.manual_seed(0)
     step: dict[str, dict[int, float]] = {}
-    # BLOCKSxWARPS[xDEPTH[xROWTILES[xSTAGES]]]
+    # BLOCKSxWARPS[xDEPTH[xROWTILES]]
     tiles = [qf.FragTiles(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
     for name, n, k, count in LAYERS:
         if time.time() > deadline:
@@ -97,7 +96,7 @@ def main() -> None:
         cands = [("mma (tiles_for)", [lambda x, st=st: quant_mma.mma_gemv(x, *st, 4, args.group)
                                       for st in layer.sets])]
         for t in tiles:
-            cands.append((f"frag b{t.blocks} w{t.num_warps} d{t.depth} r{t.row_tiles} s{t.stages}",
+            cands.append((f"frag b{t.blocks} w{t.num_warps} d{t.depth} r{t.row_tiles}",
                           [lambda x, fw=fw, t=t: qf.frag_gemv(x, fw, t) for fw in frags]))
         for label, fns in cands:
             row = {"layer": name, "variant": label}

@@ -61,13 +61,11 @@ MAX_ROW_TILES = 4  # the repacked tiles are padded to a multiple of this: a prog
 @dataclasses.dataclass(frozen=True)
 class FragTiles:
     """A program takes 16*row_tiles rows (one activation load serves them all); its num_warps warps
-    split K, each `blocks` 64-value blocks a step, with `depth` steps' loads in flight in registers,
-    or with `stages` > 0 `stages - 1` steps' in a ring of shared memory (quant_frag_ring.py)."""
+    split K, each `blocks` 64-value blocks a step, with `depth` steps' loads in flight."""
     blocks: int = 2
     num_warps: int = 4
     depth: int = 1
     row_tiles: int = 1
-    stages: int = 0
 
 
 @dataclasses.dataclass
@@ -337,13 +335,24 @@ if gluon is not None:
         return acc + d * gl.expand_dims(s, 2) + xs * gl.expand_dims(c, 2)
 
     @gluon.jit
-    def _operand_pointers(X, WQ, T, M, stride_xm, tile, K: gl.constexpr, GROUP: gl.constexpr, BT: gl.constexpr,
-                          RT: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, LT: gl.constexpr):
-        """Where program `tile` reads the first step's words, activation pairs and group terms, and
-        the block index of each (batch entry b of a step reads block step * BT + b), and which
-        activation rows are the pass's (rows past M read row M-1 again)."""
-        NB: gl.constexpr = K // 64
+    def _frag_kernel(X, WQ, T, Y, M, N, stride_xm, stride_ym,
+                     K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, KB: gl.constexpr,
+                     GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
+                     LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr):
+        WS: gl.constexpr = gl.num_warps()
+        BT: gl.constexpr = WS * KB  # batch entries: (warp, block)
+        NB: gl.constexpr = K // 64  # blocks in a row
+        STEPS: gl.constexpr = (NB + BT - 1) // BT
+        EVEN: gl.constexpr = NB % BT == 0
         MT: gl.constexpr = _MAX_ROWS
+        DT: gl.constexpr = X.dtype.element_ty
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+        LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+        LS: gl.constexpr = gl.SliceLayout(2, MMA)  # [BT, 16]: a thread's rows g and g + 8
+        tile = gl.program_id(0)
+
         # words: [BT, RT, 8, 4, 4] -> word c of lane 4g + t of the step's block b of row tile rt
         wb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW)))))
         wr = gl.arange(0, RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW)))))
@@ -365,7 +374,6 @@ if gluon is not None:
         x_block = gl.expand_dims(gl.expand_dims(gl.expand_dims(xb, 1), 2), 3)
         # rows past M read row M-1 again: their columns are never stored
         x_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.minimum(xm, M - 1), 0), 2), 3)
-        x_row_live = gl.expand_dims(gl.expand_dims(gl.expand_dims(xm < M, 0), 2), 3)
         x_off = (x_block * 32 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xt, 0), 1), 3) * 8
                  + gl.expand_dims(gl.expand_dims(gl.expand_dims(xp, 0), 1), 2))
         x_ptr = X.to(gl.pointer_type(gl.int32), bitcast=True) + x_row * (stride_xm // 2) + x_off
@@ -380,53 +388,6 @@ if gluon is not None:
         t_ptr = (T.to(gl.pointer_type(gl.int32), bitcast=True) + (tile.to(gl.int64) * RT + t_tile) * (K // GROUP * 16)
                  + gl.expand_dims(gl.expand_dims(gl.expand_dims(tg, 0), 1), 3) * 2
                  + gl.expand_dims(gl.expand_dims(gl.expand_dims(tw, 0), 1), 2))
-        return w_ptr, w_block, x_ptr, x_block, t_ptr, t_block, x_row_live
-
-    @gluon.jit
-    def _store(acc, Y, M, N, stride_ym, tile, SILU_GATE: gl.constexpr, RT: gl.constexpr, MMA: gl.constexpr):
-        """acc [BT, 16*RT, MT]: the (warp, block) shares of program `tile`'s outputs -> y."""
-        MT: gl.constexpr = _MAX_ROWS
-        y = gl.sum(acc, axis=0)  # [16*RT, MT]: the (warp, block) shares, added in a fixed order
-        if SILU_GATE:
-            # each tile's rows 0-7 are 8 gate rows, 8-15 the matching up rows (a thread holds rows g
-            # and g + 8): SiLU(gate) * up, each rounded to the output dtype first as the unfused path
-            # stores them
-            gate, up = gl.split(gl.permute(gl.reshape(y, [RT, 2, 8, MT]), (0, 2, 3, 1)))
-            gate = gate.to(Y.dtype.element_ty).to(gl.float32)
-            up = up.to(Y.dtype.element_ty).to(gl.float32)
-            out = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * RT, MT])
-            ry = tile * 8 * RT + gl.arange(0, 8 * RT, layout=gl.SliceLayout(1, out.type.layout))
-            my = gl.arange(0, MT, layout=gl.SliceLayout(0, out.type.layout))
-            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
-            gl.store(y_ptr, out.to(Y.dtype.element_ty),
-                     mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
-        else:
-            ry = tile * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-            my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
-            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
-            gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
-
-    @gluon.jit
-    def _frag_kernel(X, WQ, T, Y, M, N, stride_xm, stride_ym,
-                     K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, KB: gl.constexpr,
-                     GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
-                     LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr):
-        WS: gl.constexpr = gl.num_warps()
-        BT: gl.constexpr = WS * KB  # batch entries: (warp, block)
-        NB: gl.constexpr = K // 64  # blocks in a row
-        STEPS: gl.constexpr = (NB + BT - 1) // BT
-        EVEN: gl.constexpr = NB % BT == 0
-        MT: gl.constexpr = _MAX_ROWS
-        DT: gl.constexpr = X.dtype.element_ty
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WS, 1, 1],
-                                                      instr_shape=[1, 16, 8])
-        LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-        LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-        LS: gl.constexpr = gl.SliceLayout(2, MMA)  # [BT, 16]: a thread's rows g and g + 8
-        tile = gl.program_id(0)
-
-        w_ptr, w_block, x_ptr, x_block, t_ptr, t_block, _ = _operand_pointers(
-            X, WQ, T, M, stride_xm, tile, K, GROUP, BT, RT, LW, LX, LT)
 
         # the activations' block sums come from an mma with an all-ones A of the same rows
         ones = gl.full([BT, 16 * RT, 64], 1.0, DT, layout=LA)
@@ -478,7 +439,25 @@ if gluon is not None:
             if STEPS % 3 == 2:
                 acc = _accumulate(acc, words_b, xi_b, terms_b, ones, zero, ZERO_POINT, DECODE_ASM, DT, LA, LB, LS)
 
-        _store(acc, Y, M, N, stride_ym, tile, SILU_GATE, RT, MMA)
+        y = gl.sum(acc, axis=0)  # [16*RT, MT]: the (warp, block) shares, added in a fixed order
+        if SILU_GATE:
+            # each tile's rows 0-7 are 8 gate rows, 8-15 the matching up rows (a thread holds rows g
+            # and g + 8): SiLU(gate) * up, each rounded to the output dtype first as the unfused path
+            # stores them
+            gate, up = gl.split(gl.permute(gl.reshape(y, [RT, 2, 8, MT]), (0, 2, 3, 1)))
+            gate = gate.to(Y.dtype.element_ty).to(gl.float32)
+            up = up.to(Y.dtype.element_ty).to(gl.float32)
+            out = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * RT, MT])
+            ry = tile * 8 * RT + gl.arange(0, 8 * RT, layout=gl.SliceLayout(1, out.type.layout))
+            my = gl.arange(0, MT, layout=gl.SliceLayout(0, out.type.layout))
+            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
+            gl.store(y_ptr, out.to(Y.dtype.element_ty),
+                     mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
+        else:
+            ry = tile * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
+            my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
+            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
+            gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
 
 def tiles_for(n: int, k: int) -> FragTiles:
     """The tiles for a weight [n, k], measured on the H200 over one Qwen3-8B step's layers at 1 and
@@ -520,12 +499,6 @@ def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
     x = x.contiguous()
     y = torch.empty(m, n // 2 if silu_gate else n, dtype=x.dtype, device=x.device)
     pdl = quant_gemv.PDL
-    if tiles.stages:
-        from verispec.kernels import quant_frag_ring
-
-        quant_frag_ring.launch(x, fw, y, tiles, blocks, (words_layout, acts_layout, terms_layout),
-                               _decode_asm(x.dtype == torch.float16), pdl, silu_gate)
-        return y
     _frag_kernel[(fw.words.shape[0] // tiles.row_tiles,)](
         x, fw.words, fw.terms, y, m, n, x.stride(0), y.stride(0),
         K=k, GROUP=fw.group_size, ZERO_POINT=fw.zero_point, KB=blocks, GRID_WAIT=pdl,
