@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from verispec.kernels import quant_gemv
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the torch reference is used instead
     triton = None
     tl = None
@@ -69,13 +72,17 @@ if triton is not None:
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                      PAGE: tl.constexpr):
+                      PAGE: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         # PAGED: K/V are pools [slots, Hkv, D] and key n of row b sits in slot
         # BT[b, n // PAGE] * PAGE + n % PAGE (stride_kb/stride_vb unused); else [B, Hkv, capacity, D]
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
         hq_total = tl.num_programs(1) * G
+        if PDL:  # q and the cache were written by the kernel before this one
+            gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
         offs_m = tl.arange(0, BLOCK_M)
         row_valid = offs_m < G * T
         g = offs_m // T
@@ -152,8 +159,13 @@ if triton is not None:
                  mask=row_valid[:, None] & d_valid[None, :])
 
     @triton.jit
-    def _combine_kernel(OPART, LSE, OUT, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _combine_kernel(OPART, LSE, OUT, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         row = tl.program_id(0)
+        if PDL:
+            gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
         offs_s = tl.arange(0, NUM_SPLITS)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
@@ -230,6 +242,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         table, table_stride = positions, 0  # unused
+    pdl, early = quant_gemv.small_kernel_pdl(q.device) if q.is_cuda else (False, False)
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
@@ -238,9 +251,11 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
-        num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages,
+        num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages, PDL=pdl, EARLY=early,
+        launch_pdl=pdl,
     )
-    _combine_kernel[(b * hq * t,)](opart, lse, out, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=4)
+    _combine_kernel[(b * hq * t,)](opart, lse, out, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, PDL=pdl, EARLY=early,
+                                   num_warps=4, launch_pdl=pdl)
     return out
 
 

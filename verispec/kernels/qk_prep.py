@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from verispec.kernels import quant_gemv
 from verispec.kernels.kv_write import KVDestination
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the torch functions stand in
     triton = None
     tl = None
@@ -37,11 +39,15 @@ if triton is not None:
                         sr_b, sd_row, sd_b, sd_h, eps,
                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                         HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, WRITE_KV: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Program (token, head): a query head (head < HQ), a key head (HQ <= head < HQ + HKV) or,
         with WRITE_KV, a value head copied into the cache (the rest)."""
         token = tl.program_id(0)  # b * T + t
         head = tl.program_id(1)
+        if PDL:  # q, k and v were written by the kernel before this one
+            gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
         b = (token // T).to(tl.int64)
         t = token % T
         d = tl.arange(0, BLOCK_D)
@@ -140,10 +146,11 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         sv = (v.stride(0), v.stride(2), v.stride(1))  # v is [B, Hkv, T, D]: (b, t, h) strides
     else:
         kc, vc, rows, v, sr_b, sd, sv = qo, qo, qo, q, 0, (0, 0, 0), (0, 0, 0)
+    pdl, early = quant_gemv.small_kernel_pdl(q.device) if q.is_cuda else (False, False)
     _qk_prep_kernel[(b * t, hq + hkv * (2 if write else 1))](
         q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, qo, ko, kc, vc, rows, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *sv,
         cos.stride(0), cos.stride(1), sr_b, *sd, eps,
         HQ=hq, HKV=hkv, D=d, ROT=cos.shape[-1], HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, WRITE_KV=write,
-        BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+        BLOCK_D=triton.next_power_of_2(d), PDL=pdl, EARLY=early, num_warps=1, launch_pdl=pdl)
     return qo, ko

@@ -237,6 +237,22 @@ def pdl_enabled(device: torch.device) -> bool:
     return PDL and is_sm90(device)
 
 
+# The step's small kernels (q/k preparation, split-K attention, its combine) launch with PDL too:
+# each waits for the kernel before it first thing and ("early") releases its dependents at its
+# start, so the next kernel is launched, and a product's first weights are on their way, while it
+# runs (griddepcontrol.wait still waits for all of it). "wait" releases them at its end, "off"
+# launches plainly. H200, Qwen3-8B 4-bit decode: off 457.3, wait 463.1, early 469.5 tok/s
+# (docs/benchmarks.md, scripts/gpu_fusion_bounds.sh). Early release in the products themselves
+# measured slower (sixteenth session): their dependents took multiprocessors they needed.
+SMALL_PDL = "early"
+
+
+def small_kernel_pdl(device: torch.device) -> tuple[bool, bool]:
+    """(launch with PDL, release the dependents at the kernel's start) for a small kernel."""
+    on = SMALL_PDL != "off" and pdl_enabled(device)
+    return on, on and SMALL_PDL == "early"
+
+
 @contextlib.contextmanager
 def launches_without_pdl():
     """Launch (and so capture) the quantized kernels without programmatic dependent launch."""
