@@ -65,9 +65,16 @@ def test_reasons_and_tiles():
     cpu = torch.device("cpu")
     assert "cpu" in kernel.unsupported_reason(cpu, torch.bfloat16, 4, 64, 4096) or kernel.gluon is None
     assert kernel.tiles_for(151936, 4096) == kernel.FragTiles(1, 2, 2, 4)
-    assert kernel.tiles_for(24576, 4096) == kernel.FragTiles(1, 4, 1, 4)
+    assert kernel.tiles_for(24576, 4096) == kernel.FragTiles(1, 4, 2, 4)
     assert kernel.tiles_for(4096, 12288) == kernel.FragTiles(1, 8, 2)
     assert kernel.tiles_for(6144, 4096) == kernel.FragTiles(1, 8, 1)
+    assert kernel.tiles_for(6144, 4096, 4) == kernel.FragTiles(1, 8, 2)
+    # a row's sums are added in an order set by the warps and blocks a step: never by the width
+    for n, k in ((151936, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (200, 1408)):
+        one = kernel.tiles_for(n, k, 1)
+        for m in range(2, kernel.MAX_ROWS + 1):
+            wide = kernel.tiles_for(n, k, m)
+            assert (wide.blocks, wide.num_warps, wide.row_tiles) == (one.blocks, one.num_warps, one.row_tiles)
     if kernel.gluon is None or not torch.cuda.is_available():
         return
     assert "float32" in kernel.unsupported_reason(cuda, torch.float32, 4, 64, 4096)
@@ -159,6 +166,10 @@ def test_matches_reference_and_rows_are_independent(dtype, zero_point, group):
             err = float((y.double() - ref[:m]).norm() / ref[:m].norm())
             assert err < 2 * baseline + 1e-4, (tiles, m, err, baseline)
             assert torch.equal(y[0], alone[0]), (tiles, m)
+    # the default tiles (their depth follows the width)
+    alone = kernel.frag_gemv(x[:1], fw)
+    for m in range(2, kernel.MAX_ROWS + 1):
+        assert torch.equal(kernel.frag_gemv(x[:m], fw)[0], alone[0]), m
 
 
 @gpu

@@ -459,17 +459,19 @@ if gluon is not None:
             y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
             gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
 
-def tiles_for(n: int, k: int) -> FragTiles:
-    """The tiles for a weight [n, k], measured on the H200 over one Qwen3-8B step's layers at 1 and
-    4 rows (scripts/gpu_frag_gemv.py, docs/benchmarks.md): wide layers in 64-row programs (one
-    activation load for 4 tiles: at 4 rows the activations' traffic would otherwise rival the
-    weights'), the vocabulary with two warps and two steps in flight, long ones (down) with eight
-    warps and two steps in flight, the rest with eight warps."""
+def tiles_for(n: int, k: int, m: int = 1) -> FragTiles:
+    """The tiles for a weight [n, k] at m rows, measured on the H200 over one Qwen3-8B step's layers
+    at 1, 2, 4 and 8 rows (scripts/gpu_frag_gemv.py, docs/benchmarks.md): wide layers in 64-row
+    programs (one activation load for 4 tiles: at 4 rows the activations' traffic would otherwise
+    rival the weights') with two steps in flight, the vocabulary with two warps and two steps in
+    flight, long ones (down) with eight warps and two steps in flight, the rest with eight warps
+    and two steps in flight from two rows on. Only the pipeline's depth depends on m: the warps and
+    blocks a step (the order a row's sums are added in) do not, so a row's bits do not either."""
     if n >= 65536:
         return FragTiles(blocks=1, num_warps=2, depth=2, row_tiles=4)
     if n >= 16384:
-        return FragTiles(blocks=1, num_warps=4, depth=1, row_tiles=4)
-    return FragTiles(blocks=1, num_warps=8, depth=2 if k >= 8192 else 1)
+        return FragTiles(blocks=1, num_warps=4, depth=2, row_tiles=4)
+    return FragTiles(blocks=1, num_warps=8, depth=2 if k >= 8192 or m > 1 else 1)
 
 
 def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
@@ -489,7 +491,7 @@ def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
         reason = f"{n} gate/up rows (SiLU in the epilogue takes multiples of {TILE_ROWS})"
     if reason:
         raise ValueError(f"quant_frag.frag_gemv: {reason}")
-    tiles = tiles or tiles_for(n, k)
+    tiles = tiles or tiles_for(n, k, m)
     if tiles.row_tiles not in (1, 2, 4):
         raise ValueError(f"quant_frag.frag_gemv: {tiles.row_tiles} row tiles a program (1, 2 or 4)")
     blocks = tiles.blocks
