@@ -242,7 +242,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         table, table_stride = positions, 0  # unused
-    pdl, early = quant_gemv.small_kernel_pdl(q.device) if q.is_cuda else (False, False)
+    pdl, early = quant_gemv.small_kernel_pdl(q.device)
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),

@@ -234,7 +234,8 @@ PDL = env().pdl
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    return PDL and is_sm90(device)
+    """Programmatic launch for a kernel on `device` (never off CUDA: the interpreter has none)."""
+    return PDL and device.type == "cuda" and is_sm90(device)
 
 
 # The step's small kernels (q/k preparation, split-K attention, its combine) launch with PDL too:

@@ -90,7 +90,7 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Ten
         return summed, normed
     us = _rows(update) if update is not None else xs
     block = triton.next_power_of_2(h)
-    pdl = x.device.type == "cuda" and quant_gemv.pdl_enabled(x.device)
+    pdl = quant_gemv.pdl_enabled(x.device)
     _add_rms_norm_kernel[(rows,)](
         xs, us, weight, summed, normed, xs.stride(0), us.stride(0), h, h, eps,
         H=h, BLOCK=block, HAS_UPDATE=update is not None, UNIT_OFFSET=unit_offset, PDL=pdl,
