@@ -76,7 +76,16 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--budget-s", type=float, default=200)
+    parser.add_argument("--shapes", default=None,
+                        help="NAME=NxK,... instead of the Qwen3-8B step's layers (e.g. a layer's K split in"
+                             " two as 2N x K/2: the bound on a split-K form's gain, before its reduction)")
+    parser.add_argument("--rows", default="1,2,4,8", help="widths M to time")
     args = parser.parse_args()
+    ms = tuple(int(m) for m in args.rows.split(","))
+    layers = LAYERS
+    if args.shapes:
+        layers = [(name, *(int(v) for v in nk.split("x")), 1)
+                  for name, nk in (item.split("=") for item in args.shapes.split(","))]
     deadline = time.time() + args.budget_s
     results = {"check": [] if args.skip_check else check_correctness()}
     if results["check"]:
@@ -86,22 +95,22 @@ def main() -> None:
     step: dict[str, dict[int, float]] = {}
     # BLOCKSxWARPS[xDEPTH[xROWTILES]]
     tiles = [qf.FragTiles(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
-    for name, n, k, count in LAYERS:
+    for name, n, k, count in layers:
         if time.time() > deadline:
             print("budget spent", flush=True)
             break
         layer = Copies(n, k, 4, args.group)
         frags = [qf.repack(p, s, b, args.group) for p, s, b in layer.sets]
-        x8 = torch.randn(max(MS), k, device="cuda", dtype=torch.bfloat16)
-        cands = [("mma (tiles_for)", [lambda x, st=st: quant_mma.mma_gemv(x, *st, 4, args.group)
-                                      for st in layer.sets])]
+        x8 = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
+        cands = [] if args.shapes else [("mma (tiles_for)", [lambda x, st=st: quant_mma.mma_gemv(x, *st, 4, args.group)
+                                                              for st in layer.sets])]
         for t in tiles:
             cands.append((f"frag b{t.blocks} w{t.num_warps} d{t.depth} r{t.row_tiles}",
                           [lambda x, fw=fw, t=t: qf.frag_gemv(x, fw, t) for fw in frags]))
         for label, fns in cands:
             row = {"layer": name, "variant": label}
             try:
-                for m in MS:
+                for m in ms:
                     x = x8[:m].contiguous()
                     t_us = cycle_time_us([lambda f=f: f(x) for f in fns], iters=10)
                     row[f"us_M{m}"] = round(t_us, 2)

@@ -6,7 +6,8 @@ their speed means anything).
 
 PATCH: base (as shipped) | small-pdl-off (the small kernels launched without programmatic
 launch) | small-pdl-wait (with it, releasing their dependents at their end) | small-pdl-early
-(at their start) | no-norm (the residual
+(at their start) | product-release-{start,loop} (the 4-bit products release their dependents
+once their first loads are issued, or once their K loop is done) | no-norm (the residual
 add + RMSNorm kernels left out: the bound for folding them into the products) | no-combine (the
 split-K attention's combine left out: the bound for folding it into the split kernel).
 """
@@ -35,6 +36,8 @@ def apply(patch: str) -> None:
         quant_gemv.SMALL_PDL = "wait"
     elif patch == "small-pdl-early":
         quant_gemv.SMALL_PDL = "early"
+    elif patch.startswith("product-release-"):
+        quant_gemv.PRODUCT_RELEASE = patch.removeprefix("product-release-")
     elif patch == "no-norm":
         rms_norm.add_rms_norm = lambda x, update, weight, eps, unit_offset: (x, x)
     elif patch == "no-combine":

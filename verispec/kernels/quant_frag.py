@@ -48,7 +48,7 @@ except ImportError:
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from verispec.kernels.quant_gemv import wait_for_previous_grid
+    from verispec.kernels.quant_gemv import release_dependents, wait_for_previous_grid
 
 MAX_ROWS = 8  # the mma's N side
 TILE_ROWS = 16  # weight rows a program takes (the mma's M side)
@@ -338,7 +338,8 @@ if gluon is not None:
     def _frag_kernel(X, WQ, T, Y, M, N, stride_xm, stride_ym,
                      K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, KB: gl.constexpr,
                      GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
-                     LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr):
+                     LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr,
+                     RELEASE: gl.constexpr):
         WS: gl.constexpr = gl.num_warps()
         BT: gl.constexpr = WS * KB  # batch entries: (warp, block)
         NB: gl.constexpr = K // 64  # blocks in a row
@@ -401,6 +402,8 @@ if gluon is not None:
             terms = gl.load(t_ptr + (t_block * 64 // GROUP) * 16, mask=t_block < NB, other=0)
             wait_for_previous_grid()
             xi = gl.load(x_ptr, mask=x_block < NB, other=0)
+            if RELEASE == 1:
+                release_dependents()
         else:
             words, xi, terms = _load_step(w_ptr, x_ptr, t_ptr, w_block, x_block, t_block, 0, NB, GROUP, True)
         if DEPTH == 1:
@@ -439,6 +442,8 @@ if gluon is not None:
             if STEPS % 3 == 2:
                 acc = _accumulate(acc, words_b, xi_b, terms_b, ones, zero, ZERO_POINT, DECODE_ASM, DT, LA, LB, LS)
 
+        if RELEASE == 2:
+            release_dependents()
         y = gl.sum(acc, axis=0)  # [16*RT, MT]: the (warp, block) shares, added in a fixed order
         if SILU_GATE:
             # each tile's rows 0-7 are 8 gate rows, 8-15 the matching up rows (a thread holds rows g
@@ -458,6 +463,10 @@ if gluon is not None:
             my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
             y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
             gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
+
+
+_RELEASE = {"end": 0, "start": 1, "loop": 2}  # quant_gemv.PRODUCT_RELEASE -> the kernel's RELEASE
+
 
 def tiles_for(n: int, k: int, m: int = 1) -> FragTiles:
     """The tiles for a weight [n, k] at m rows, measured on the H200 over one Qwen3-8B step's layers
@@ -505,5 +514,6 @@ def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
         x, fw.words, fw.terms, y, m, n, x.stride(0), y.stride(0),
         K=k, GROUP=fw.group_size, ZERO_POINT=fw.zero_point, KB=blocks, GRID_WAIT=pdl,
         DECODE_ASM=_decode_asm(x.dtype == torch.float16), LW=words_layout, LX=acts_layout, LT=terms_layout,
-        DEPTH=tiles.depth, SILU_GATE=silu_gate, RT=tiles.row_tiles, num_warps=tiles.num_warps, launch_pdl=pdl)
+        DEPTH=tiles.depth, SILU_GATE=silu_gate, RT=tiles.row_tiles,
+        RELEASE=_RELEASE[quant_gemv.PRODUCT_RELEASE] if pdl else 0, num_warps=tiles.num_warps, launch_pdl=pdl)
     return y

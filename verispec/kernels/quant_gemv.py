@@ -115,6 +115,13 @@ if gluon is not None:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def release_dependents():
+        # PDL: the next kernel on the stream may be launched from here on (its griddepcontrol.wait
+        # still waits for all of this grid, its memory included)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _gemv_kernel(X, WQ, S, O, Y, IDX, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_we, stride_se,
                      K: gl.constexpr, BITS: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr,
                      MB: gl.constexpr, R: gl.constexpr, TR: gl.constexpr, CHUNK: gl.constexpr,
@@ -246,6 +253,13 @@ def pdl_enabled(device: torch.device) -> bool:
 # (docs/benchmarks.md, scripts/gpu_fusion_bounds.sh). Early release in the products themselves
 # measured slower (sixteenth session): their dependents took multiprocessors they needed.
 SMALL_PDL = "early"
+
+# Where a 4-bit product (quant_frag) releases its dependents: "end" (at its exit, as launched
+# plainly), "start" (once its first loads are issued) or "loop" (once its K loop is done, before
+# the cross-warp sum and the store). H200, Qwen3-8B 4-bit decode, one run: end 473.0 (twice),
+# start 455.8, loop 453.3 / 453.7 tok/s (eighteenth session, scripts/gpu_fusion_bounds.sh): a
+# product's dependents, once resident, cost it more than their launch saves.
+PRODUCT_RELEASE = "end"
 
 
 def small_kernel_pdl(device: torch.device) -> tuple[bool, bool]:
