@@ -340,20 +340,14 @@ if gluon is not None:
                      GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
                      LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr,
                      RELEASE: gl.constexpr):
-        WS: gl.constexpr = gl.num_warps()
-        BT: gl.constexpr = WS * KB  # batch entries: (warp, block)
-        NB: gl.constexpr = K // 64  # blocks in a row
-        STEPS: gl.constexpr = (NB + BT - 1) // BT
-        EVEN: gl.constexpr = NB % BT == 0
-        MT: gl.constexpr = _MAX_ROWS
-        DT: gl.constexpr = X.dtype.element_ty
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WS, 1, 1],
-                                                      instr_shape=[1, 16, 8])
-        LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-        LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-        LS: gl.constexpr = gl.SliceLayout(2, MMA)  # [BT, 16]: a thread's rows g and g + 8
-        tile = gl.program_id(0)
+        frag_tile(X, WQ, T, Y, M, N, stride_xm, stride_ym, gl.program_id(0), K, GROUP, ZERO_POINT, KB, GRID_WAIT,
+                  DECODE_ASM, LW, LX, LT, DEPTH, SILU_GATE, RT, RELEASE)
 
+    @gluon.jit
+    def _weight_pointers(WQ, T, tile, K: gl.constexpr, GROUP: gl.constexpr, LW: gl.constexpr, LT: gl.constexpr,
+                         BT: gl.constexpr, RT: gl.constexpr):
+        """A program's first-step pointers (and block indices) into the words and the group terms."""
+        NB: gl.constexpr = K // 64
         # words: [BT, RT, 8, 4, 4] -> word c of lane 4g + t of the step's block b of row tile rt
         wb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW)))))
         wr = gl.arange(0, RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW)))))
@@ -367,6 +361,55 @@ if gluon is not None:
                   + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(wc, 0), 1), 2), 3))
         w_ptr = WQ + (tile.to(gl.int64) * RT + w_tile) * (NB * 128) + w_block * 128 + w_lane
 
+        # group terms (T as int32): [BT, RT, 8 (g), 2] -> the words (s_g, s_g+8), (o_g, o_g+8)
+        tb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
+        tr = gl.arange(0, RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
+        tg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LT))))
+        tw = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LT))))
+        t_block = gl.expand_dims(gl.expand_dims(gl.expand_dims(tb, 1), 2), 3)
+        t_tile = gl.expand_dims(gl.expand_dims(gl.expand_dims(tr, 0), 2), 3)
+        t_ptr = (T.to(gl.pointer_type(gl.int32), bitcast=True) + (tile.to(gl.int64) * RT + t_tile) * (K // GROUP * 16)
+                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(tg, 0), 1), 3) * 2
+                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(tw, 0), 1), 2))
+        return w_ptr, w_block, t_ptr, t_block
+
+    @gluon.jit
+    def frag_first_weights(WQ, T, tile, K: gl.constexpr, GROUP: gl.constexpr, KB: gl.constexpr, LW: gl.constexpr,
+                           LT: gl.constexpr, RT: gl.constexpr):
+        """The words and group terms of `tile`'s first step, as `frag_tile` would load them first: a
+        kernel running several products loads the next product's before a barrier (they do not
+        depend on its activations) and hands them to `frag_tile`."""
+        BT: gl.constexpr = gl.num_warps() * KB
+        NB: gl.constexpr = K // 64
+        w_ptr, w_block, t_ptr, t_block = _weight_pointers(WQ, T, tile, K, GROUP, LW, LT, BT, RT)
+        words = gl.load(w_ptr, mask=w_block < NB, other=0)
+        terms = gl.load(t_ptr + (t_block * 64 // GROUP) * 16, mask=t_block < NB, other=0)
+        return words, terms
+
+    @gluon.jit
+    def frag_tile(X, WQ, T, Y, M, N, stride_xm, stride_ym, tile,
+                  K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, KB: gl.constexpr,
+                  GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
+                  LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr,
+                  RELEASE: gl.constexpr, words0=None, terms0=None):
+        """One program's 16*RT rows of y (`tile`: which), the whole K loop and the store: the body
+        of `_frag_kernel`, and of kernels that run several products' tiles in turn (`words0`,
+        `terms0`: the first step's, from `frag_first_weights`, already loaded)."""
+        WS: gl.constexpr = gl.num_warps()
+        BT: gl.constexpr = WS * KB  # batch entries: (warp, block)
+        NB: gl.constexpr = K // 64  # blocks in a row
+        STEPS: gl.constexpr = (NB + BT - 1) // BT
+        EVEN: gl.constexpr = NB % BT == 0
+        MT: gl.constexpr = _MAX_ROWS
+        DT: gl.constexpr = X.dtype.element_ty
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        LA: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+        LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+        LS: gl.constexpr = gl.SliceLayout(2, MMA)  # [BT, 16]: a thread's rows g and g + 8
+
+        w_ptr, w_block, t_ptr, t_block = _weight_pointers(WQ, T, tile, K, GROUP, LW, LT, BT, RT)
+
         # activation pairs (X as int32): [BT, 8 rows, 4 (t), 8] -> pair p of x[row, block*64 + 16t ..]
         xb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
         xm = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
@@ -379,17 +422,6 @@ if gluon is not None:
                  + gl.expand_dims(gl.expand_dims(gl.expand_dims(xp, 0), 1), 2))
         x_ptr = X.to(gl.pointer_type(gl.int32), bitcast=True) + x_row * (stride_xm // 2) + x_off
 
-        # group terms (T as int32): [BT, RT, 8 (g), 2] -> the words (s_g, s_g+8), (o_g, o_g+8)
-        tb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
-        tr = gl.arange(0, RT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LT))))
-        tg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LT))))
-        tw = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LT))))
-        t_block = gl.expand_dims(gl.expand_dims(gl.expand_dims(tb, 1), 2), 3)
-        t_tile = gl.expand_dims(gl.expand_dims(gl.expand_dims(tr, 0), 2), 3)
-        t_ptr = (T.to(gl.pointer_type(gl.int32), bitcast=True) + (tile.to(gl.int64) * RT + t_tile) * (K // GROUP * 16)
-                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(tg, 0), 1), 3) * 2
-                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(tw, 0), 1), 2))
-
         # the activations' block sums come from an mma with an all-ones A of the same rows
         ones = gl.full([BT, 16 * RT, 64], 1.0, DT, layout=LA)
         zero = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
@@ -397,7 +429,11 @@ if gluon is not None:
 
         # software pipeline: the next step's loads are issued before this step's values are used.
         # With programmatic launch the first weights load while the previous kernel finishes
-        if GRID_WAIT:
+        if words0 is not None:
+            words = words0
+            terms = terms0
+            xi = gl.load(x_ptr, mask=x_block < NB, other=0)
+        elif GRID_WAIT:
             words = gl.load(w_ptr, mask=w_block < NB, other=0)
             terms = gl.load(t_ptr + (t_block * 64 // GROUP) * 16, mask=t_block < NB, other=0)
             wait_for_previous_grid()
