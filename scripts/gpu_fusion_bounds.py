@@ -4,12 +4,20 @@ their speed means anything).
 
   python3 scripts/gpu_fusion_bounds.py PATCH -- BENCH ARGS...
 
-PATCH: base (as shipped) | small-pdl-off (the small kernels launched without programmatic
-launch) | small-pdl-wait (with it, releasing their dependents at their end) | small-pdl-early
-(at their start) | product-release-{start,loop} (the 4-bit products release their dependents
-once their first loads are issued, or once their K loop is done) | no-norm (the residual
-add + RMSNorm kernels left out: the bound for folding them into the products) | no-combine (the
-split-K attention's combine left out: the bound for folding it into the split kernel).
+PATCH (several joined by +):
+  base                      as shipped
+  small-pdl-off             the small kernels (q/k preparation, split-K attention, its combine)
+                            launched without programmatic launch
+  small-pdl-wait / -early   with it, releasing their dependents at their end / start
+  product-release-start     the 4-bit products release their dependents once their first loads
+                            are issued; -loop: once their K loop is done
+  norm-release-end          the add + RMSNorm kernel releases its dependents at its end
+  tiles-KIND=BxWxDxR        the 4-bit tiles for one kind of layer at every width (small = qkv / o,
+                            wide = gate_up, long = down, vocab = lm_head)
+  no-norm                   the residual add + RMSNorm kernels left out: the bound for folding
+                            them into the products
+  no-combine                the split-K attention's combine left out: the bound for folding it
+                            into the split kernel
 """
 from __future__ import annotations
 
@@ -19,7 +27,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verispec import cli  # noqa: E402
-from verispec.kernels import decode_attention, quant_gemv, rms_norm  # noqa: E402
+from verispec.kernels import decode_attention, quant_frag, quant_gemv, rms_norm  # noqa: E402
+
+
+def _layer_kind(n: int, k: int) -> str:
+    """Which of the 4-bit tiles' cases a weight [n, k] falls in (as quant_frag.tiles_for splits them)."""
+    if n >= 65536:
+        return "vocab"
+    if n >= 16384:
+        return "wide"
+    return "long" if k >= 8192 else "small"
+
+
+def _patch_tiles(kind: str, spec: str) -> None:
+    tiles = quant_frag.FragTiles(*(int(v) for v in spec.split("x")))
+    original = quant_frag.tiles_for
+
+    def tiles_for(n: int, k: int, m: int = 1) -> quant_frag.FragTiles:
+        return tiles if _layer_kind(n, k) == kind else original(n, k, m)
+    quant_frag.tiles_for = tiles_for
 
 
 class _NoLaunch:
@@ -28,6 +54,10 @@ class _NoLaunch:
 
 
 def apply(patch: str) -> None:
+    if "+" in patch:  # several patches at once
+        for part in patch.split("+"):
+            apply(part)
+        return
     if patch == "base":
         return
     if patch == "small-pdl-off":
@@ -36,6 +66,10 @@ def apply(patch: str) -> None:
         quant_gemv.SMALL_PDL = "wait"
     elif patch == "small-pdl-early":
         quant_gemv.SMALL_PDL = "early"
+    elif patch.startswith("tiles-"):
+        _patch_tiles(*patch.removeprefix("tiles-").split("="))
+    elif patch == "norm-release-end":
+        quant_gemv.NORM_RELEASE = "end"
     elif patch.startswith("product-release-"):
         quant_gemv.PRODUCT_RELEASE = patch.removeprefix("product-release-")
     elif patch == "no-norm":

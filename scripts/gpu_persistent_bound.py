@@ -93,17 +93,10 @@ def _chain_kernel(X, A, H, Y, M, W1, T1, W2, T2, W3, T3, COUNTER,
     _phase(H, W3, T3, Y, M, N3, K3, N3, TILES3, KB3, LW3, LX3, LT3, D3, RT3, False, P, GROUP, DECODE_ASM, w3, t3)
 
 
-def _blocks(k: int, tiles: qf.FragTiles) -> int:
-    blocks = tiles.blocks
-    while (k // qf.BLOCK) % (blocks * tiles.num_warps) and blocks > 1:
-        blocks //= 2
-    return blocks
-
-
 def chain_persistent(x, a, h, y, fws, tiles, counter, programs: int, prefetch: bool = False, mlp_only: bool = False):
     args = {}
     for i, (fw, t) in enumerate(zip(fws, tiles), 1):
-        kb = _blocks(fw.in_features, t)
+        kb = qf.step_blocks(fw.in_features, t)
         lw, lx, lt = qf._layouts(t.num_warps, kb, t.row_tiles)
         args.update({f"N{i}": fw.out_features, f"K{i}": fw.in_features, f"TILES{i}": fw.words.shape[0] // t.row_tiles,
                      f"KB{i}": kb, f"LW{i}": lw, f"LX{i}": lx, f"LT{i}": lt, f"D{i}": t.depth, f"RT{i}": t.row_tiles})

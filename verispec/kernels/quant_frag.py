@@ -519,6 +519,14 @@ def tiles_for(n: int, k: int, m: int = 1) -> FragTiles:
     return FragTiles(blocks=1, num_warps=8, depth=2 if k >= 8192 or m > 1 else 1)
 
 
+def step_blocks(k: int, tiles: FragTiles) -> int:
+    """Blocks a warp takes a step: the tiles' own, halved until the steps divide K's blocks."""
+    blocks = tiles.blocks
+    while (k // BLOCK) % (blocks * tiles.num_warps) and blocks > 1:
+        blocks //= 2
+    return blocks
+
+
 def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
               silu_gate: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, bfloat16 / float16) -> y [M, N] in x's dtype (float32 sums). With
@@ -539,9 +547,7 @@ def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
     tiles = tiles or tiles_for(n, k, m)
     if tiles.row_tiles not in (1, 2, 4):
         raise ValueError(f"quant_frag.frag_gemv: {tiles.row_tiles} row tiles a program (1, 2 or 4)")
-    blocks = tiles.blocks
-    while (k // BLOCK) % (blocks * tiles.num_warps) and blocks > 1:
-        blocks //= 2
+    blocks = step_blocks(k, tiles)
     words_layout, acts_layout, terms_layout = _layouts(tiles.num_warps, blocks, tiles.row_tiles)
     x = x.contiguous()
     y = torch.empty(m, n // 2 if silu_gate else n, dtype=x.dtype, device=x.device)

@@ -32,7 +32,7 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(X, U, W, S, Y, stride_x, stride_u, stride_s, stride_y, eps,
                              H: tl.constexpr, BLOCK: tl.constexpr, HAS_UPDATE: tl.constexpr,
-                             UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr):
+                             UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = True):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
@@ -44,7 +44,7 @@ if triton is not None:
             u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0)
             x = (x.to(tl.float32) + u.to(tl.float32)).to(dtype)
             tl.store(S + row * stride_s + cols, x, mask=ok)
-        if PDL:
+        if PDL and EARLY:
             gdc_launch_dependents()
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
@@ -94,5 +94,5 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Ten
     _add_rms_norm_kernel[(rows,)](
         xs, us, weight, summed, normed, xs.stride(0), us.stride(0), h, h, eps,
         H=h, BLOCK=block, HAS_UPDATE=update is not None, UNIT_OFFSET=unit_offset, PDL=pdl,
-        num_warps=max(1, min(16, block // 512)), launch_pdl=pdl)
+        EARLY=quant_gemv.NORM_RELEASE == "early", num_warps=max(1, min(16, block // 512)), launch_pdl=pdl)
     return summed, normed

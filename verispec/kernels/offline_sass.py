@@ -1,0 +1,114 @@
+"""Compile the fragment-order 4-bit kernel (quant_frag.py) for sm_90 on a machine without a GPU,
+and read what ptxas made of it: its SASS (Triton's bundled nvdisasm) and its registers, stack and
+shared memory (cuobjdump). The kernels' arithmetic is checked on the GPU; this lets CPU CI check
+that they compile, with the launcher's specializations, into the loads and register budget their
+speed depends on (tests/kernels/test_quant_frag_sass.py), and scripts/frag_sass.py print them.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from verispec.kernels import quant_frag as qf
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclasses.dataclass
+class CompiledFrag:
+    sass: str
+    registers: int
+    stack: int  # bytes of local memory a thread (spills)
+    shared: int  # bytes a program
+
+
+def _tool(name: str) -> str:
+    import triton
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch.bfloat16, group: int = 64,
+                 silu_gate: bool = False, rows: int = 1) -> CompiledFrag:
+    """`quant_frag._frag_kernel` for a weight [n, k] and `rows` activation rows, as `frag_gemv`
+    launches it with programmatic launch on: the launcher's specializations included (16-byte
+    aligned pointers, N and the strides multiples of 16, M == 1 a constant). Not in a process
+    with TRITON_INTERPRET set (Triton's own reductions are then interpreter functions, which a
+    compile cannot call): `compile_frags` runs there."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    blocks = qf.step_blocks(k, tiles)
+    lw, lx, lt = qf._layouts(tiles.num_warps, blocks, tiles.row_tiles)
+    fn = qf._frag_kernel
+    act = "*" + _TYPES[dtype]
+    signature = {"X": act, "WQ": "*i32", "T": act, "Y": act, "M": "i32", "N": "i32", "stride_xm": "i32",
+                 "stride_ym": "i32"}
+    constexprs = dict(K=k, GROUP=group, ZERO_POINT=False, KB=blocks, GRID_WAIT=True,
+                      DECODE_ASM=qf._decode_asm(dtype == torch.float16), LW=lw, LX=lx, LT=lt, DEPTH=tiles.depth,
+                      SILU_GATE=silu_gate, RT=tiles.row_tiles, RELEASE=0)
+    if rows == 1:
+        constexprs["M"] = 1
+    for name in constexprs:
+        signature[name] = "constexpr"
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("X", "WQ", "T", "Y", "N", "stride_xm", "stride_ym")}
+    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": tiles.num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"offline_sass: no resource usage in cuobjdump's output: {usage[:200]!r}")
+    registers, stack, shared = (int(v) for v in found.groups())
+    return CompiledFrag(sass, registers, stack, max(shared, compiled.metadata.shared))
+
+
+def instructions(sass: str) -> list[str]:
+    """The SASS's instructions in order, predicates dropped (e.g. 'LDG.E.128 R12, desc[UR6][R60.64]')."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", ln).split(";")[0].strip() for ln in lines]
+    return [re.sub(r"^@!?U?P\w+\s+", "", op) for op in ops]
+
+
+def opcode_counts(sass: str) -> collections.Counter:
+    """Instructions by full opcode (with its modifiers: LDG.E.128 apart from LDG.E)."""
+    return collections.Counter(op.split(" ")[0] for op in instructions(sass))
+
+
+def compile_frags(cases: list[dict]) -> list[CompiledFrag]:
+    """`compile_frag(**case)` for each case (dtype as its name, e.g. "bfloat16"; tiles as
+    [blocks, warps, depth, row_tiles]), in a fresh Python process without TRITON_INTERPRET (the
+    test suite runs the other kernels in Triton's interpreter)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "verispec.kernels.offline_sass"], input=json.dumps(cases),
+                          capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"offline_sass: compiling {len(cases)} cases failed: {done.stderr[-2000:]}")
+    return [CompiledFrag(**result) for result in json.loads(done.stdout)]
+
+
+def _main() -> None:
+    results = []
+    for case in json.loads(sys.stdin.read()):
+        case = dict(case, tiles=qf.FragTiles(*case["tiles"]), dtype=getattr(torch, case.get("dtype", "bfloat16")))
+        results.append(dataclasses.asdict(compile_frag(**case)))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()
