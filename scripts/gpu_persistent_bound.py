@@ -14,8 +14,11 @@ the weights (read from memory). Checked: both give the same bits.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -31,8 +34,8 @@ from verispec.quant import mlx_affine  # noqa: E402
 
 @gluon.jit
 def grid_barrier(COUNTER, P: gl.constexpr):
-    """Every one of the P programs (all resident) arrives before any leaves. The counter only
-    grows, so a launch needs no reset: this barrier's target is the next multiple of P (so every
+    """Every one of the P programs (all resident: see resident_per_multiprocessor) arrives before
+    any leaves. The counter only grows, so a launch needs no reset: this barrier's target is the next multiple of P (so every
     launch on one counter must have the same P, and the counter start at a multiple of it)."""
     gl.thread_barrier()
     old = gl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
@@ -93,17 +96,42 @@ def _chain_kernel(X, A, H, Y, M, W1, T1, W2, T2, W3, T3, COUNTER,
     _phase(H, W3, T3, Y, M, N3, K3, N3, TILES3, KB3, LW3, LX3, LT3, D3, RT3, False, P, GROUP, DECODE_ASM, w3, t3)
 
 
-def chain_persistent(x, a, h, y, fws, tiles, counter, programs: int, prefetch: bool = False, mlp_only: bool = False):
+def chain_persistent(x, a, h, y, fws, tiles, counter, programs: int, prefetch: bool = False, mlp_only: bool = False,
+                     compile_only: bool = False):
     args = {}
     for i, (fw, t) in enumerate(zip(fws, tiles), 1):
         kb = qf.step_blocks(fw.in_features, t)
         lw, lx, lt = qf._layouts(t.num_warps, kb, t.row_tiles)
         args.update({f"N{i}": fw.out_features, f"K{i}": fw.in_features, f"TILES{i}": fw.words.shape[0] // t.row_tiles,
                      f"KB{i}": kb, f"LW{i}": lw, f"LX{i}": lx, f"LT{i}": lt, f"D{i}": t.depth, f"RT{i}": t.row_tiles})
-    return _chain_kernel[(programs,)](x, a, h, y, x.shape[0], fws[0].words, fws[0].terms, fws[1].words, fws[1].terms,
-                                      fws[2].words, fws[2].terms, counter, **args, P=programs, GROUP=fws[0].group_size,
-                                      DECODE_ASM=qf._decode_asm(False), PREFETCH=prefetch, MLP_ONLY=mlp_only,
-                                      num_warps=tiles[0].num_warps, launch_pdl=True)
+    launch = _chain_kernel.warmup if compile_only else _chain_kernel[(programs,)]
+    extra = {"grid": (programs,)} if compile_only else {}
+    return launch(x, a, h, y, x.shape[0], fws[0].words, fws[0].terms, fws[1].words, fws[1].terms,
+                  fws[2].words, fws[2].terms, counter, **args, P=programs, GROUP=fws[0].group_size,
+                  DECODE_ASM=qf._decode_asm(False), PREFETCH=prefetch, MLP_ONLY=mlp_only,
+                  num_warps=tiles[0].num_warps, launch_pdl=True, **extra)
+
+
+def resident_per_multiprocessor(kernel, warps: int) -> int:
+    """Programs of this compiled kernel a multiprocessor holds at once (the driver's occupancy
+    calculation: registers, shared memory, warps), which a grid barrier needs of all of them."""
+    kernel._init_handles()
+    count = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(count), ctypes.c_void_p(kernel.function), ctypes.c_int(32 * warps),
+        ctypes.c_size_t(kernel.metadata.shared))
+    if status:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({status})")
+    return count.value
+
+
+def synchronize_or_exit(seconds: float = 20.0) -> None:
+    """A kernel with a grid barrier whose programs cannot all be resident never ends: leave then."""
+    timer = threading.Timer(seconds, lambda: (print(f"hang: no result after {seconds} s", flush=True),
+                                               os._exit(3)))
+    timer.start()
+    torch.cuda.synchronize()
+    timer.cancel()
 
 
 def chain_separate(x, fws, tiles, mlp_only: bool = False):
@@ -149,18 +177,17 @@ def main() -> None:
                     [lambda s=s: chain_separate(x, s, defaults, mlp_only) for s in sets], 10), 2)
                 ref = chain_separate(x, sets[0], tiles, mlp_only)
                 for prefetch in (False, True):
-                    # programs: as many as fit at once (the barrier needs them all resident)
-                    counter.zero_()
-                    compiled = chain_persistent(x, a, h, y, sets[0], tiles, counter, 1, prefetch, mlp_only)
-                    warps = tiles[0].num_warps
-                    per_sm = min(65536 // (compiled.n_regs * 32 * warps), 2048 // (32 * warps),
-                                 (227 << 10) // max(1, compiled.metadata.shared))
-                    row[f"{name}{'_early' if prefetch else ''}_registers"] = compiled.n_regs
-                    for programs in sorted({sms, sms * per_sm}):
+                    for programs in (sms, 2 * sms, 3 * sms, 4 * sms):
+                        # the compiled kernel depends on P: ask the driver how many of that one fit
+                        kernel = chain_persistent(x, a, h, y, sets[0], tiles, counter, programs, prefetch, mlp_only,
+                                                  compile_only=True)
+                        if resident_per_multiprocessor(kernel, tiles[0].num_warps) * sms < programs:
+                            continue
                         label = f"{name}_P{programs}{'_early' if prefetch else ''}"
+                        row[f"{label}_registers"] = kernel.n_regs
                         counter.zero_()  # the barrier's targets are multiples of P: start from one
                         chain_persistent(x, a, h, y, sets[0], tiles, counter, programs, prefetch, mlp_only)
-                        torch.cuda.synchronize()
+                        synchronize_or_exit()
                         row[f"{label}_same_bits"] = bool(torch.equal(y, ref))
                         row[f"{label}_us"] = round(cycle_time_us(
                             [lambda s=s: chain_persistent(x, a, h, y, s, tiles, counter, programs, prefetch, mlp_only)
