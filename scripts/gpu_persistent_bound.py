@@ -47,6 +47,31 @@ def grid_barrier(COUNTER, P: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_l2(ptr, nbytes):
+    # one thread of the program asks the copy engine for nbytes (a multiple of 16) from ptr into L2
+    gl.inline_asm_elementwise(
+        "{\n.reg .pred p;\n.reg .b32 t;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}",
+        "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_tiles(WQ, T, K: gl.constexpr, RT: gl.constexpr, TILES: gl.constexpr, P: gl.constexpr,
+                    GROUP: gl.constexpr, EIGHTHS: gl.constexpr):
+    """Program p's tiles of a product (p, p + P, ...): the first EIGHTHS/8 of each one's words and
+    all its group terms asked into L2, so that they stream while the program waits at a barrier."""
+    pid = gl.program_id(0)
+    WORD_BYTES: gl.constexpr = RT * (K // 64) * 512
+    PIECE: gl.constexpr = 16384
+    PIECES: gl.constexpr = WORD_BYTES * EIGHTHS // 8 // PIECE
+    TERM_BYTES: gl.constexpr = RT * (K // GROUP) * 64
+    for t in range(pid, TILES, P):
+        for piece in gl.static_range(PIECES):
+            _prefetch_l2(WQ + t.to(gl.int64) * (WORD_BYTES // 4) + piece * (PIECE // 4), PIECE)
+        _prefetch_l2(T + t.to(gl.int64) * (TERM_BYTES // 2), TERM_BYTES)
+
+
+@gluon.jit
 def _phase(X, WQ, T, Y, M, N: gl.constexpr, K: gl.constexpr, Y_COLS: gl.constexpr, TILES: gl.constexpr,
            KB: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, LT: gl.constexpr, D: gl.constexpr, RT: gl.constexpr,
            SILU: gl.constexpr, P: gl.constexpr, GROUP: gl.constexpr, DECODE_ASM: gl.constexpr, words0, terms0):
@@ -68,10 +93,12 @@ def _chain_kernel(X, A, H, Y, M, W1, T1, W2, T2, W3, T3, COUNTER,
                   RT1: gl.constexpr, KB2: gl.constexpr, LW2: gl.constexpr, LX2: gl.constexpr, LT2: gl.constexpr,
                   D2: gl.constexpr, RT2: gl.constexpr, KB3: gl.constexpr, LW3: gl.constexpr, LX3: gl.constexpr,
                   LT3: gl.constexpr, D3: gl.constexpr, RT3: gl.constexpr, P: gl.constexpr, GROUP: gl.constexpr,
-                  DECODE_ASM: gl.constexpr, PREFETCH: gl.constexpr, MLP_ONLY: gl.constexpr):
+                  DECODE_ASM: gl.constexpr, PREFETCH: gl.constexpr, MLP_ONLY: gl.constexpr,
+                  L2_EIGHTHS: gl.constexpr = 0):
     """o -> gate_up -> down (MLP_ONLY: gate_up -> down, from X). Each program loads its next
     product's first weights before the barrier: after its tiles of this product, or (PREFETCH)
-    before them, held in registers through them."""
+    before them, held in registers through them. L2_EIGHTHS: each program also asks for that share
+    of its next product's words (and their terms) into L2 before the barrier."""
     pid = gl.program_id(0)
     if not MLP_ONLY:
         w, t = qf.frag_first_weights(W1, T1, gl.minimum(pid, TILES1 - 1), K1, GROUP, KB1, LW1, LT1, RT1)
@@ -81,6 +108,8 @@ def _chain_kernel(X, A, H, Y, M, W1, T1, W2, T2, W3, T3, COUNTER,
         _phase(X, W1, T1, A, M, N1, K1, N1, TILES1, KB1, LW1, LX1, LT1, D1, RT1, False, P, GROUP, DECODE_ASM, w, t)
         if not PREFETCH:
             w2, t2 = qf.frag_first_weights(W2, T2, gl.minimum(pid, TILES2 - 1), K2, GROUP, KB2, LW2, LT2, RT2)
+        if L2_EIGHTHS > 0:
+            _prefetch_tiles(W2, T2, K2, RT2, TILES2, P, GROUP, L2_EIGHTHS)
         grid_barrier(COUNTER, P)
         x2 = A
     else:
@@ -92,12 +121,14 @@ def _chain_kernel(X, A, H, Y, M, W1, T1, W2, T2, W3, T3, COUNTER,
     _phase(x2, W2, T2, H, M, N2, K2, N2 // 2, TILES2, KB2, LW2, LX2, LT2, D2, RT2, True, P, GROUP, DECODE_ASM, w2, t2)
     if not PREFETCH:
         w3, t3 = qf.frag_first_weights(W3, T3, gl.minimum(pid, TILES3 - 1), K3, GROUP, KB3, LW3, LT3, RT3)
+    if L2_EIGHTHS > 0:
+        _prefetch_tiles(W3, T3, K3, RT3, TILES3, P, GROUP, L2_EIGHTHS)
     grid_barrier(COUNTER, P)
     _phase(H, W3, T3, Y, M, N3, K3, N3, TILES3, KB3, LW3, LX3, LT3, D3, RT3, False, P, GROUP, DECODE_ASM, w3, t3)
 
 
 def chain_persistent(x, a, h, y, fws, tiles, counter, programs: int, prefetch: bool = False, mlp_only: bool = False,
-                     compile_only: bool = False):
+                     compile_only: bool = False, l2_eighths: int = 0):
     args = {}
     for i, (fw, t) in enumerate(zip(fws, tiles), 1):
         kb = qf.step_blocks(fw.in_features, t)
@@ -109,7 +140,7 @@ def chain_persistent(x, a, h, y, fws, tiles, counter, programs: int, prefetch: b
     return launch(x, a, h, y, x.shape[0], fws[0].words, fws[0].terms, fws[1].words, fws[1].terms,
                   fws[2].words, fws[2].terms, counter, **args, P=programs, GROUP=fws[0].group_size,
                   DECODE_ASM=qf._decode_asm(False), PREFETCH=prefetch, MLP_ONLY=mlp_only,
-                  num_warps=tiles[0].num_warps, launch_pdl=True, **extra)
+                  L2_EIGHTHS=l2_eighths, num_warps=tiles[0].num_warps, launch_pdl=True, **extra)
 
 
 def resident_per_multiprocessor(kernel, warps: int) -> int:
@@ -152,8 +183,11 @@ def main() -> None:
     parser.add_argument("--tiles", default="1x4x1x1,1x4x2x4,1x4x2x1;1x4x2x1,1x4x2x4,1x4x2x2",
                         help="per configuration (;-separated): o,gate_up,down tiles, one num_warps")
     parser.add_argument("--copies", type=int, default=3)
+    parser.add_argument("--l2", default="0", help="eighths of the next product's words each program asks into L2"
+                                                  " before a barrier (0: none), comma-separated, at the most programs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    l2_eighths = [int(v) for v in args.l2.split(",")]
     torch.manual_seed(0)
     sets = [(random_frag(4096, 4096), random_frag(24576, 4096), random_frag(4096, 12288)) for _ in range(args.copies)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -177,21 +211,29 @@ def main() -> None:
                     [lambda s=s: chain_separate(x, s, defaults, mlp_only) for s in sets], 10), 2)
                 ref = chain_separate(x, sets[0], tiles, mlp_only)
                 for prefetch in (False, True):
+                    fitting = []
                     for programs in (sms, 2 * sms, 3 * sms, 4 * sms):
                         # the compiled kernel depends on P: ask the driver how many of that one fit
                         kernel = chain_persistent(x, a, h, y, sets[0], tiles, counter, programs, prefetch, mlp_only,
                                                   compile_only=True)
-                        if resident_per_multiprocessor(kernel, tiles[0].num_warps) * sms < programs:
-                            continue
-                        label = f"{name}_P{programs}{'_early' if prefetch else ''}"
-                        row[f"{label}_registers"] = kernel.n_regs
+                        if resident_per_multiprocessor(kernel, tiles[0].num_warps) * sms >= programs:
+                            fitting.append(programs)
+                    runs = [(p, 0) for p in fitting] + [(fitting[-1], e) for e in l2_eighths if e and fitting]
+                    for programs, eighths in runs:
+                        if eighths:
+                            kernel = chain_persistent(x, a, h, y, sets[0], tiles, counter, programs, prefetch,
+                                                      mlp_only, compile_only=True, l2_eighths=eighths)
+                            if resident_per_multiprocessor(kernel, tiles[0].num_warps) * sms < programs:
+                                continue
+                        label = f"{name}_P{programs}{'_early' if prefetch else ''}{f'_l2x{eighths}' if eighths else ''}"
                         counter.zero_()  # the barrier's targets are multiples of P: start from one
-                        chain_persistent(x, a, h, y, sets[0], tiles, counter, programs, prefetch, mlp_only)
+                        chain_persistent(x, a, h, y, sets[0], tiles, counter, programs, prefetch, mlp_only,
+                                         l2_eighths=eighths)
                         synchronize_or_exit()
                         row[f"{label}_same_bits"] = bool(torch.equal(y, ref))
                         row[f"{label}_us"] = round(cycle_time_us(
-                            [lambda s=s: chain_persistent(x, a, h, y, s, tiles, counter, programs, prefetch, mlp_only)
-                             for s in sets], 10), 2)
+                            [lambda s=s: chain_persistent(x, a, h, y, s, tiles, counter, programs, prefetch, mlp_only,
+                                                          l2_eighths=eighths) for s in sets], 10), 2)
                 print(json.dumps(row), flush=True)
             results.append(row)
     if args.out:
