@@ -34,13 +34,16 @@ def _now():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
+# one thread of the program asks the copy engine for $2 bytes (a multiple of 16) from $1 into L2
+# (also used by gpu_persistent_bound.py's Gluon kernel)
+PREFETCH_L2_PTX = ("{\n.reg .pred p;\n.reg .b32 t;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+                   "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}")
+_PREFETCH_L2 = tl.constexpr(PREFETCH_L2_PTX)
+
+
 @triton.jit
 def _prefetch(ptr, nbytes):
-    # one thread of the program asks for nbytes (a multiple of 16) from ptr into L2
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\n.reg .b32 t;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

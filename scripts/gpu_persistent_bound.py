@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_l2_prefetch import PREFETCH_L2_PTX  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
 from verispec.kernels.quant_gemv import gl, gluon  # noqa: E402
@@ -46,13 +47,13 @@ def grid_barrier(COUNTER, P: gl.constexpr):
     gl.thread_barrier()
 
 
+_PREFETCH_L2 = gl.constexpr(PREFETCH_L2_PTX)
+
+
 @gluon.jit
 def _prefetch_l2(ptr, nbytes):
     # one thread of the program asks the copy engine for nbytes (a multiple of 16) from ptr into L2
-    gl.inline_asm_elementwise(
-        "{\n.reg .pred p;\n.reg .b32 t;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}",
-        "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
