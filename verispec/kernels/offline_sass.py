@@ -47,15 +47,11 @@ def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    blocks = qf.step_blocks(k, tiles)
-    lw, lx, lt = qf._layouts(tiles.num_warps, blocks, tiles.row_tiles)
     fn = qf._frag_kernel
     act = "*" + _TYPES[dtype]
     signature = {"X": act, "WQ": "*i32", "T": act, "Y": act, "M": "i32", "N": "i32", "stride_xm": "i32",
                  "stride_ym": "i32"}
-    constexprs = dict(K=k, GROUP=group, ZERO_POINT=False, KB=blocks, GRID_WAIT=True,
-                      DECODE_ASM=qf._decode_asm(dtype == torch.float16), LW=lw, LX=lx, LT=lt, DEPTH=tiles.depth,
-                      SILU_GATE=silu_gate, RT=tiles.row_tiles, RELEASE=0)
+    constexprs = qf.launch_constexprs(k, group, False, tiles, dtype == torch.float16, silu_gate, pdl=True)
     if rows == 1:
         constexprs["M"] = 1
     for name in constexprs:

@@ -380,8 +380,12 @@ if gluon is not None:
         kernel running several products loads the next product's before a barrier (they do not
         depend on its activations) and hands them to `frag_tile`."""
         BT: gl.constexpr = gl.num_warps() * KB
-        NB: gl.constexpr = K // 64
         w_ptr, w_block, t_ptr, t_block = _weight_pointers(WQ, T, tile, K, GROUP, LW, LT, BT, RT)
+        return _load_first_weights(w_ptr, w_block, t_ptr, t_block, K // 64, GROUP)
+
+    @gluon.jit
+    def _load_first_weights(w_ptr, w_block, t_ptr, t_block, NB: gl.constexpr, GROUP: gl.constexpr):
+        """The first step's words and group terms (blocks past the row's NB read nothing)."""
         words = gl.load(w_ptr, mask=w_block < NB, other=0)
         terms = gl.load(t_ptr + (t_block * 64 // GROUP) * 16, mask=t_block < NB, other=0)
         return words, terms
@@ -434,8 +438,7 @@ if gluon is not None:
             terms = terms0
             xi = gl.load(x_ptr, mask=x_block < NB, other=0)
         elif GRID_WAIT:
-            words = gl.load(w_ptr, mask=w_block < NB, other=0)
-            terms = gl.load(t_ptr + (t_block * 64 // GROUP) * 16, mask=t_block < NB, other=0)
+            words, terms = _load_first_weights(w_ptr, w_block, t_ptr, t_block, NB, GROUP)
             wait_for_previous_grid()
             xi = gl.load(x_ptr, mask=x_block < NB, other=0)
             if RELEASE == 1:
@@ -527,6 +530,17 @@ def step_blocks(k: int, tiles: FragTiles) -> int:
     return blocks
 
 
+def launch_constexprs(k: int, group_size: int, zero_point: bool, tiles: FragTiles, half: bool, silu_gate: bool,
+                      pdl: bool) -> dict:
+    """`_frag_kernel`'s compile-time arguments as `frag_gemv` launches it (and as offline_sass.py
+    compiles it for CI): K [in features], the tiles' layouts and depth, PDL's wait and release."""
+    blocks = step_blocks(k, tiles)
+    words_layout, acts_layout, terms_layout = _layouts(tiles.num_warps, blocks, tiles.row_tiles)
+    return dict(K=k, GROUP=group_size, ZERO_POINT=zero_point, KB=blocks, GRID_WAIT=pdl, DECODE_ASM=_decode_asm(half),
+                LW=words_layout, LX=acts_layout, LT=terms_layout, DEPTH=tiles.depth, SILU_GATE=silu_gate,
+                RT=tiles.row_tiles, RELEASE=_RELEASE[quant_gemv.PRODUCT_RELEASE] if pdl else 0)
+
+
 def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
               silu_gate: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, bfloat16 / float16) -> y [M, N] in x's dtype (float32 sums). With
@@ -547,15 +561,11 @@ def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
     tiles = tiles or tiles_for(n, k, m)
     if tiles.row_tiles not in (1, 2, 4):
         raise ValueError(f"quant_frag.frag_gemv: {tiles.row_tiles} row tiles a program (1, 2 or 4)")
-    blocks = step_blocks(k, tiles)
-    words_layout, acts_layout, terms_layout = _layouts(tiles.num_warps, blocks, tiles.row_tiles)
     x = x.contiguous()
     y = torch.empty(m, n // 2 if silu_gate else n, dtype=x.dtype, device=x.device)
     pdl = quant_gemv.PDL
     _frag_kernel[(fw.words.shape[0] // tiles.row_tiles,)](
         x, fw.words, fw.terms, y, m, n, x.stride(0), y.stride(0),
-        K=k, GROUP=fw.group_size, ZERO_POINT=fw.zero_point, KB=blocks, GRID_WAIT=pdl,
-        DECODE_ASM=_decode_asm(x.dtype == torch.float16), LW=words_layout, LX=acts_layout, LT=terms_layout,
-        DEPTH=tiles.depth, SILU_GATE=silu_gate, RT=tiles.row_tiles,
-        RELEASE=_RELEASE[quant_gemv.PRODUCT_RELEASE] if pdl else 0, num_warps=tiles.num_warps, launch_pdl=pdl)
+        **launch_constexprs(k, fw.group_size, fw.zero_point, tiles, x.dtype == torch.float16, silu_gate, pdl),
+        num_warps=tiles.num_warps, launch_pdl=pdl)
     return y
