@@ -302,9 +302,27 @@ if gluon is not None:
     def _accumulate(acc, words, xi, terms, ones, zero, ZERO_POINT: gl.constexpr, DECODE_ASM: gl.constexpr,
                     DT: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LS: gl.constexpr):
         """acc [BT, 16*RT, 8] += each block's s*D + c*X (see the module's docstring)."""
+        return block_sums(acc, words, terms, zero, ZERO_POINT, DECODE_ASM, DT, LA, LB, LS, xi=xi, ones=ones)
+
+    @gluon.jit
+    def activation_operand(xi, DT: gl.constexpr, LB: gl.constexpr):
+        """Activation pairs xi [BT, 8 rows, 4 (t), 8] (int32) -> the mma's B operand [BT, 64, 8] (LB)."""
+        BT: gl.constexpr = xi.shape[0]
+        MT: gl.constexpr = xi.shape[1]
+        # pair p of lane t = positions 16t + 2p, 16t + 2p + 1; p = 2c + h -> k 16c + 8h + 2t + j
+        lo, hi = _halves(xi, DT)
+        b = gl.reshape(gl.join(lo, hi), [BT, MT, 4, 4, 2, 2])  # [BT, m, t, c, h, j]
+        b = gl.reshape(gl.permute(b, (0, 3, 4, 2, 5, 1)), [BT, 64, MT])
+        return gl.convert_layout(b, LB, assert_trivial=True)
+
+    @gluon.jit
+    def block_sums(acc, words, terms, zero, ZERO_POINT: gl.constexpr, DECODE_ASM: gl.constexpr, DT: gl.constexpr,
+                   LA: gl.constexpr, LB: gl.constexpr, LS: gl.constexpr, xi=None, ones=None, b=None, xs=None):
+        """acc [BT, 16*RT, 8] + each batch entry's s*D + c*X for its words [BT, RT, 8, 4, 4] against
+        the activations: pairs xi (with `ones`, the all-ones A that sums them), or the B operand b
+        [BT, 64 (mma k), 8] (LB) and its sums over k, xs (see the module's docstring)."""
         BT: gl.constexpr = words.shape[0]
         RT: gl.constexpr = words.shape[1]
-        MT: gl.constexpr = xi.shape[1]
         HALF: gl.constexpr = DT == gl.float16
         MAGIC: gl.constexpr = 1024.0 if HALF else 128.0
         v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, DECODE_ASM, DT)
@@ -314,13 +332,11 @@ if gluon is not None:
         a = gl.join(gl.join(gl.join(v0, v2), gl.join(v1, v3)), gl.join(gl.join(v4, v6), gl.join(v5, v7)))
         a = gl.reshape(gl.permute(a, (0, 1, 6, 2, 4, 5, 3, 7)), [BT, 16 * RT, 64])
         a = gl.convert_layout(a, LA, assert_trivial=True)
-        # activations: pair p of lane t = positions 16t + 2p, 16t + 2p + 1; p = 2c + h -> k 16c + 8h + 2t + j
-        lo, hi = _halves(xi, DT)
-        b = gl.reshape(gl.join(lo, hi), [BT, MT, 4, 4, 2, 2])  # [BT, m, t, c, h, j]
-        b = gl.reshape(gl.permute(b, (0, 3, 4, 2, 5, 1)), [BT, 64, MT])
-        b = gl.convert_layout(b, LB, assert_trivial=True)
+        if xi is not None:
+            b = activation_operand(xi, DT, LB)
         d = mma_v2(a, b, zero)  # sum_k (magic + q_k) x_k per block
-        xs = mma_v2(ones, b, zero)  # sum_k x_k per block (every row the same)
+        if xi is not None:
+            xs = mma_v2(ones, b, zero)  # sum_k x_k per block (every row the same)
         st, ot = gl.split(terms)  # [BT, RT, 8]: (s_g, s_g+8) and (o_g, o_g+8) words
         s_lo, s_hi = _widen(st, HALF)
         o_lo, o_hi = _widen(ot, HALF)
@@ -399,6 +415,39 @@ if gluon is not None:
         """One program's 16*RT rows of y (`tile`: which), the whole K loop and the store: the body
         of `_frag_kernel`, and of kernels that run several products' tiles in turn (`words0`,
         `terms0`: the first step's, from `frag_first_weights`, already loaded)."""
+        y = frag_sums(X, WQ, T, M, stride_xm, tile, K, GROUP, ZERO_POINT, KB, GRID_WAIT, DECODE_ASM, LW, LX, LT,
+                      DEPTH, RT, RELEASE, words0, terms0)
+        MT: gl.constexpr = _MAX_ROWS
+        if SILU_GATE:
+            out = silu_gated(y, RT, Y.dtype.element_ty)
+            ry = tile * 8 * RT + gl.arange(0, 8 * RT, layout=gl.SliceLayout(1, out.type.layout))
+            my = gl.arange(0, MT, layout=gl.SliceLayout(0, out.type.layout))
+            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
+            gl.store(y_ptr, out.to(Y.dtype.element_ty),
+                     mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
+        else:
+            ry = tile * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, y.type.layout))
+            my = gl.arange(0, MT, layout=gl.SliceLayout(0, y.type.layout))
+            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
+            gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
+
+    @gluon.jit
+    def silu_gated(y, RT: gl.constexpr, OUT_DT: gl.constexpr):
+        """y [16*RT, 8] of a SiLU-gated product's tiles (each tile's rows 0-7 are 8 gate rows, 8-15
+        the matching up rows: a thread holds rows g and g + 8) -> SiLU(gate) * up [8*RT, 8] in
+        float32, gate and up each rounded to OUT_DT first, as the unfused path stores them."""
+        MT: gl.constexpr = y.shape[1]
+        gate, up = gl.split(gl.permute(gl.reshape(y, [RT, 2, 8, MT]), (0, 2, 3, 1)))
+        gate = gate.to(OUT_DT).to(gl.float32)
+        up = up.to(OUT_DT).to(gl.float32)
+        return gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * RT, MT])
+
+    @gluon.jit
+    def frag_sums(X, WQ, T, M, stride_xm, tile, K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr,
+                  KB: gl.constexpr, GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr,
+                  LX: gl.constexpr, LT: gl.constexpr, DEPTH: gl.constexpr, RT: gl.constexpr, RELEASE: gl.constexpr,
+                  words0=None, terms0=None):
+        """y [16*RT, 8] in float32 (the mma's layout, summed over warps): the K loop of `frag_tile`."""
         WS: gl.constexpr = gl.num_warps()
         BT: gl.constexpr = WS * KB  # batch entries: (warp, block)
         NB: gl.constexpr = K // 64  # blocks in a row
@@ -483,25 +532,7 @@ if gluon is not None:
 
         if RELEASE == 2:
             release_dependents()
-        y = gl.sum(acc, axis=0)  # [16*RT, MT]: the (warp, block) shares, added in a fixed order
-        if SILU_GATE:
-            # each tile's rows 0-7 are 8 gate rows, 8-15 the matching up rows (a thread holds rows g
-            # and g + 8): SiLU(gate) * up, each rounded to the output dtype first as the unfused path
-            # stores them
-            gate, up = gl.split(gl.permute(gl.reshape(y, [RT, 2, 8, MT]), (0, 2, 3, 1)))
-            gate = gate.to(Y.dtype.element_ty).to(gl.float32)
-            up = up.to(Y.dtype.element_ty).to(gl.float32)
-            out = gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * RT, MT])
-            ry = tile * 8 * RT + gl.arange(0, 8 * RT, layout=gl.SliceLayout(1, out.type.layout))
-            my = gl.arange(0, MT, layout=gl.SliceLayout(0, out.type.layout))
-            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
-            gl.store(y_ptr, out.to(Y.dtype.element_ty),
-                     mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
-        else:
-            ry = tile * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-            my = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
-            y_ptr = Y + gl.expand_dims(my, 0) * stride_ym + gl.expand_dims(ry, 1)
-            gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N))
+        return gl.sum(acc, axis=0)  # [16*RT, MT]: the (warp, block) shares, added in a fixed order
 
 
 _RELEASE = {"end": 0, "start": 1, "loop": 2}  # quant_gemv.PRODUCT_RELEASE -> the kernel's RELEASE
