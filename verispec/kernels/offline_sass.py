@@ -43,10 +43,6 @@ def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch
     aligned pointers, N and the strides multiples of 16, M == 1 a constant). Not in a process
     with TRITON_INTERPRET set (Triton's own reductions are then interpreter functions, which a
     compile cannot call): `compile_frags` runs there."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     fn = qf._frag_kernel
     act = "*" + _TYPES[dtype]
     signature = {"X": act, "WQ": "*i32", "T": act, "Y": act, "M": "i32", "N": "i32", "stride_xm": "i32",
@@ -54,12 +50,23 @@ def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch
     constexprs = qf.launch_constexprs(k, group, False, tiles, dtype == torch.float16, silu_gate, pdl=True)
     if rows == 1:
         constexprs["M"] = 1
+    return compile_gluon(fn, signature, constexprs, ("X", "WQ", "T", "Y", "N", "stride_xm", "stride_ym"),
+                         tiles.num_warps)
+
+
+def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int) -> CompiledFrag:
+    """A Gluon kernel compiled for sm_90 (signature: the runtime arguments' types; constexprs: the
+    rest; divisible: the arguments the launcher sees as multiples of 16), with its SASS and usage."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = dict(signature)
     for name in constexprs:
         signature[name] = "constexpr"
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ("X", "WQ", "T", "Y", "N", "stride_xm", "stride_ym")}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tiles.num_warps})
+                              options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
