@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_gemv_variants import LAYERS, Copies  # noqa: E402
 from gpu_mma_gemv import random_operands  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import quant_frag as qf, quant_matmul as qm, quant_mma  # noqa: E402
+from verispec.kernels import frag_dequantize, quant_frag as qf, quant_matmul as qm, quant_mma  # noqa: E402
 
 MS = (1, 2, 4, 8)
 
@@ -45,7 +45,7 @@ def check_correctness() -> list[dict]:
                     row = {"dtype": str(dtype), "zero_point": zero_point, "group": group, "n": n, "k": k}
                     try:
                         fw = qf.repack(packed, scales, offsets, group, zero_point)
-                        row["unpack_equal"] = bool(torch.equal(qf.unpack_fragments(fw).long(), q))
+                        row["unpack_equal"] = bool(torch.equal(frag_dequantize.unpack_fragments(fw).long(), q))
                         for tiles in (qf.FragTiles(), qf.FragTiles(1, 4), qf.FragTiles(4, 4), qf.FragTiles(2, 8),
                                       qf.FragTiles(1, 8, 2), qf.FragTiles(2, 4, 2), qf.FragTiles(1, 4, 1, 2),
                                       qf.FragTiles(1, 2, 2, 4)):

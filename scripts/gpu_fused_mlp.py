@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import offline_sass  # noqa: E402
+from verispec.kernels import frag_dequantize, offline_sass  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
 from verispec.kernels import quant_gemv  # noqa: E402
 from verispec.kernels.quant_gemv import gl, gluon  # noqa: E402
@@ -328,11 +328,11 @@ def fused_mlp(x: torch.Tensor, gate_up: qf.FragWeights, down: qf.FragWeights,
 def reference(x: torch.Tensor, gate_up: qf.FragWeights, down: qf.FragWeights) -> torch.Tensor:
     """What `fused_mlp` computes, in torch: gate and up rounded to x's dtype, SiLU(gate) * up
     rounded to it, down's sums in float32."""
-    w = qf.dequantize(gate_up, torch.float32)  # [2I, H], chunks of 8 gate rows then their 8 up rows
+    w = frag_dequantize.dequantize(gate_up, torch.float32)  # [2I, H], chunks of 8 gate rows then their 8 up rows
     gu = (x.float() @ w.T).to(x.dtype).float().view(x.shape[0], -1, 2, qf.GATE_CHUNK)
     gate, up = gu[:, :, 0].reshape(x.shape[0], -1), gu[:, :, 1].reshape(x.shape[0], -1)
     h = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
-    return (h.float() @ qf.dequantize(down, torch.float32).T).to(x.dtype)
+    return (h.float() @ frag_dequantize.dequantize(down, torch.float32).T).to(x.dtype)
 
 
 def compile_fused_mlp(hidden: int, intermediate: int, tiles=None, dtype: torch.dtype = torch.bfloat16,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verispec.kernels import frag_dequantize
 from verispec.kernels import quant_frag as kernel
 from verispec.kernels.quant_matmul import dequant_matmul_reference, dequantize_reference
 from verispec.models.layers.quant_linear import MLXAffineLinear
@@ -38,13 +39,13 @@ def test_repacked_words_hold_the_checkpoint_values(n, k, group, zero_point):
     fw = kernel.repack(packed, scales, offsets, group, zero_point)
     # tiles of 16 rows, padded with zero rows to a multiple of MAX_ROW_TILES tiles
     assert fw.words.shape == (-(-n // 64) * kernel.MAX_ROW_TILES, k // 64, 128) and fw.words.dtype == torch.int32
-    assert torch.equal(kernel.unpack_fragments(fw).long(), q)
+    assert torch.equal(frag_dequantize.unpack_fragments(fw).long(), q)
     want = dequantize_reference(packed, scales, offsets, 4, group, zero_point).float()
-    assert torch.equal(kernel.dequantize(fw, torch.float32), want)
+    assert torch.equal(frag_dequantize.dequantize(fw, torch.float32), want)
 
 
 def test_every_position_of_a_block_is_one_nibble_and_pairs_are_the_mma_operands():
-    row, position = kernel._fragment_positions()  # over (g, t, c, j)
+    row, position = kernel.fragment_positions()  # over (g, t, c, j)
     flat = (row * 64 + position).flatten()
     assert sorted(flat.tolist()) == list(range(16 * 64))
     g = torch.arange(8).view(8, 1, 1, 1)
@@ -85,7 +86,7 @@ def test_reasons_and_tiles():
 
 def emulated_frag_gemv(x, fw, tiles=None, silu_gate=False):
     """What the kernel computes, in torch (the layer's routing is what these CPU tests check)."""
-    y = (x.double() @ kernel.dequantize(fw, torch.float64).T).to(x.dtype)
+    y = (x.double() @ frag_dequantize.dequantize(fw, torch.float64).T).to(x.dtype)
     if not silu_gate:
         return y
     tiles_of = y.view(x.shape[0], -1, 2, kernel.GATE_CHUNK)
@@ -220,7 +221,7 @@ def test_once_the_words_are_released_the_copy_serves_every_width(monkeypatch):
         layer.interleave_gate_up()
 
 
-@pytest.mark.skipif(kernel.tl is None, reason="Triton")
+@pytest.mark.skipif(frag_dequantize.tl is None, reason="Triton")
 def test_dequantizing_kernel_equals_the_reference():
     # on the CPU through Triton's interpreter (tests/conftest.py): float32 output there, since the
     # interpreter truncates where the GPU rounds to 16-bit floats
@@ -231,7 +232,7 @@ def test_dequantizing_kernel_equals_the_reference():
         fw = kernel.repack(packed, scales, offsets, group, zero_point)
         want = dequantize_reference(packed, scales, offsets, 4, group, zero_point)
         for dtype in dtypes:
-            assert torch.equal(kernel.dequantize_kernel(fw, dtype), want.to(dtype))
+            assert torch.equal(frag_dequantize.dequantize_kernel(fw, dtype), want.to(dtype))
 
 
 def test_activations_in_another_dtype_than_the_copy_skip_both_epilogues(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from verispec.engine.engine import load_engine
-from verispec.kernels import quant_frag
+from verispec.kernels import frag_dequantize, quant_frag
 from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
                                                   release_converted_checkpoints)
 from verispec.models.layers.quant_linear import QuantizedLinear
@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 
 def frag_gemv_in_torch(x, fw, tiles=None, silu_gate=False):
     """quant_frag.frag_gemv's result, computed by torch in x's dtype."""
-    y = x @ quant_frag.dequantize(fw, x.dtype).T
+    y = x @ frag_dequantize.dequantize(fw, x.dtype).T
     if not silu_gate:
         return y
     tiles_of = y.view(x.shape[0], -1, 2, quant_frag.GATE_CHUNK)

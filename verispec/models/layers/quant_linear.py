@@ -31,7 +31,7 @@ from torch import nn
 from verispec import log
 from verispec.config import env
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import dequantize, int4_builtin, quant_frag, quant_gemv, quant_matmul, quant_mma
+from verispec.kernels import dequantize, frag_dequantize, int4_builtin, quant_frag, quant_gemv, quant_matmul, quant_mma
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -137,9 +137,9 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
         if (frag := self.frag) is not None and self.released():
-            if frag.words.device.type == "cuda" and quant_frag.tl is not None and dtype != torch.float64:
-                return quant_frag.dequantize_kernel(frag, dtype)
-            return quant_frag.dequantize(frag, dtype)
+            if frag.words.device.type == "cuda" and frag_dequantize.tl is not None and dtype != torch.float64:
+                return frag_dequantize.dequantize_kernel(frag, dtype)
+            return frag_dequantize.dequantize(frag, dtype)
         return dequantize.decode(self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                  self.group_size, self.zero_point, dtype)
 
