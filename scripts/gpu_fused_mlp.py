@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
+from gpu_persistent_bound import grid_barrier, random_frag, synchronize_or_exit  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import frag_dequantize, offline_sass  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
@@ -85,23 +85,6 @@ if gluon is not None:
     _MAX_ROWS = gl.constexpr(qf.MAX_ROWS)
 
     @gluon.jit
-    def _grid_barrier(COUNT, GEN, P: gl.constexpr):
-        """Every one of the P programs (all resident) arrives before any leaves; their stores before
-        it are visible to all after it. The last to arrive resets the count and moves the
-        generation on, which the others wait for: no state to reset between launches."""
-        gl.thread_barrier()
-        gen = gl.atomic_add(GEN, 0, sem="acquire", scope="gpu")
-        old = gl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu")
-        if old == P - 1:
-            gl.atomic_xchg(COUNT, 0, sem="relaxed", scope="gpu")
-            gl.atomic_add(GEN, 1, sem="release", scope="gpu")
-        else:
-            seen = gen
-            while seen == gen:
-                seen = gl.atomic_add(GEN, 0, sem="acquire", scope="gpu")
-        gl.thread_barrier()
-
-    @gluon.jit
     def _intermediate_operand(X, WG, TG, M, stride_xm, p, H: gl.constexpr, GROUP_G: gl.constexpr,
                               ZERO_POINT: gl.constexpr, KBG: gl.constexpr, DEPTH_G: gl.constexpr,
                               DECODE_ASM: gl.constexpr, LWG: gl.constexpr, LXG: gl.constexpr, LTG: gl.constexpr):
@@ -147,7 +130,7 @@ if gluon is not None:
         return w_ptr, t_ptr
 
     @gluon.jit
-    def _fused_mlp_kernel(X, WG, TG, WD, TD, PART, Y, COUNT, GEN, M, stride_xm, stride_ym,
+    def _fused_mlp_kernel(X, WG, TG, WD, TD, PART, Y, COUNTER, M, stride_xm, stride_ym,
                           H: gl.constexpr, I: gl.constexpr, GROUP_G: gl.constexpr, GROUP_D: gl.constexpr,
                           ZERO_POINT: gl.constexpr, DECODE_ASM: gl.constexpr, KBG: gl.constexpr,
                           DEPTH_G: gl.constexpr, LWG: gl.constexpr, LXG: gl.constexpr, LTG: gl.constexpr,
@@ -198,7 +181,7 @@ if gluon is not None:
             _down_steps(part_ptr, part_mask, w_ptr, t_ptr, words_a, terms_a, words_b, terms_b, b, xs, zero, STEPS,
                         W_STEP, T_STEP, BT, ZERO_POINT, DECODE_ASM, DT, LA, LB, LS)
         if PHASES == 3:
-            _grid_barrier(COUNT, GEN, P)
+            grid_barrier(COUNTER, P)
             _add_partials(PART, Y, M, stride_ym, p, H, P, PP, WS)
 
     @gluon.jit
@@ -271,10 +254,10 @@ def launch_constexprs(gate_up: qf.FragWeights, down: qf.FragWeights, tiles: Fuse
 
 @functools.cache
 def _scratch(device: torch.device, count: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial sums [P, 8, H] (float32) and the barrier's count and generation (int32, a
-    cache line apart), one set per device and shape: the layers' launches run one after another."""
+    """The partial sums [P, 8, H] (float32) and the barrier's counter (gpu_persistent_bound's
+    grid_barrier: it starts at 0 and every launch on it has this P), one set per device and shape."""
     partial = torch.empty(count, qf.MAX_ROWS, hidden, dtype=torch.float32, device=device)
-    return partial, torch.zeros(64, dtype=torch.int32, device=device)
+    return partial, torch.zeros(1, dtype=torch.int32, device=device)
 
 
 _resident_checked: dict = {}
@@ -312,7 +295,7 @@ def fused_mlp(x: torch.Tensor, gate_up: qf.FragWeights, down: qf.FragWeights,
     key = (x.device, x.dtype, tiles, tuple(sorted((k, str(v)) for k, v in constexprs.items())))
     partial, counter = _scratch(x.device, count, gate_up.in_features)
     y = torch.empty(x.shape[0], gate_up.in_features, dtype=x.dtype, device=x.device)
-    args = (x, gate_up.words, gate_up.terms, down.words, down.terms, partial, y, counter, counter[32:],
+    args = (x, gate_up.words, gate_up.terms, down.words, down.terms, partial, y, counter,
             x.shape[0], x.stride(0), y.stride(0))
     if not reason and key not in _resident_checked:
         kernel = _fused_mlp_kernel.warmup(*args, **constexprs, num_warps=tiles.num_warps, launch_pdl=True,
@@ -345,13 +328,13 @@ def compile_fused_mlp(hidden: int, intermediate: int, tiles=None, dtype: torch.d
     tiles = tiles or FusedTiles()
     act = "*" + offline_sass._TYPES[dtype]
     signature = {"X": act, "WG": "*i32", "TG": act, "WD": "*i32", "TD": act, "PART": "*fp32", "Y": act,
-                 "COUNT": "*i32", "GEN": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+                 "COUNTER": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     constexprs = launch_constexprs(shape_only(2 * intermediate, hidden), shape_only(hidden, intermediate), tiles,
                                       dtype == torch.float16)
     if rows == 1:
         constexprs["M"] = 1
     return offline_sass.compile_gluon(_fused_mlp_kernel, signature, constexprs,
-                         ("X", "WG", "TG", "WD", "TD", "PART", "Y", "COUNT", "GEN", "stride_xm", "stride_ym"),
+                         ("X", "WG", "TG", "WD", "TD", "PART", "Y", "COUNTER", "stride_xm", "stride_ym"),
                          tiles.num_warps)
 
 
