@@ -170,6 +170,18 @@ def _decode_asm(half: bool) -> str:
     return quant_mma.nibble_pairs_asm("0x64006400" if half else "0x43004300")
 
 
+@functools.cache
+def decode_pairs_asm(half: bool) -> str:
+    """PTX for `_decode_pairs` (`block_sums(..., PACKED=True)`): outputs $0..$3 the 32-bit pairs
+    (nibble i, nibble i + 4) as magic + q (one LOP3 each: bits 4i and 16 + 4i masked into the
+    magic pair), input $4 the word ($5..$11 are the same word: one input a packed value)."""
+    body = f"{{\n.reg .b32 m, t;\nmov.b32 m, {'0x64006400' if half else '0x43004300'};\n"
+    body += "lop3.b32 $0, $4, 0x000F000F, m, 0xEA;\n"
+    for i in range(1, 4):
+        body += f"shr.b32 t, $4, {4 * i};\nlop3.b32 ${i}, t, 0x000F000F, m, 0xEA;\n"
+    return body + "}"
+
+
 # two 16-bit floats in a 32-bit word -> each as float32: (bf16: the bits shifted up; f16: cvt)
 _WIDEN_BF16 = "shl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xFFFF0000;"
 _WIDEN_F16 = "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n}"
@@ -183,6 +195,22 @@ if gluon is not None:
         """word -> its 8 nibbles as magic + q in OUT (value j in result j)."""
         return gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [word], dtype=(OUT.value,) * 8,
                                          is_pure=True, pack=1)
+
+    @gluon.jit
+    def _decode_pairs(words, ASM: gl.constexpr, OUT: gl.constexpr):
+        """words [...] -> their nibbles as magic + q in OUT, [..., 2 (i1), 2 (i0), 2 (h)]: nibble
+        i + 4h, i = i0 + 2 i1. One asm a word takes its 8 values as 4 packed 32-bit registers, the
+        pair (h = 0, 1) in each: the mma's A registers as they are. ptxas then writes the LOP3s
+        straight into the mma's operand registers where the 16-bit outputs of `_decode_word` cost
+        a move a pair (offline SASS: 1,448 -> 1,240 instructions and 168 -> 134 registers for
+        gate_up), but the launched products did not get faster (docs/benchmarks.md, twentieth
+        session): `block_sums` takes it with PACKED, the persistent kernel of
+        scripts/gpu_stream_chain.py does."""
+        eight = gl.join(words, words)  # the word once an output value: the asm reads the first
+        eight = gl.join(eight, eight)
+        eight = gl.join(eight, eight)
+        return gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [eight], dtype=OUT.value, is_pure=True,
+                                         pack=8)
 
     @gluon.jit
     def _halves(word, OUT: gl.constexpr):
@@ -246,7 +274,8 @@ if gluon is not None:
 
     @gluon.jit
     def block_sums(acc, words, terms, zero, ZERO_POINT: gl.constexpr, DECODE_ASM: gl.constexpr, DT: gl.constexpr,
-                   LA: gl.constexpr, LB: gl.constexpr, LS: gl.constexpr, xi=None, ones=None, b=None, xs=None):
+                   LA: gl.constexpr, LB: gl.constexpr, LS: gl.constexpr, xi=None, ones=None, b=None, xs=None,
+                   PACKED: gl.constexpr = False):
         """acc [BT, 16*RT, 8] + each batch entry's s*D + c*X for its words [BT, RT, 8, 4, 4] against
         the activations: pairs xi (with `ones`, the all-ones A that sums them), or the B operand b
         [BT, 64 (mma k), 8] (LB) and its sums over k, xs (see the module's docstring)."""
@@ -254,11 +283,14 @@ if gluon is not None:
         RT: gl.constexpr = words.shape[1]
         HALF: gl.constexpr = DT == gl.float16
         MAGIC: gl.constexpr = 1024.0 if HALF else 128.0
-        v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, DECODE_ASM, DT)
         # [BT, rt, g, t, c, i1, i0, h] (nibble i + 4h, i = i0 + 2 i1): row 16 rt + 8 i0 + g, k 16c +
         # 8 i1 + 2t + h. A join's new dimension is a thread's fastest register: the last one is h,
         # so that the pair (h = 0, 1) is one LOP3's result and one 32-bit register of the A operand
-        a = gl.join(gl.join(gl.join(v0, v2), gl.join(v1, v3)), gl.join(gl.join(v4, v6), gl.join(v5, v7)))
+        if PACKED:  # DECODE_ASM from decode_pairs_asm
+            a = _decode_pairs(words, DECODE_ASM, DT)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, DECODE_ASM, DT)
+            a = gl.join(gl.join(gl.join(v0, v2), gl.join(v1, v3)), gl.join(gl.join(v4, v6), gl.join(v5, v7)))
         a = gl.reshape(gl.permute(a, (0, 1, 6, 2, 4, 5, 3, 7)), [BT, 16 * RT, 64])
         a = gl.convert_layout(a, LA, assert_trivial=True)
         if xi is not None:
