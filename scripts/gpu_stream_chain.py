@@ -128,7 +128,7 @@ if gluon is not None:
 
     @gluon.jit
     def _produce(w_desc, t_desc, ring_w, ring_t, full, empty, count, GROUPS: gl.constexpr, K: gl.constexpr,
-                 S: gl.constexpr, P: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr):
+                 S: gl.constexpr, P: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr, CONTIG: gl.constexpr):
         """Program p's tile groups of one product (RT row tiles each), chunk by chunk (BT blocks of
         each row tile: one step of the consumers), each into the next free slot; returns the chunks
         issued so far."""
@@ -140,10 +140,15 @@ if gluon is not None:
                 slot = count % S
                 mbarrier.wait(empty.index(slot), ((count // S) & 1) ^ 1)
                 mbarrier.expect(full.index(slot), BYTES)
-                tma.async_copy_global_to_shared(w_desc, [group * RT, step * BT, 0], full.index(slot),
-                                                words.index(slot))
-                tma.async_copy_global_to_shared(t_desc, [group * RT, step * BT, 0], full.index(slot),
-                                                terms.index(slot))
+                if CONTIG:  # the weights stored in slot order: one contiguous box a slot
+                    row = (group * (NB // BT) + step) * (RT * BT)
+                    tma.async_copy_global_to_shared(w_desc, [row, 0], full.index(slot), ring_w.index(slot))
+                    tma.async_copy_global_to_shared(t_desc, [row, 0], full.index(slot), ring_t.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [group * RT, step * BT, 0], full.index(slot),
+                                                    words.index(slot))
+                    tma.async_copy_global_to_shared(t_desc, [group * RT, step * BT, 0], full.index(slot),
+                                                    terms.index(slot))
                 count += 1
         return count
 
@@ -151,14 +156,18 @@ if gluon is not None:
     def _producer(wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, G1: gl.constexpr, K1: gl.constexpr,
                   RT1: gl.constexpr, KB1: gl.constexpr, G2: gl.constexpr, K2: gl.constexpr, RT2: gl.constexpr,
                   KB2: gl.constexpr, G3: gl.constexpr, K3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr,
-                  PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr, W: gl.constexpr, ABLATE: gl.constexpr):
+                  PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr, W: gl.constexpr, ABLATE: gl.constexpr,
+                  CONTIG: gl.constexpr):
         if ABLATE == 2:  # (timing only: the consumers do not wait, nothing is copied)
             return
         count = 0
-        count = _produce(wd1, td1, ring_w, ring_t, full, empty, count, G1, K1, S, P, RT1, W * KB1)
-        count = _produce(wd2, td2, ring_w, ring_t, full, empty, count, G2, K2, S, P, RT2, W * KB2)
+        count = _produce(wd1, td1, ring_w, ring_t, full, empty, count, G1, K1, S, P, RT1, W * KB1,
+                             CONTIG)
+        count = _produce(wd2, td2, ring_w, ring_t, full, empty, count, G2, K2, S, P, RT2, W * KB2,
+                             CONTIG)
         if PHASES == 3:
-            count = _produce(wd3, td3, ring_w, ring_t, full, empty, count, G3, K3, S, P, RT3, W * KB3)
+            count = _produce(wd3, td3, ring_w, ring_t, full, empty, count, G3, K3, S, P, RT3, W * KB3,
+                             CONTIG)
 
     @gluon.jit
     def _take(slots_w, slots_t, full, empty, count, S: gl.constexpr, BT: gl.constexpr, RT: gl.constexpr,
@@ -200,10 +209,10 @@ if gluon is not None:
         return acc, check_w, check_t
 
     @gluon.jit
-    def _consume(X, Y, M, COUNTER, ring_w, ring_t, full, empty, count, GROUPS: gl.constexpr, K: gl.constexpr,
-                 N: gl.constexpr, SILU: gl.constexpr, S: gl.constexpr, P: gl.constexpr, MATH: gl.constexpr,
-                 DECODE_ASM: gl.constexpr, RT: gl.constexpr, KB: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                 ABLATE: gl.constexpr):
+    def _consume(X, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, GROUPS: gl.constexpr,
+                 K: gl.constexpr, N: gl.constexpr, SILU: gl.constexpr, S: gl.constexpr, P: gl.constexpr,
+                 MATH: gl.constexpr, DECODE_ASM: gl.constexpr, RT: gl.constexpr, KB: gl.constexpr,
+                 LOOKAHEAD: gl.constexpr, ABLATE: gl.constexpr, XSMEM: gl.constexpr):
         """Program p's tile groups of one product from the ring: y = x @ W^T (SILU: SiLU(gate) * up of
         each tile's 8 + 8 rows), as quant_frag.frag_sums with FragTiles(KB, W, 1, RT), one step ahead
         on the activations; returns the chunks consumed so far."""
@@ -238,11 +247,22 @@ if gluon is not None:
         zero16 = gl.zeros([BT, 16, MT], gl.float32, layout=MMA)
         L4: gl.constexpr = _tiled_acc_layout(WS, KB, RT)
         zero4 = gl.zeros([BT, RT, 16, MT], gl.float32, layout=L4)
+        # XSMEM (K <= 64 blocks): the activations once into shared memory, in the steps' order and
+        # layout (8 rows, those past M repeating row M - 1), for every tile group of the phase
+        USE_XSM: gl.constexpr = XSMEM and NB <= xsm.shape[0]
+        if USE_XSM:
+            xsteps = xsm._reinterpret(gl.int32, [xsm.shape[0] // BT, BT, 8, 4, 8], xsm.layout)  # [step, ...]
+            for chunk in gl.static_range(STEPS):
+                xsteps.index(chunk).store(gl.load(x_ptr + chunk * (BT * 32)))
+            gl.thread_barrier()
         for group in range(gl.program_id(0), GROUPS, P):
             acc = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
             check_w = gl.zeros([BT, RT, 8, 4, 4], gl.int32, layout=LW)
             check_t = gl.zeros([BT, RT, 8, 2], gl.int32, layout=LT)
-            xi = gl.load(x_ptr)
+            if USE_XSM:
+                xi = xsteps.index(0).load(LX)
+            else:
+                xi = gl.load(x_ptr)
             words, terms, count = _take(slots_w, slots_t, full, empty, count, S, BT, RT, LW, LT, LW3, LT3,
                                         ABLATE != 2)
             # the next step's slot is read before this step's words are used (LOOKAHEAD): its wait and
@@ -250,6 +270,8 @@ if gluon is not None:
             for step in range(STEPS - 1):
                 if ABLATE == 1:  # (timing only: every step's activations are the first step's)
                     xi_next = xi
+                elif USE_XSM:
+                    xi_next = xsteps.index(step + 1).load(LX)
                 else:
                     xi_next = gl.load(x_ptr + (step + 1) * (BT * 32))
                 if LOOKAHEAD:
@@ -286,29 +308,29 @@ if gluon is not None:
         return count
 
     @gluon.jit
-    def _consumer(X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, N1: gl.constexpr, K1: gl.constexpr,
+    def _consumer(X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, N1: gl.constexpr, K1: gl.constexpr,
                   G1: gl.constexpr, RT1: gl.constexpr, KB1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr,
                   G2: gl.constexpr, RT2: gl.constexpr, KB2: gl.constexpr, N3: gl.constexpr, K3: gl.constexpr,
                   G3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr, PHASES: gl.constexpr, S: gl.constexpr,
                   P: gl.constexpr, MATH: gl.constexpr, DECODE_ASM: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                  ABLATE: gl.constexpr):
+                  ABLATE: gl.constexpr, XSMEM: gl.constexpr):
         wait_for_previous_grid()
         count = 0
         if PHASES == 3:  # o -> gate_up -> down: X -> A -> H -> Y
-            count = _consume(X, A, M, COUNTER, ring_w, ring_t, full, empty, count, G1, K1, N1, False, S, P, MATH,
-                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE)
+            count = _consume(X, A, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G1, K1, N1, False, S, P, MATH,
+                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE, XSMEM)
             grid_barrier(COUNTER, P)
-            count = _consume(A, H, M, COUNTER, ring_w, ring_t, full, empty, count, G2, K2, N2, True, S, P, MATH,
-                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE)
+            count = _consume(A, H, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G2, K2, N2, True, S, P, MATH,
+                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE, XSMEM)
             grid_barrier(COUNTER, P)
-            count = _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, count, G3, K3, N3, False, S, P, MATH,
-                             DECODE_ASM, RT3, KB3, LOOKAHEAD, ABLATE)
+            count = _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G3, K3, N3, False, S, P, MATH,
+                             DECODE_ASM, RT3, KB3, LOOKAHEAD, ABLATE, XSMEM)
         else:  # gate_up -> down: X -> H -> Y (phase 1's arguments are gate_up's)
-            count = _consume(X, H, M, COUNTER, ring_w, ring_t, full, empty, count, G1, K1, N1, True, S, P, MATH,
-                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE)
+            count = _consume(X, H, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G1, K1, N1, True, S, P, MATH,
+                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE, XSMEM)
             grid_barrier(COUNTER, P)
-            count = _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, count, G2, K2, N2, False, S, P, MATH,
-                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE)
+            count = _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G2, K2, N2, False, S, P, MATH,
+                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE, XSMEM)
 
     @gluon.jit
     def _stream_kernel(X, A, H, Y, M, COUNTER, wd1, td1, wd2, td2, wd3, td3,
@@ -317,34 +339,53 @@ if gluon is not None:
                        N3: gl.constexpr, K3: gl.constexpr, G3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr,
                        PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr, MATH: gl.constexpr,
                        DECODE_ASM: gl.constexpr, SB: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-                       LOOKAHEAD: gl.constexpr, ABLATE: gl.constexpr = 0):
+                       LOOKAHEAD: gl.constexpr, ABLATE: gl.constexpr = 0, XSMEM: gl.constexpr = False,
+                       CONTIG: gl.constexpr = False):
         W: gl.constexpr = gl.num_warps()
         FLAT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         ring_w = gl.allocate_shared_memory(gl.int32, [S, SB, _WORD_ROWS], FLAT)  # SB blocks a slot
         ring_t = gl.allocate_shared_memory(gl.int32, [S, SB, _TERM_COLS], FLAT)
+        XBLOCKS: gl.constexpr = 64 if XSMEM else 1  # activations' 64-value blocks kept in shared memory
+        xsm = gl.allocate_shared_memory(gl.int32, [XBLOCKS, 8, 4, 8],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
         full = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(S):
             mbarrier.init(full.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         gl.warp_specialize([
-            (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, N1, K1, G1, RT1, KB1, N2, K2, G2, RT2,
-                         KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MATH, DECODE_ASM, LOOKAHEAD, ABLATE)),
+            (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, N1, K1, G1, RT1, KB1, N2, K2, G2,
+                         RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MATH, DECODE_ASM, LOOKAHEAD, ABLATE, XSMEM)),
             (_producer, (wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, G1, K1, RT1, KB1, G2, K2, RT2,
-                         KB2, G3, K3, RT3, KB3, PHASES, S, P, W, ABLATE)),
+                         KB2, G3, K3, RT3, KB3, PHASES, S, P, W, ABLATE, CONTIG)),
         ], [1], [PRODUCER_REGS_])
 
 
-def _descriptors(fw, rt: int, bt: int):
+_SLOT_ORDER = {}  # (words' data pointer, RT, BT) -> the weights in slot order (kept: TMA reads them)
+
+
+def _descriptors(fw, rt: int, bt: int, contig: bool = False):
     """TMA descriptors over a product's words [tiles, K/64, 128] and terms [tiles, K/64, 16]
     (int32 views; groups of 64 values: one term row a block), a box of one consumer step: RT row
-    tiles x BT blocks."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    tiles x BT blocks. contig: over a copy in slot order ([groups, steps, RT, BT, ...], made once:
+    each slot one contiguous box)."""
     blocks = fw.in_features // 64
     words = fw.words.view(-1, blocks, WORD_ROWS)
     terms = fw.terms.view(torch.int32).view(-1, blocks, TERM_COLS)
-    return (TensorDescriptor.from_tensor(words, [rt, bt, WORD_ROWS], layout),
-            TensorDescriptor.from_tensor(terms, [rt, bt, TERM_COLS], layout))
+    if not contig:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+        return (TensorDescriptor.from_tensor(words, [rt, bt, WORD_ROWS], layout),
+                TensorDescriptor.from_tensor(terms, [rt, bt, TERM_COLS], layout))
+    key = (fw.words.data_ptr(), rt, bt)
+    if key not in _SLOT_ORDER:
+        def slot_order(t):
+            cols = t.shape[-1]
+            return t.view(-1, rt, blocks // bt, bt, cols).transpose(1, 2).contiguous().view(-1, cols)
+        _SLOT_ORDER[key] = (slot_order(words), slot_order(terms))
+    words, terms = _SLOT_ORDER[key]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return (TensorDescriptor.from_tensor(words, [rt * bt, WORD_ROWS], layout),
+            TensorDescriptor.from_tensor(terms, [rt * bt, TERM_COLS], layout))
 
 
 def slot_blocks(plan, warps: int) -> int:
@@ -354,7 +395,8 @@ def slot_blocks(plan, warps: int) -> int:
     return sizes.pop()
 
 
-def constexprs(fws, plan, slots: int, programs: int, warps: int, math: bool, lookahead: bool = True) -> dict:
+def constexprs(fws, plan, slots: int, programs: int, warps: int, math: bool, lookahead: bool = True,
+               xsmem: bool = False, contig: bool = False) -> dict:
     args = {}
     padded = list(zip(fws, plan)) + [(fws[-1], plan[-1])] * (3 - len(fws))
     for i, (fw, (rt, kb)) in enumerate(padded, 1):
@@ -363,37 +405,40 @@ def constexprs(fws, plan, slots: int, programs: int, warps: int, math: bool, loo
                      f"KB{i}": kb})
     return dict(args, PHASES=len(fws), S=slots, P=programs, MATH=bool(math), ABLATE=max(0, math - 1),
                 DECODE_ASM=qf.decode_pairs_asm(False),
-                SB=slot_blocks(plan, warps), PRODUCER_REGS_=PRODUCER_REGS, LOOKAHEAD=lookahead)
+                SB=slot_blocks(plan, warps), PRODUCER_REGS_=PRODUCER_REGS, LOOKAHEAD=lookahead, XSMEM=xsmem,
+                CONTIG=contig)
 
 
 def compile_offline(fws, plan, slots: int, programs: int, warps: int, math: bool, lookahead: bool = True,
-                    maxnreg: int | None = None):
+                    maxnreg: int | None = None, xsmem: bool = False, contig: bool = False):
     """The kernel compiled for sm_90 without a GPU (offline_sass): registers, spills, shared memory."""
     from verispec.kernels import offline_sass
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2 if contig else 3)
     signature = {name: "*bf16" for name in ("X", "A", "H", "Y")}
     signature.update({"M": "i32", "COUNTER": "*i32"})
     padded = list(plan) + [plan[-1]] * (3 - len(plan))
     for i, (rt, kb) in enumerate(padded, 1):
-        signature[f"wd{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {WORD_ROWS}],{layout!r}>"
-        signature[f"td{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {TERM_COLS}],{layout!r}>"
+        box = f"{rt * warps * kb}" if contig else f"{rt}, {warps * kb}"
+        signature[f"wd{i}"] = f"tensordesc<i32[{box}, {WORD_ROWS}],{layout!r}>"
+        signature[f"td{i}"] = f"tensordesc<i32[{box}, {TERM_COLS}],{layout!r}>"
     return offline_sass.compile_gluon(_stream_kernel, signature,
-                                      constexprs(fws, plan, slots, programs, warps, math, lookahead),
+                                      constexprs(fws, plan, slots, programs, warps, math, lookahead, xsmem, contig),
                                       ("X", "A", "H", "Y"), warps, maxnreg=maxnreg)
 
 
 def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warps: int = 8, math: bool = True,
-                 lookahead: bool = True, compile_only: bool = False, maxnreg: int | None = None):
+                 lookahead: bool = True, compile_only: bool = False, maxnreg: int | None = None,
+                 xsmem: bool = False, contig: bool = False):
     """fws: (gate_up, down) or (o, gate_up, down), groups of 64, with plan: (row tiles, blocks a
     warp a step) for each; x [M, K1] -> y (a, h: the intermediate outputs, contiguous)."""
     if any(fw.group_size != 64 for fw in fws):
         raise ValueError("gpu_stream_chain: groups of 64 only (one term row a block)")
-    descs = [d for fw, (rt, kb) in zip(fws, plan) for d in _descriptors(fw, rt, warps * kb)]
+    descs = [d for fw, (rt, kb) in zip(fws, plan) for d in _descriptors(fw, rt, warps * kb, contig)]
     descs += descs[-2:] * (3 - len(fws))
     launch = _stream_kernel.warmup if compile_only else _stream_kernel[(programs,)]
     extra = {"grid": (programs,)} if compile_only else {}
     return launch(x, a, h, y, x.shape[0], counter, *descs,
-                  **constexprs(fws, plan, slots, programs, warps, math, lookahead),
+                  **constexprs(fws, plan, slots, programs, warps, math, lookahead, xsmem, contig),
                   num_warps=warps, launch_pdl=True, **({"maxnreg": maxnreg} if maxnreg else {}), **extra)
 
 
@@ -421,9 +466,12 @@ def main() -> None:
                         help="per product: row tiles x blocks a warp a step (warps x both: the same for all)")
     parser.add_argument("--math", default="1,0")
     parser.add_argument("--lookahead", default="1", help="read the next slot before this step's arithmetic (1/0)")
+    parser.add_argument("--xsmem", default="0", help="activations of K <= 4096 in shared memory (1/0)")
+    parser.add_argument("--contig", default="0", help="weights copied into slot order, one box a slot (1/0)")
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, default=0, help="registers a thread at most (0: the compiler's)")
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--sass", action="store_true", help="with --compile-only: each kernel's opcode counts too")
     parser.add_argument("--ncu", action="store_true", help="launch the first configuration twice, untimed (for"
                                                            " `ncu -k regex:_stream_kernel --launch-skip 1`)")
     parser.add_argument("--out", default=None)
@@ -432,17 +480,23 @@ def main() -> None:
     # 1: the products; 0: weights read only; 2: one x a group; 3: no waiting for the copies (timing only)
     maths = [int(v) for v in args.math.split(",")]
     lookaheads = [bool(int(v)) for v in args.lookahead.split(",")]
+    xsmems = [bool(int(v)) for v in args.xsmem.split(",")]
+    contigs = [bool(int(v)) for v in args.contig.split(",")]
     plans = parse_plans(args.plans)
     shapes = {"o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
     chains = {"mlp": ("gate_up", "down"), "layer": ("o", "gate_up", "down")}
     if args.compile_only:
-        for chain, plan, slots, math, ahead in itertools.product(args.chain.split(","), plans, slots_list, maths,
-                                                                 lookaheads):
+        for chain, plan, slots, math, ahead, xsmem, contig in itertools.product(
+                args.chain.split(","), plans, slots_list, maths, lookaheads, xsmems, contigs):
             names = chains[chain]
             c = compile_offline([_Shape(*shapes[n]) for n in names], [plan[n] for n in names], slots, 132,
-                                args.warps, math, ahead, args.maxnreg or None)
-            print(json.dumps({"chain": chain, "plan": plan, "slots": slots, "math": math, "lookahead": ahead,
-                              "registers": c.registers, "spill_bytes": c.stack, "shared": c.shared}), flush=True)
+                                args.warps, math, ahead, args.maxnreg or None, xsmem, contig)
+            result = {"chain": chain, "plan": plan, "slots": slots, "math": math, "lookahead": ahead, "xsmem": xsmem,
+                      "contig": contig, "registers": c.registers, "spill_bytes": c.stack, "shared": c.shared}
+            if args.sass:
+                from verispec.kernels import offline_sass
+                result["opcodes"] = dict(offline_sass.opcode_counts(c.sass))
+            print(json.dumps(result), flush=True)
         return
 
     from gpu_persistent_bound import random_frag, resident_per_multiprocessor, synchronize_or_exit
@@ -496,12 +550,15 @@ def main() -> None:
                 row[f"plan{index}_launched_us"] = round(cycle_time_us(
                     [lambda s=s: launched(x, s, names, same) for s in sets], 10), 2)
                 ref = launched(x, sets[0], names, same)
-                for slots, math, ahead in itertools.product(slots_list, maths, lookaheads):
+                for slots, math, ahead, xsmem, contig in itertools.product(slots_list, maths, lookaheads, xsmems,
+                                                                           contigs):
                     fws = [sets[0][name] for name in names]
                     mode = ["_nomath", "", "_onex", "_nowait"][math]
-                    label = f"plan{index}_S{slots}{mode}{'' if ahead else '_noahead'}"
+                    label = (f"plan{index}_S{slots}{mode}{'' if ahead else '_noahead'}{'_xsmem' if xsmem else ''}"
+                             f"{'_contig' if contig else ''}")
+                    opts = dict(maxnreg=args.maxnreg or None, xsmem=xsmem, contig=contig)
                     kernel = stream_chain(x, a, h, y, fws, steps, counter, sms, slots, args.warps, math, ahead,
-                                          compile_only=True, maxnreg=args.maxnreg or None)
+                                          compile_only=True, **opts)
                     try:
                         resident = resident_per_multiprocessor(kernel, kernel.metadata.num_warps)
                     except OutOfResources:  # the ring does not fit in a multiprocessor's shared memory
@@ -512,20 +569,19 @@ def main() -> None:
                     programs = sms * resident
                     label += f"_P{programs}"
                     counter.zero_()
-                    stream_chain(x, a, h, y, fws, steps, counter, programs, slots, args.warps, math, ahead,
-                                 maxnreg=args.maxnreg or None)
+                    stream_chain(x, a, h, y, fws, steps, counter, programs, slots, args.warps, math, ahead, **opts)
                     synchronize_or_exit()
                     if math == 1:
                         row[f"{label}_same_bits"] = bool(torch.equal(y, ref))
                         if m > 1:
                             one = torch.empty_like(y[:1])
                             stream_chain(x[:1].contiguous(), a[:1], h[:1], one, fws, steps, counter, programs, slots,
-                                         args.warps, math, ahead, maxnreg=args.maxnreg or None)
+                                         args.warps, math, ahead, **opts)
                             synchronize_or_exit()
                             row[f"{label}_row_alone_same"] = bool(torch.equal(one, y[:1]))
                     row[f"{label}_us"] = round(cycle_time_us(
                         [lambda s=s: stream_chain(x, a, h, y, [s[name] for name in names], steps, counter, programs,
-                                                  slots, args.warps, math, ahead, maxnreg=args.maxnreg or None)
+                                                  slots, args.warps, math, ahead, **opts)
                          for s in sets], 10), 2)
                     print(json.dumps({k: v for k, v in row.items() if k.startswith(label)}), flush=True)
             results.append(row)
