@@ -127,47 +127,59 @@ if gluon is not None:
         return words, terms
 
     @gluon.jit
-    def _produce(w_desc, t_desc, ring_w, ring_t, full, empty, count, GROUPS: gl.constexpr, K: gl.constexpr,
-                 S: gl.constexpr, P: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr, CONTIG: gl.constexpr):
-        """Program p's tile groups of one product (RT row tiles each), chunk by chunk (BT blocks of
-        each row tile: one step of the consumers), each into the next free slot; returns the chunks
-        issued so far."""
-        NB: gl.constexpr = K // 64
+    def _issue(w_desc, t_desc, ring_w, ring_t, full, empty, count, group, step, NB: gl.constexpr, S: gl.constexpr,
+               RT: gl.constexpr, BT: gl.constexpr, CONTIG: gl.constexpr):
+        """One step of a tile group (BT blocks of each of its RT row tiles) into the ring's next slot,
+        once its consumers have handed it back; returns the slots issued so far."""
         BYTES: gl.constexpr = RT * BT * (_WORD_ROWS + _TERM_COLS) * 4
         words, terms = _slot_views(ring_w, ring_t, S, RT, BT)
-        for group in range(gl.program_id(0), GROUPS, P):
-            for step in range(NB // BT):
-                slot = count % S
-                mbarrier.wait(empty.index(slot), ((count // S) & 1) ^ 1)
-                mbarrier.expect(full.index(slot), BYTES)
-                if CONTIG:  # the weights stored in slot order: one contiguous box a slot
-                    row = (group * (NB // BT) + step) * (RT * BT)
-                    tma.async_copy_global_to_shared(w_desc, [row, 0], full.index(slot), ring_w.index(slot))
-                    tma.async_copy_global_to_shared(t_desc, [row, 0], full.index(slot), ring_t.index(slot))
-                else:
-                    tma.async_copy_global_to_shared(w_desc, [group * RT, step * BT, 0], full.index(slot),
-                                                    words.index(slot))
-                    tma.async_copy_global_to_shared(t_desc, [group * RT, step * BT, 0], full.index(slot),
-                                                    terms.index(slot))
-                count += 1
-        return count
+        slot = count % S
+        mbarrier.wait(empty.index(slot), ((count // S) & 1) ^ 1)
+        mbarrier.expect(full.index(slot), BYTES)
+        if CONTIG:  # the weights stored in slot order: one contiguous box a slot
+            row = (group * (NB // BT) + step) * (RT * BT)
+            tma.async_copy_global_to_shared(w_desc, [row, 0], full.index(slot), ring_w.index(slot))
+            tma.async_copy_global_to_shared(t_desc, [row, 0], full.index(slot), ring_t.index(slot))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [group * RT, step * BT, 0], full.index(slot), words.index(slot))
+            tma.async_copy_global_to_shared(t_desc, [group * RT, step * BT, 0], full.index(slot), terms.index(slot))
+        return count + 1
 
     @gluon.jit
-    def _producer(wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, G1: gl.constexpr, K1: gl.constexpr,
-                  RT1: gl.constexpr, KB1: gl.constexpr, G2: gl.constexpr, K2: gl.constexpr, RT2: gl.constexpr,
-                  KB2: gl.constexpr, G3: gl.constexpr, K3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr,
-                  PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr, W: gl.constexpr, ABLATE: gl.constexpr,
-                  CONTIG: gl.constexpr):
+    def _produce(w_desc, t_desc, ring_w, ring_t, full, empty, count, ring_w2, ring_t2, full2, empty2, count2,
+                 GROUPS: gl.constexpr, K: gl.constexpr, S: gl.constexpr, P: gl.constexpr, RT: gl.constexpr,
+                 BT: gl.constexpr, CONTIG: gl.constexpr, PARTS: gl.constexpr):
+        """Program p's tile groups of one product (RT row tiles each), step by step, into the rings of
+        its consumer partitions (PARTS 2: groups 2p + 2Pj to the first, 2p + 1 + 2Pj to the second,
+        their steps interleaved); returns the slots issued so far into each."""
+        NB: gl.constexpr = K // 64
+        for group in range(PARTS * gl.program_id(0), GROUPS, PARTS * P):
+            for step in range(NB // BT):
+                count = _issue(w_desc, t_desc, ring_w, ring_t, full, empty, count, group, step, NB, S, RT, BT,
+                               CONTIG)
+                if PARTS == 2:
+                    if group + 1 < GROUPS:
+                        count2 = _issue(w_desc, t_desc, ring_w2, ring_t2, full2, empty2, count2, group + 1, step,
+                                        NB, S, RT, BT, CONTIG)
+        return count, count2
+
+    @gluon.jit
+    def _producer(wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, ring_w2, ring_t2, full2, empty2,
+                  G1: gl.constexpr, K1: gl.constexpr, RT1: gl.constexpr, KB1: gl.constexpr, G2: gl.constexpr,
+                  K2: gl.constexpr, RT2: gl.constexpr, KB2: gl.constexpr, G3: gl.constexpr, K3: gl.constexpr,
+                  RT3: gl.constexpr, KB3: gl.constexpr, PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr,
+                  W: gl.constexpr, ABLATE: gl.constexpr, CONTIG: gl.constexpr, PARTS: gl.constexpr):
         if ABLATE == 2:  # (timing only: the consumers do not wait, nothing is copied)
             return
         count = 0
-        count = _produce(wd1, td1, ring_w, ring_t, full, empty, count, G1, K1, S, P, RT1, W * KB1,
-                             CONTIG)
-        count = _produce(wd2, td2, ring_w, ring_t, full, empty, count, G2, K2, S, P, RT2, W * KB2,
-                             CONTIG)
+        count2 = 0
+        count, count2 = _produce(wd1, td1, ring_w, ring_t, full, empty, count, ring_w2, ring_t2, full2, empty2,
+                                 count2, G1, K1, S, P, RT1, W * KB1, CONTIG, PARTS)
+        count, count2 = _produce(wd2, td2, ring_w, ring_t, full, empty, count, ring_w2, ring_t2, full2, empty2,
+                                 count2, G2, K2, S, P, RT2, W * KB2, CONTIG, PARTS)
         if PHASES == 3:
-            count = _produce(wd3, td3, ring_w, ring_t, full, empty, count, G3, K3, S, P, RT3, W * KB3,
-                             CONTIG)
+            count, count2 = _produce(wd3, td3, ring_w, ring_t, full, empty, count, ring_w2, ring_t2, full2, empty2,
+                                     count2, G3, K3, S, P, RT3, W * KB3, CONTIG, PARTS)
 
     @gluon.jit
     def _take(slots_w, slots_t, full, empty, count, S: gl.constexpr, BT: gl.constexpr, RT: gl.constexpr,
@@ -212,7 +224,8 @@ if gluon is not None:
     def _consume(X, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, GROUPS: gl.constexpr,
                  K: gl.constexpr, N: gl.constexpr, SILU: gl.constexpr, S: gl.constexpr, P: gl.constexpr,
                  MATH: gl.constexpr, DECODE_ASM: gl.constexpr, RT: gl.constexpr, KB: gl.constexpr,
-                 LOOKAHEAD: gl.constexpr, ABLATE: gl.constexpr, XSMEM: gl.constexpr):
+                 LOOKAHEAD: gl.constexpr, ABLATE: gl.constexpr, XSMEM: gl.constexpr, Q: gl.constexpr,
+                 PARTS: gl.constexpr):
         """Program p's tile groups of one product from the ring: y = x @ W^T (SILU: SiLU(gate) * up of
         each tile's 8 + 8 rows), as quant_frag.frag_sums with FragTiles(KB, W, 1, RT), one step ahead
         on the activations; returns the chunks consumed so far."""
@@ -255,7 +268,7 @@ if gluon is not None:
             for chunk in gl.static_range(STEPS):
                 xsteps.index(chunk).store(gl.load(x_ptr + chunk * (BT * 32)))
             gl.thread_barrier()
-        for group in range(gl.program_id(0), GROUPS, P):
+        for group in range(PARTS * gl.program_id(0) + Q, GROUPS, PARTS * P):
             acc = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
             check_w = gl.zeros([BT, RT, 8, 4, 4], gl.int32, layout=LW)
             check_t = gl.zeros([BT, RT, 8, 2], gl.int32, layout=LT)
@@ -313,24 +326,24 @@ if gluon is not None:
                   G2: gl.constexpr, RT2: gl.constexpr, KB2: gl.constexpr, N3: gl.constexpr, K3: gl.constexpr,
                   G3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr, PHASES: gl.constexpr, S: gl.constexpr,
                   P: gl.constexpr, MATH: gl.constexpr, DECODE_ASM: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                  ABLATE: gl.constexpr, XSMEM: gl.constexpr):
+                  ABLATE: gl.constexpr, XSMEM: gl.constexpr, Q: gl.constexpr, PARTS: gl.constexpr):
         wait_for_previous_grid()
         count = 0
         if PHASES == 3:  # o -> gate_up -> down: X -> A -> H -> Y
             count = _consume(X, A, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G1, K1, N1, False, S, P, MATH,
-                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE, XSMEM)
-            grid_barrier(COUNTER, P)
+                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE, XSMEM, Q, PARTS)
+            grid_barrier(COUNTER, PARTS * P)
             count = _consume(A, H, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G2, K2, N2, True, S, P, MATH,
-                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE, XSMEM)
-            grid_barrier(COUNTER, P)
+                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE, XSMEM, Q, PARTS)
+            grid_barrier(COUNTER, PARTS * P)
             count = _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G3, K3, N3, False, S, P, MATH,
-                             DECODE_ASM, RT3, KB3, LOOKAHEAD, ABLATE, XSMEM)
+                             DECODE_ASM, RT3, KB3, LOOKAHEAD, ABLATE, XSMEM, Q, PARTS)
         else:  # gate_up -> down: X -> H -> Y (phase 1's arguments are gate_up's)
             count = _consume(X, H, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G1, K1, N1, True, S, P, MATH,
-                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE, XSMEM)
-            grid_barrier(COUNTER, P)
+                             DECODE_ASM, RT1, KB1, LOOKAHEAD, ABLATE, XSMEM, Q, PARTS)
+            grid_barrier(COUNTER, PARTS * P)
             count = _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, count, G2, K2, N2, False, S, P, MATH,
-                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE, XSMEM)
+                             DECODE_ASM, RT2, KB2, LOOKAHEAD, ABLATE, XSMEM, Q, PARTS)
 
     @gluon.jit
     def _stream_kernel(X, A, H, Y, M, COUNTER, wd1, td1, wd2, td2, wd3, td3,
@@ -340,7 +353,7 @@ if gluon is not None:
                        PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr, MATH: gl.constexpr,
                        DECODE_ASM: gl.constexpr, SB: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
                        LOOKAHEAD: gl.constexpr, ABLATE: gl.constexpr = 0, XSMEM: gl.constexpr = False,
-                       CONTIG: gl.constexpr = False):
+                       CONTIG: gl.constexpr = False, PARTS: gl.constexpr = 1, CONSUMER_REGS: gl.constexpr = 0):
         W: gl.constexpr = gl.num_warps()
         FLAT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         ring_w = gl.allocate_shared_memory(gl.int32, [S, SB, _WORD_ROWS], FLAT)  # SB blocks a slot
@@ -350,15 +363,39 @@ if gluon is not None:
                                         gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
         full = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        # PARTS 2: a second consumer partition of W warps with its own ring and barriers
+        S2: gl.constexpr = S if PARTS == 2 else 1
+        ring_w2 = gl.allocate_shared_memory(gl.int32, [S2, SB, _WORD_ROWS], FLAT)
+        ring_t2 = gl.allocate_shared_memory(gl.int32, [S2, SB, _TERM_COLS], FLAT)
+        full2 = gl.allocate_shared_memory(gl.int64, [S2, 1], mbarrier.MBarrierLayout())
+        empty2 = gl.allocate_shared_memory(gl.int64, [S2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(S):
             mbarrier.init(full.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
-        gl.warp_specialize([
-            (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, N1, K1, G1, RT1, KB1, N2, K2, G2,
-                         RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MATH, DECODE_ASM, LOOKAHEAD, ABLATE, XSMEM)),
-            (_producer, (wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, G1, K1, RT1, KB1, G2, K2, RT2,
-                         KB2, G3, K3, RT3, KB3, PHASES, S, P, W, ABLATE, CONTIG)),
-        ], [1], [PRODUCER_REGS_])
+        for s in gl.static_range(S2):
+            mbarrier.init(full2.index(s), count=1)
+            mbarrier.init(empty2.index(s), count=1)
+        if PARTS == 2:
+            gl.warp_specialize([
+                (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, N1, K1, G1, RT1, KB1, N2, K2,
+                             G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MATH, DECODE_ASM, LOOKAHEAD, ABLATE,
+                             False, 0, PARTS)),
+                (_consumer, (X, A, H, Y, M, COUNTER, ring_w2, ring_t2, full2, empty2, xsm, N1, K1, G1, RT1, KB1, N2,
+                             K2, G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MATH, DECODE_ASM, LOOKAHEAD,
+                             ABLATE, False, 1, PARTS)),
+                (_producer, (wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, ring_w2, ring_t2, full2,
+                             empty2, G1, K1, RT1, KB1, G2, K2, RT2, KB2, G3, K3, RT3, KB3, PHASES, S, P, W, ABLATE,
+                             CONTIG, PARTS)),
+            ], [W, 1], [CONSUMER_REGS, PRODUCER_REGS_])
+        else:
+            gl.warp_specialize([
+                (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, xsm, N1, K1, G1, RT1, KB1, N2, K2,
+                             G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MATH, DECODE_ASM, LOOKAHEAD, ABLATE,
+                             XSMEM, 0, PARTS)),
+                (_producer, (wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, ring_w2, ring_t2, full2,
+                             empty2, G1, K1, RT1, KB1, G2, K2, RT2, KB2, G3, K3, RT3, KB3, PHASES, S, P, W, ABLATE,
+                             CONTIG, PARTS)),
+            ], [1], [PRODUCER_REGS_])
 
 
 _SLOT_ORDER = {}  # (words' data pointer, RT, BT) -> the weights in slot order (kept: TMA reads them)
@@ -396,7 +433,7 @@ def slot_blocks(plan, warps: int) -> int:
 
 
 def constexprs(fws, plan, slots: int, programs: int, warps: int, math: bool, lookahead: bool = True,
-               xsmem: bool = False, contig: bool = False) -> dict:
+               xsmem: bool = False, contig: bool = False, parts: int = 1, consumer_regs: int = 0) -> dict:
     args = {}
     padded = list(zip(fws, plan)) + [(fws[-1], plan[-1])] * (3 - len(fws))
     for i, (fw, (rt, kb)) in enumerate(padded, 1):
@@ -406,11 +443,12 @@ def constexprs(fws, plan, slots: int, programs: int, warps: int, math: bool, loo
     return dict(args, PHASES=len(fws), S=slots, P=programs, MATH=bool(math), ABLATE=max(0, math - 1),
                 DECODE_ASM=qf.decode_pairs_asm(False),
                 SB=slot_blocks(plan, warps), PRODUCER_REGS_=PRODUCER_REGS, LOOKAHEAD=lookahead, XSMEM=xsmem,
-                CONTIG=contig)
+                CONTIG=contig, PARTS=parts, CONSUMER_REGS=consumer_regs)
 
 
 def compile_offline(fws, plan, slots: int, programs: int, warps: int, math: bool, lookahead: bool = True,
-                    maxnreg: int | None = None, xsmem: bool = False, contig: bool = False):
+                    maxnreg: int | None = None, xsmem: bool = False, contig: bool = False, parts: int = 1,
+                    consumer_regs: int = 0):
     """The kernel compiled for sm_90 without a GPU (offline_sass): registers, spills, shared memory."""
     from verispec.kernels import offline_sass
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2 if contig else 3)
@@ -422,13 +460,14 @@ def compile_offline(fws, plan, slots: int, programs: int, warps: int, math: bool
         signature[f"wd{i}"] = f"tensordesc<i32[{box}, {WORD_ROWS}],{layout!r}>"
         signature[f"td{i}"] = f"tensordesc<i32[{box}, {TERM_COLS}],{layout!r}>"
     return offline_sass.compile_gluon(_stream_kernel, signature,
-                                      constexprs(fws, plan, slots, programs, warps, math, lookahead, xsmem, contig),
+                                      constexprs(fws, plan, slots, programs, warps, math, lookahead, xsmem, contig,
+                                                 parts, consumer_regs),
                                       ("X", "A", "H", "Y"), warps, maxnreg=maxnreg)
 
 
 def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warps: int = 8, math: bool = True,
                  lookahead: bool = True, compile_only: bool = False, maxnreg: int | None = None,
-                 xsmem: bool = False, contig: bool = False):
+                 xsmem: bool = False, contig: bool = False, parts: int = 1, consumer_regs: int = 0):
     """fws: (gate_up, down) or (o, gate_up, down), groups of 64, with plan: (row tiles, blocks a
     warp a step) for each; x [M, K1] -> y (a, h: the intermediate outputs, contiguous)."""
     if any(fw.group_size != 64 for fw in fws):
@@ -438,7 +477,8 @@ def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warp
     launch = _stream_kernel.warmup if compile_only else _stream_kernel[(programs,)]
     extra = {"grid": (programs,)} if compile_only else {}
     return launch(x, a, h, y, x.shape[0], counter, *descs,
-                  **constexprs(fws, plan, slots, programs, warps, math, lookahead, xsmem, contig),
+                  **constexprs(fws, plan, slots, programs, warps, math, lookahead, xsmem, contig, parts,
+                               consumer_regs),
                   num_warps=warps, launch_pdl=True, **({"maxnreg": maxnreg} if maxnreg else {}), **extra)
 
 
@@ -468,6 +508,8 @@ def main() -> None:
     parser.add_argument("--lookahead", default="1", help="read the next slot before this step's arithmetic (1/0)")
     parser.add_argument("--xsmem", default="0", help="activations of K <= 4096 in shared memory (1/0)")
     parser.add_argument("--contig", default="0", help="weights copied into slot order, one box a slot (1/0)")
+    parser.add_argument("--parts", default="1", help="consumer partitions of --warps warps, each with its own ring")
+    parser.add_argument("--consumer-regs", type=int, default=200, help="registers of the second partition's threads")
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, default=0, help="registers a thread at most (0: the compiler's)")
     parser.add_argument("--compile-only", action="store_true")
@@ -482,17 +524,20 @@ def main() -> None:
     lookaheads = [bool(int(v)) for v in args.lookahead.split(",")]
     xsmems = [bool(int(v)) for v in args.xsmem.split(",")]
     contigs = [bool(int(v)) for v in args.contig.split(",")]
+    parts_list = [int(v) for v in args.parts.split(",")]
     plans = parse_plans(args.plans)
     shapes = {"o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
     chains = {"mlp": ("gate_up", "down"), "layer": ("o", "gate_up", "down")}
     if args.compile_only:
-        for chain, plan, slots, math, ahead, xsmem, contig in itertools.product(
-                args.chain.split(","), plans, slots_list, maths, lookaheads, xsmems, contigs):
+        for chain, plan, slots, math, ahead, xsmem, contig, parts in itertools.product(
+                args.chain.split(","), plans, slots_list, maths, lookaheads, xsmems, contigs, parts_list):
             names = chains[chain]
             c = compile_offline([_Shape(*shapes[n]) for n in names], [plan[n] for n in names], slots, 132,
-                                args.warps, math, ahead, args.maxnreg or None, xsmem, contig)
+                                args.warps, math, ahead, args.maxnreg or None, xsmem, contig, parts,
+                                args.consumer_regs)
             result = {"chain": chain, "plan": plan, "slots": slots, "math": math, "lookahead": ahead, "xsmem": xsmem,
-                      "contig": contig, "registers": c.registers, "spill_bytes": c.stack, "shared": c.shared}
+                      "contig": contig, "parts": parts, "registers": c.registers, "spill_bytes": c.stack,
+                      "shared": c.shared}
             if args.sass:
                 from verispec.kernels import offline_sass
                 result["opcodes"] = dict(offline_sass.opcode_counts(c.sass))
@@ -550,13 +595,14 @@ def main() -> None:
                 row[f"plan{index}_launched_us"] = round(cycle_time_us(
                     [lambda s=s: launched(x, s, names, same) for s in sets], 10), 2)
                 ref = launched(x, sets[0], names, same)
-                for slots, math, ahead, xsmem, contig in itertools.product(slots_list, maths, lookaheads, xsmems,
-                                                                           contigs):
+                for slots, math, ahead, xsmem, contig, parts in itertools.product(slots_list, maths, lookaheads,
+                                                                                  xsmems, contigs, parts_list):
                     fws = [sets[0][name] for name in names]
                     mode = ["_nomath", "", "_onex", "_nowait"][math]
                     label = (f"plan{index}_S{slots}{mode}{'' if ahead else '_noahead'}{'_xsmem' if xsmem else ''}"
-                             f"{'_contig' if contig else ''}")
-                    opts = dict(maxnreg=args.maxnreg or None, xsmem=xsmem, contig=contig)
+                             f"{'_contig' if contig else ''}{f'_parts{parts}' if parts > 1 else ''}")
+                    opts = dict(maxnreg=args.maxnreg or None, xsmem=xsmem, contig=contig, parts=parts,
+                                consumer_regs=args.consumer_regs)
                     kernel = stream_chain(x, a, h, y, fws, steps, counter, sms, slots, args.warps, math, ahead,
                                           compile_only=True, **opts)
                     try:
