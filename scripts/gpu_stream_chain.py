@@ -9,12 +9,14 @@ times a step; a persistent kernel with grid barriers pays less a boundary, but w
 each product's warps loaded their own weights after the barrier.
 
 The chain: gate_up (SiLU(gate) * up in its epilogue) -> down (`--chain mlp`), or o -> gate_up ->
-down (`--chain layer`, no norm between them: only the products' cost is measured). Plans give each
+down (`--chain layer`; with `--norm` the residual add + RMSNorm between o and gate_up too, inside
+the kernel, against the engine's add + RMSNorm kernel between the launches). Plans give each
 product's row tiles x blocks a warp a step (`gate_up=2x2,down=1x4,o=1x4`; warps x both: the same
 for every product, a slot).
 
-Checks: the launched products with the same tiles (same bits), a row alone == the same row among
-M. Times: us per chain under a CUDA graph cycling through copies of the weights (read from memory,
+Checks: the launched products with the same tiles (same bits; with `--norm`: the new residual's
+bits, and the output's largest difference from the launched products around a torch norm, whose
+float32 sums run in another order), a row alone == the same row among M. Times: us per chain under a CUDA graph cycling through copies of the weights (read from memory,
 not L2), against the launched products with the shipped tiles; `--mode 0` only reads the weights
 from the slots (the copies' own pace), `--mode 2` copies nothing (the arithmetic's own pace).
 
@@ -65,9 +67,10 @@ def compile_only(args, plans) -> None:
     for chain, plan, slots, mode, parts in itertools.product(args.chain.split(","), plans, ints(args.slots),
                                                              ints(args.mode), ints(args.parts)):
         names = CHAINS[chain]
+        norm = args.norm and chain == "layer"
         c = compile_offline([_Shape(*SHAPES[n]) for n in names], [plan[n] for n in names], slots, 132, args.warps,
-                            mode=mode, parts=parts, consumer_regs=args.consumer_regs)
-        result = {"chain": chain, "plan": plan, "slots": slots, "mode": mode, "parts": parts,
+                            mode=mode, parts=parts, consumer_regs=args.consumer_regs, norm=norm)
+        result = {"chain": chain, "plan": plan, "slots": slots, "mode": mode, "parts": parts, "norm": norm,
                   "registers": c.registers, "spill_bytes": c.stack, "shared": c.shared}
         if args.sass:
             from verispec.kernels import offline_sass
@@ -84,12 +87,16 @@ def main() -> None:
     parser.add_argument("--slots", default="2,4", help="slots a consumer partition's ring holds")
     parser.add_argument("--warps", type=int, default=4, help="warps a consumer partition")
     parser.add_argument("--parts", default="2", help="consumer partitions (1 or 2), each with its own ring")
-    parser.add_argument("--consumer-regs", type=int, default=200, help="registers of the second partition's threads")
+    parser.add_argument("--consumer-regs", type=int, default=200,
+                        help="registers of the second partition's threads")
     parser.add_argument("--mode", default="1", help="1 the products; 0 the copies only; 2 the arithmetic only")
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--sass", action="store_true", help="with --compile-only: each kernel's opcode counts too")
     parser.add_argument("--ncu", action="store_true", help="launch the first configuration twice, untimed")
+    parser.add_argument("--norm", action="store_true",
+                        help="layer chain: the residual add + RMSNorm between o and gate_up inside the kernel"
+                             " (launched: the engine's kernel between the products)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     plans = parse_plans(args.plans)
@@ -100,6 +107,7 @@ def main() -> None:
     from gpu_persistent_bound import random_frag, resident_per_multiprocessor, synchronize_or_exit
     from gpu_timing import cycle_time_us
     from triton.runtime.errors import OutOfResources
+    from verispec.kernels.rms_norm import add_rms_norm
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counter = torch.zeros(2, dtype=torch.int32, device="cuda")
@@ -118,18 +126,34 @@ def main() -> None:
     sets = [{name: random_frag(*shape) for name, shape in SHAPES.items()} for _ in range(args.copies)]
     results = []
 
-    def launched(x, ws, names, tiles_of):
+    eps = 1e-6
+    residual = {m: torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for m in ints(args.rows)}
+    norm_weight = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+
+    def launched(x, ws, names, tiles_of, norm: bool = False):
         for name in names:
+            if norm and name == "gate_up":  # the engine's add + RMSNorm kernel (kernels/rms_norm.py)
+                _, x = add_rms_norm(residual[x.shape[0]], x, norm_weight, eps, False)
             x = qf.frag_gemv(x, ws[name], tiles_of(name, x), silu_gate=name == "gate_up")
         return x
 
+    def reference_norm(o):
+        """(residual + o, RMSNorm of it) in torch, as kernels/rms_norm.py rounds them."""
+        summed = (residual[o.shape[0]].float() + o.float()).to(o.dtype)
+        rstd = torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + eps)
+        return summed, (norm_weight.float() * (summed.float() * rstd).to(o.dtype).float()).to(o.dtype)
+
     for chain, m in itertools.product(args.chain.split(","), ints(args.rows)):
         names = CHAINS[chain]
+        norm = args.norm and chain == "layer"
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         a, y = torch.empty_like(x), torch.empty_like(x)
         h = torch.empty(m, 12288, device="cuda", dtype=torch.bfloat16)
-        row = {"chain": chain, "rows": m, "launched_shipped_tiles_us": round(cycle_time_us(
-            [lambda s=s: launched(x, s, names, lambda name, x: qf.tiles_for(*SHAPES[name], x.shape[0]))
+        residual_out = torch.empty_like(x)
+        scratch = torch.empty(4 * sms, 8, 4096, device="cuda", dtype=torch.bfloat16)  # programs x partitions
+        norm_args = (residual[m], residual_out, norm_weight, scratch, eps) if norm else None
+        row = {"chain": chain, "rows": m, "norm": norm, "launched_shipped_tiles_us": round(cycle_time_us(
+            [lambda s=s: launched(x, s, names, lambda name, x: qf.tiles_for(*SHAPES[name], x.shape[0]), norm)
              for s in sets], 10), 2)}
         print(json.dumps(row), flush=True)
         for index, plan in enumerate(plans):
@@ -139,10 +163,14 @@ def main() -> None:
             def same(name, x, plan=plan):
                 return qf.FragTiles(plan[name][1], args.warps, 1, plan[name][0])
 
-            ref = launched(x, sets[0], names, same)
+            if norm:  # o as launched, the norm in torch, then gate_up and down as launched
+                ref_summed, normed = reference_norm(qf.frag_gemv(x, sets[0]["o"], same("o", x)))
+                ref = launched(normed, sets[0], ("gate_up", "down"), same)
+            else:
+                ref = launched(x, sets[0], names, same)
             for slots, mode, parts in itertools.product(ints(args.slots), ints(args.mode), ints(args.parts)):
                 label = f"plan{index}_S{slots}_parts{parts}{MODES[mode]}"
-                opts = dict(mode=mode, parts=parts, consumer_regs=args.consumer_regs)
+                opts = dict(mode=mode, parts=parts, consumer_regs=args.consumer_regs, norm=norm_args)
                 fws = [sets[0][name] for name in names]
                 kernel = stream_chain(x, a, h, y, fws, steps, counter, sms, slots, args.warps, compile_only=True,
                                       **opts)
@@ -157,14 +185,20 @@ def main() -> None:
                 counter.zero_()
                 stream_chain(x, a, h, y, fws, steps, counter, programs, slots, args.warps, **opts)
                 synchronize_or_exit()
-                if mode == 1:
+                if mode == 1 and norm:  # the norm's float32 sums run in another order than torch's
+                    row[f"{label}_residual_same_bits"] = bool(torch.equal(residual_out, ref_summed))
+                    row[f"{label}_max_abs_diff"] = float((y.float() - ref.float()).abs().max())
+                    row[f"{label}_ref_max_abs"] = float(ref.float().abs().max())
+                elif mode == 1:
                     row[f"{label}_same_bits"] = bool(torch.equal(y, ref))
-                    if m > 1:
-                        one = torch.empty_like(y[:1])
-                        stream_chain(x[:1].contiguous(), a[:1], h[:1], one, fws, steps, counter, programs, slots,
-                                     args.warps, **opts)
-                        synchronize_or_exit()
-                        row[f"{label}_row_alone_same"] = bool(torch.equal(one, y[:1]))
+                if mode == 1 and m > 1:
+                    one = torch.empty_like(y[:1])
+                    alone = dict(opts, norm=(residual[m][:1].contiguous(), torch.empty_like(one), norm_weight,
+                                             scratch, eps) if norm else None)
+                    stream_chain(x[:1].contiguous(), a[:1], h[:1], one, fws, steps, counter, programs, slots,
+                                 args.warps, **alone)
+                    synchronize_or_exit()
+                    row[f"{label}_row_alone_same"] = bool(torch.equal(one, y[:1]))
                 row[f"{label}_us"] = round(cycle_time_us(
                     [lambda s=s: stream_chain(x, a, h, y, [s[name] for name in names], steps, counter, programs,
                                               slots, args.warps, **opts) for s in sets], 10), 2)

@@ -16,8 +16,11 @@ One program a multiprocessor, warp specialized:
 - between products the consumers of all programs meet at a grid barrier (all programs resident:
   the launcher takes the program count from the driver's occupancy query).
 
-The chain: gate_up (SiLU(gate) * up in its epilogue) -> down, or o -> gate_up -> down (no norm
-between o and gate_up yet). Groups of 64 values only (one term row a block). MODE 1 computes the
+The chain: gate_up (SiLU(gate) * up in its epilogue) -> down, or o -> gate_up -> down, with (NORM)
+the residual add + RMSNorm between o and gate_up inside: after the barrier each consumer partition
+adds o's output to the residual and normalizes every row into its own copy for its gate_up groups,
+one partition of the grid writing the new residual (written and compiled, not yet run on a GPU).
+Groups of 64 values only (one term row a block). MODE 1 computes the
 products; 0 only reads the words and terms from the slots (the copies' own pace) and 2 only
 computes (nothing copied, the slots' contents whatever they hold: the arithmetic's own pace).
 """
@@ -275,20 +278,47 @@ if gluon is not None:
         return count
 
     @gluon.jit
-    def _consumer(X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, N1: gl.constexpr, K1: gl.constexpr,
+    def _add_norm(O, R, RN, NW, XN, M, EPS, WRITE, H: gl.constexpr):
+        """The residual add and RMSNorm between o and gate_up, as kernels/rms_norm.py computes them
+        (the sum rounded to the activations' dtype, statistics in float32, the normed value rounded
+        before the weight): rows of O [M, H] + R [M, H] -> XN [M, H] (this consumer partition's own
+        copy, read by its gate_up groups); RN [M, H] gets the sum where WRITE (one partition of the
+        grid). Each row is reduced in the same fixed order whatever M is."""
+        WS: gl.constexpr = gl.num_warps()
+        L: gl.constexpr = gl.BlockedLayout([H // (32 * WS)], [32], [WS], [0])
+        DT: gl.constexpr = O.dtype.element_ty
+        cols = gl.arange(0, H, layout=L)
+        w = gl.load(NW + cols).to(gl.float32)
+        limit = gl.where(WRITE, H, 0)
+        for m in range(M):
+            h = (gl.load(O + m * H + cols).to(gl.float32) + gl.load(R + m * H + cols).to(gl.float32)).to(DT)
+            gl.store(RN + m * H + cols, h, mask=cols < limit)
+            hf = h.to(gl.float32)
+            rstd = 1.0 / gl.sqrt(gl.sum(hf * hf, axis=0) / H + EPS)
+            gl.store(XN + m * H + cols, (w * (hf * rstd).to(DT).to(gl.float32)).to(DT))
+        gl.thread_barrier()  # the partition's stores before its gate_up groups read XN
+
+    @gluon.jit
+    def _consumer(X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, R, RN, NW, XS, EPS, N1: gl.constexpr,
+                  K1: gl.constexpr,
                   G1: gl.constexpr, RT1: gl.constexpr, KB1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr,
                   G2: gl.constexpr, RT2: gl.constexpr, KB2: gl.constexpr, N3: gl.constexpr, K3: gl.constexpr,
                   G3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr, PHASES: gl.constexpr, S: gl.constexpr,
                   P: gl.constexpr, MODE: gl.constexpr, DECODE_ASM: gl.constexpr, Q: gl.constexpr,
-                  PARTS: gl.constexpr):
+                  PARTS: gl.constexpr, NORM: gl.constexpr):
         wait_for_previous_grid()
         count = 0
         if PHASES == 3:  # o -> gate_up -> down: X -> A -> H -> Y
             count = _consume(X, A, M, COUNTER, ring_w, ring_t, full, empty, count, K1, N1, G1, RT1, KB1, False, S, P,
                              MODE, DECODE_ASM, Q, PARTS)
             grid_barrier(COUNTER, PARTS * P)
-            count = _consume(A, H, M, COUNTER, ring_w, ring_t, full, empty, count, K2, N2, G2, RT2, KB2, True, S, P,
-                             MODE, DECODE_ASM, Q, PARTS)
+            if NORM:  # gate_up takes RMSNorm(R + A), each consumer partition its own copy (XS: [P*PARTS, 8, K2])
+                x2 = XS + (PARTS * gl.program_id(0) + Q) * (8 * K2)
+                _add_norm(A, R, RN, NW, x2, M, EPS, (gl.program_id(0) == 0) & (Q == 0), K2)
+            else:
+                x2 = A
+            count = _consume(x2, H, M, COUNTER, ring_w, ring_t, full, empty, count, K2, N2, G2, RT2, KB2, True, S,
+                             P, MODE, DECODE_ASM, Q, PARTS)
             grid_barrier(COUNTER, PARTS * P)
             _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, count, K3, N3, G3, RT3, KB3, False, S, P, MODE,
                      DECODE_ASM, Q, PARTS)
@@ -300,13 +330,13 @@ if gluon is not None:
                      DECODE_ASM, Q, PARTS)
 
     @gluon.jit
-    def _stream_kernel(X, A, H, Y, M, COUNTER, wd1, td1, wd2, td2, wd3, td3,
+    def _stream_kernel(X, A, H, Y, M, COUNTER, wd1, td1, wd2, td2, wd3, td3, R, RN, NW, XS, EPS,
                        N1: gl.constexpr, K1: gl.constexpr, G1: gl.constexpr, RT1: gl.constexpr, KB1: gl.constexpr,
                        N2: gl.constexpr, K2: gl.constexpr, G2: gl.constexpr, RT2: gl.constexpr, KB2: gl.constexpr,
                        N3: gl.constexpr, K3: gl.constexpr, G3: gl.constexpr, RT3: gl.constexpr, KB3: gl.constexpr,
                        PHASES: gl.constexpr, S: gl.constexpr, P: gl.constexpr, MODE: gl.constexpr,
                        DECODE_ASM: gl.constexpr, SB: gl.constexpr, PARTS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS_: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS_: gl.constexpr, NORM: gl.constexpr):
         W: gl.constexpr = gl.num_warps()
         FLAT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         ring_w = gl.allocate_shared_memory(gl.int32, [S, SB, _WORD_ROWS], FLAT)  # SB blocks a slot
@@ -327,18 +357,21 @@ if gluon is not None:
             mbarrier.init(empty2.index(s), count=1)
         if PARTS == 2:
             gl.warp_specialize([
-                (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, N1, K1, G1, RT1, KB1, N2, K2, G2,
-                             RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MODE, DECODE_ASM, 0, PARTS)),
-                (_consumer, (X, A, H, Y, M, COUNTER, ring_w2, ring_t2, full2, empty2, N1, K1, G1, RT1, KB1, N2, K2,
-                             G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MODE, DECODE_ASM, 1, PARTS)),
+                (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, R, RN, NW, XS, EPS, N1, K1, G1,
+                             RT1, KB1, N2, K2, G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MODE, DECODE_ASM, 0,
+                             PARTS, NORM)),
+                (_consumer, (X, A, H, Y, M, COUNTER, ring_w2, ring_t2, full2, empty2, R, RN, NW, XS, EPS, N1, K1,
+                             G1, RT1, KB1, N2, K2, G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MODE, DECODE_ASM,
+                             1, PARTS, NORM)),
                 (_producer, (wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, ring_w2, ring_t2, full2,
                              empty2, K1, G1, RT1, KB1, K2, G2, RT2, KB2, K3, G3, RT3, KB3, PHASES, S, P, W, MODE,
                              PARTS)),
             ], [W, 1], [CONSUMER_REGS, PRODUCER_REGS_])
         else:
             gl.warp_specialize([
-                (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, N1, K1, G1, RT1, KB1, N2, K2, G2,
-                             RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MODE, DECODE_ASM, 0, PARTS)),
+                (_consumer, (X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, R, RN, NW, XS, EPS, N1, K1, G1,
+                             RT1, KB1, N2, K2, G2, RT2, KB2, N3, K3, G3, RT3, KB3, PHASES, S, P, MODE, DECODE_ASM, 0,
+                             PARTS, NORM)),
                 (_producer, (wd1, td1, wd2, td2, wd3, td3, ring_w, ring_t, full, empty, ring_w2, ring_t2, full2,
                              empty2, K1, G1, RT1, KB1, K2, G2, RT2, KB2, K3, G3, RT3, KB3, PHASES, S, P, W, MODE,
                              PARTS)),
@@ -366,7 +399,7 @@ def slot_blocks(plan, warps: int) -> int:
 
 
 def constexprs(fws, plan, slots: int, programs: int, warps: int, mode: int = 1, parts: int = 2,
-               consumer_regs: int = 200) -> dict:
+               consumer_regs: int = 200, norm: bool = False) -> dict:
     """The kernel's compile-time arguments: fws the products' weights (or anything with
     out_features / in_features), plan their (row tiles, blocks a warp a step)."""
     args = {}
@@ -376,7 +409,8 @@ def constexprs(fws, plan, slots: int, programs: int, warps: int, mode: int = 1, 
         args.update({f"N{i}": fw.out_features, f"K{i}": fw.in_features, f"G{i}": tiles // rt, f"RT{i}": rt,
                      f"KB{i}": kb})
     return dict(args, PHASES=len(fws), S=slots, P=programs, MODE=mode, DECODE_ASM=qf.decode_pairs_asm(False),
-                SB=slot_blocks(plan, warps), PARTS=parts, CONSUMER_REGS=consumer_regs, PRODUCER_REGS_=PRODUCER_REGS)
+                SB=slot_blocks(plan, warps), PARTS=parts, CONSUMER_REGS=consumer_regs, PRODUCER_REGS_=PRODUCER_REGS,
+                NORM=norm)
 
 
 def compile_offline(fws, plan, slots: int, programs: int, warps: int, **options):
@@ -384,7 +418,8 @@ def compile_offline(fws, plan, slots: int, programs: int, warps: int, **options)
     from verispec.kernels import offline_sass
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     signature = {name: "*bf16" for name in ("X", "A", "H", "Y")}
-    signature.update({"M": "i32", "COUNTER": "*i32"})
+    signature.update({"M": "i32", "COUNTER": "*i32", "R": "*bf16", "RN": "*bf16", "NW": "*bf16", "XS": "*bf16",
+                      "EPS": "fp32"})
     for i, (rt, kb) in enumerate(list(plan) + [plan[-1]] * (3 - len(plan)), 1):
         signature[f"wd{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {WORD_ROWS}],{layout!r}>"
         signature[f"td{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {TERM_COLS}],{layout!r}>"
@@ -394,16 +429,21 @@ def compile_offline(fws, plan, slots: int, programs: int, warps: int, **options)
 
 
 def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warps: int, compile_only: bool = False,
-                 **options):
+                 norm=None, **options):
     """fws: (gate_up, down) or (o, gate_up, down), groups of 64, plan: (row tiles, blocks a warp a
     step) for each; x [M, K1] (M <= 8) -> y, through a and h (the intermediate outputs, contiguous);
-    counter: int32 [2], zero or left by launches of the same program count."""
+    counter: int32 [2], zero or left by launches of the same program count. norm (o -> gate_up ->
+    down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], scratch [programs * parts,
+    8, H], eps): gate_up then takes RMSNorm(residual + o), and residual out gets the sum."""
     if any(fw.group_size != 64 for fw in fws):
         raise ValueError("stream_chain: groups of 64 only (one term row a block)")
+    if norm is not None and len(fws) != 3:
+        raise ValueError("stream_chain: the norm sits between o and gate_up (three products)")
+    residual, residual_out, norm_weight, scratch, eps = norm if norm is not None else (x, x, x, x, 1e-6)
     descs = [d for fw, (rt, kb) in zip(fws, plan) for d in _descriptors(fw, rt, warps * kb)]
     descs += descs[-2:] * (3 - len(fws))
     launch = _stream_kernel.warmup if compile_only else _stream_kernel[(programs,)]
     extra = {"grid": (programs,)} if compile_only else {}
-    return launch(x, a, h, y, x.shape[0], counter, *descs,
-                  **constexprs(fws, plan, slots, programs, warps, **options), num_warps=warps, launch_pdl=True,
-                  **extra)
+    return launch(x, a, h, y, x.shape[0], counter, *descs, residual, residual_out, norm_weight, scratch, eps,
+                  **constexprs(fws, plan, slots, programs, warps, norm=norm is not None, **options), num_warps=warps,
+                  launch_pdl=True, **extra)

@@ -26,9 +26,10 @@ def test_stream_kernel_compiles_for_sm90():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--chain", "layer", "--slots", "2",
                            "--mode", "1", "--parts", "2", "--warps", "4", "--plans", "gate_up=2x2,down=1x4,o=1x4",
-                           "--sass"], capture_output=True, text=True, env=env, timeout=600)
+                           "--norm", "--sass"], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["norm"] and result["parts"] == 2
     assert result["spill_bytes"] == 0
     assert result["shared"] <= H200_SHARED_PER_BLOCK
     ops = result["opcodes"]
