@@ -37,6 +37,7 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
 
+    from gpu_persistent_bound import grid_barrier  # scripts/ on the path, as gpu_stream_chain.py puts it
     from verispec.kernels.quant_gemv import wait_for_previous_grid
 
 WORD_ROWS = 128  # int32 words of one 16-row tile's 64-value block
@@ -98,18 +99,6 @@ if gluon is not None:
     @constexpr_function
     def _tma_layout():
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-
-    @gluon.jit
-    def grid_barrier(COUNTER, P: gl.constexpr):
-        """The consumer partitions of all programs (P of them in all) arrive before any leaves (the
-        counter only grows: this barrier's target is the next multiple of P)."""
-        gl.thread_barrier()
-        old = gl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-        target = (old // P + 1) * P
-        seen = old + 1
-        while seen < target:
-            seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-        gl.thread_barrier()
 
     @gluon.jit
     def _slot_views(ring_w, ring_t, S: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr):
@@ -229,17 +218,7 @@ if gluon is not None:
         LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
         LS: gl.constexpr = gl.SliceLayout(2, MMA)
         slots_w, slots_t = _slot_views(ring_w, ring_t, S, RT, BT)
-        # activation pairs [BT, 8 rows, 4 (t), 8] as quant_frag.frag_sums loads them (rows past M
-        # read row M - 1 again: their columns are never stored)
-        xb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
-        xm = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
-        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LX))))
-        xp = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LX))))
-        x_block = gl.expand_dims(gl.expand_dims(gl.expand_dims(xb, 1), 2), 3)
-        x_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.minimum(xm, M - 1), 0), 2), 3)
-        x_off = (x_block * 32 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xt, 0), 1), 3) * 8
-                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xp, 0), 1), 2))
-        x_ptr = X.to(gl.pointer_type(gl.int32), bitcast=True) + x_row * (K // 2) + x_off
+        x_ptr, _ = qf.activation_pointers(X, M, K, BT, LX)  # as quant_frag.frag_sums loads them
         ones = gl.full([BT, 16, 64], 1.0, DT, layout=LA)
         zero = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
         zero16 = gl.zeros([BT, 16, MT], gl.float32, layout=MMA)

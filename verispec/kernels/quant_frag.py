@@ -404,6 +404,22 @@ if gluon is not None:
         return gl.reshape(gate / (1.0 + gl.exp(-gate)) * up, [8 * RT, MT])
 
     @gluon.jit
+    def activation_pointers(X, M, stride_xm, BT: gl.constexpr, LX: gl.constexpr):
+        """Pointers to the activation pairs of a step's BT blocks (X as int32): [BT, 8 rows, 4 (t), 8]
+        in LX, pair p of x[row, block*64 + 16t ..]; rows past M read row M-1 again (their columns are
+        never stored); and each entry's block index [BT, 1, 1, 1]."""
+        MT: gl.constexpr = _MAX_ROWS
+        xb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
+        xm = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
+        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LX))))
+        xp = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LX))))
+        x_block = gl.expand_dims(gl.expand_dims(gl.expand_dims(xb, 1), 2), 3)
+        x_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.minimum(xm, M - 1), 0), 2), 3)
+        x_off = (x_block * 32 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xt, 0), 1), 3) * 8
+                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xp, 0), 1), 2))
+        return X.to(gl.pointer_type(gl.int32), bitcast=True) + x_row * (stride_xm // 2) + x_off, x_block
+
+    @gluon.jit
     def frag_sums(X, WQ, T, M, stride_xm, tile, K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr,
                   KB: gl.constexpr, GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr,
                   LX: gl.constexpr, LT: gl.constexpr, DEPTH: gl.constexpr, RT: gl.constexpr, RELEASE: gl.constexpr,
@@ -424,17 +440,7 @@ if gluon is not None:
 
         w_ptr, w_block, t_ptr, t_block = _weight_pointers(WQ, T, tile, K, GROUP, LW, LT, BT, RT)
 
-        # activation pairs (X as int32): [BT, 8 rows, 4 (t), 8] -> pair p of x[row, block*64 + 16t ..]
-        xb = gl.arange(0, BT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
-        xm = gl.arange(0, MT, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
-        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LX))))
-        xp = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LX))))
-        x_block = gl.expand_dims(gl.expand_dims(gl.expand_dims(xb, 1), 2), 3)
-        # rows past M read row M-1 again: their columns are never stored
-        x_row = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.minimum(xm, M - 1), 0), 2), 3)
-        x_off = (x_block * 32 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xt, 0), 1), 3) * 8
-                 + gl.expand_dims(gl.expand_dims(gl.expand_dims(xp, 0), 1), 2))
-        x_ptr = X.to(gl.pointer_type(gl.int32), bitcast=True) + x_row * (stride_xm // 2) + x_off
+        x_ptr, x_block = activation_pointers(X, M, stride_xm, BT, LX)
 
         # the activations' block sums come from an mma with an all-ones A of the same rows
         ones = gl.full([BT, 16 * RT, 64], 1.0, DT, layout=LA)
