@@ -54,11 +54,9 @@ def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch
                          tiles.num_warps)
 
 
-def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int,
-                  maxnreg: int | None = None) -> CompiledFrag:
+def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int) -> CompiledFrag:
     """A Gluon kernel compiled for sm_90 (signature: the runtime arguments' types; constexprs: the
-    rest; divisible: the arguments the launcher sees as multiples of 16; maxnreg: a cap on a thread's
-    registers), with its SASS and usage."""
+    rest; divisible: the arguments the launcher sees as multiples of 16), with its SASS and usage."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -68,7 +66,7 @@ def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, .
         signature[name] = "constexpr"
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+                              options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
