@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_persistent_bound import grid_barrier, random_frag, synchronize_or_exit  # noqa: E402
+from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
+from verispec.kernels.grid_sync import grid_barrier  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import frag_dequantize, offline_sass  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
@@ -254,10 +255,10 @@ def launch_constexprs(gate_up: qf.FragWeights, down: qf.FragWeights, tiles: Fuse
 
 @functools.cache
 def _scratch(device: torch.device, count: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial sums [P, 8, H] (float32) and the barrier's counter (gpu_persistent_bound's
+    """The partial sums [P, 8, H] (float32) and the barrier's counter (grid_sync's
     grid_barrier: it starts at 0 and every launch on it has this P), one set per device and shape."""
     partial = torch.empty(count, qf.MAX_ROWS, hidden, dtype=torch.float32, device=device)
-    return partial, torch.zeros(1, dtype=torch.int32, device=device)
+    return partial, torch.zeros(1, dtype=torch.int64, device=device)
 
 
 _resident_checked: dict = {}

@@ -14,7 +14,8 @@ STAGES=${STAGES:-"tests identity bench"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has tests; then
     tests=(tests/kernels/test_qk_prep.py tests/kernels/test_kv_write.py tests/kernels/test_decode_attention.py
-           tests/kernels/test_quant_mma.py tests/kernels/test_quant_frag.py tests/kernels/test_attention_partition.py)
+           tests/kernels/test_quant_mma.py tests/kernels/test_quant_frag.py tests/kernels/test_attention_partition.py
+           tests/kernels/test_stream_mlp.py)
     [ -f tests/kernels/test_rms_norm.py ] && tests+=(tests/kernels/test_rms_norm.py)
     echo "## tests"
     timeout 420 python3 -m pytest -q -p no:warnings -x "${tests[@]}" > "$OUT/tests.log" 2>&1 || { tail -20 "$OUT/tests.log"; exit 1; }

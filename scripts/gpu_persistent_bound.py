@@ -14,7 +14,6 @@ the weights (read from memory). Checked: both give the same bits.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -29,22 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_l2_prefetch import PREFETCH_L2_PTX  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
+from verispec.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402,F401
 from verispec.kernels.quant_gemv import gl, gluon  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
-
-
-@gluon.jit
-def grid_barrier(COUNTER, P: gl.constexpr):
-    """Every one of the P programs (all resident: see resident_per_multiprocessor) arrives before
-    any leaves. The counter only grows, so a launch needs no reset: this barrier's target is the next multiple of P (so every
-    launch on one counter must have the same P, and the counter start at a multiple of it)."""
-    gl.thread_barrier()
-    old = gl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-    target = (old // P + 1) * P
-    seen = old + 1
-    while seen < target:
-        seen = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()
 
 
 _PREFETCH_L2 = gl.constexpr(PREFETCH_L2_PTX)
@@ -144,19 +130,6 @@ def chain_persistent(x, a, h, y, fws, tiles, counter, programs: int, prefetch: b
                   L2_EIGHTHS=l2_eighths, num_warps=tiles[0].num_warps, launch_pdl=True, **extra)
 
 
-def resident_per_multiprocessor(kernel, warps: int) -> int:
-    """Programs of this compiled kernel a multiprocessor holds at once (the driver's occupancy
-    calculation: registers, shared memory, warps), which a grid barrier needs of all of them."""
-    kernel._init_handles()
-    count = ctypes.c_int()
-    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(count), ctypes.c_void_p(kernel.function), ctypes.c_int(32 * warps),
-        ctypes.c_size_t(kernel.metadata.shared))
-    if status:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({status})")
-    return count.value
-
-
 def synchronize_or_exit(seconds: float = 20.0) -> None:
     """A kernel with a grid barrier whose programs cannot all be resident never ends: leave then."""
     timer = threading.Timer(seconds, lambda: (print(f"hang: no result after {seconds} s", flush=True),
@@ -192,7 +165,7 @@ def main() -> None:
     torch.manual_seed(0)
     sets = [(random_frag(4096, 4096), random_frag(24576, 4096), random_frag(4096, 12288)) for _ in range(args.copies)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")  # grid_sync.grid_barrier's
     results = []
     for config in args.tiles.split(";"):
         tiles = [qf.FragTiles(*(int(v) for v in t.split("x"))) for t in config.split(",")]

@@ -5,7 +5,8 @@
 #   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (the fragment-order kernel for decode/verify, the
 #           default), 4-bit on the first tensor-core kernel (VERISPEC_QUANT_KERNEL=mma), on tinygemm (VERISPEC_QUANT_KERNEL=builtin) and on the Gluon GEMV
 #           (VERISPEC_QUANT_KERNEL=gemv), and 4-bit without programmatic dependent launch
-#           (VERISPEC_PDL=0), and with SiLU(gate) * up in the gate/up kernel (VERISPEC_GATE_IN_PRODUCT=1), each plain and with EAGLE3 (verify_decode_ratio: the cost of a
+#           (VERISPEC_PDL=0), and with SiLU(gate) * up in the gate/up kernel (VERISPEC_GATE_IN_PRODUCT=1), and
+#           the MLP as two launches, not the streaming kernel (VERISPEC_STREAM_MLP=0), each plain and with EAGLE3 (verify_decode_ratio: the cost of a
 #           4-token verify pass); QWEN_ROWS picks rows by name (default all)
 #   large - Gemma 4 26B-A4B (MoE: quantized experts), Gemma 4 31B dense and Qwen3.6-27B hybrid:
 #           bf16 against 8-bit and 4-bit, plain decode
@@ -14,7 +15,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"qwen large"}
 LARGE=${LARGE:-"gemma4-26b-a4b gemma4-31b qwen3.6-27b"}  # the large stage's shapes
 QUANTS=${QUANTS:-"none mlx-8bit mlx-4bit"}  # and their weights
-QWEN_ROWS=${QWEN_ROWS:-"bf16 mlx-8bit mlx-4bit mlx-4bit-mma mlx-4bit-gate mlx-4bit-nopdl mlx-4bit-tinygemm mlx-4bit-gemv"}
+QWEN_ROWS=${QWEN_ROWS:-"bf16 mlx-8bit mlx-4bit mlx-4bit-mma mlx-4bit-gate mlx-4bit-nopdl mlx-4bit-tinygemm mlx-4bit-gemv mlx-4bit-nostream"}
 run() {  # run NAME [env assignments...] -- bench args...
     local name=$1; shift
     if [[ $name == qwen3-8b-* && " $QWEN_ROWS " != *" ${name#qwen3-8b-} "* ]]; then return; fi
@@ -35,6 +36,7 @@ if [[ " $STAGES " == *" qwen "* ]]; then
     run qwen3-8b-mlx-4bit-nopdl VERISPEC_PDL=0 -- "${spec[@]}" --quant mlx-4bit
     run qwen3-8b-mlx-4bit-tinygemm VERISPEC_QUANT_KERNEL=builtin -- "${spec[@]}" --quant mlx-4bit
     run qwen3-8b-mlx-4bit-gemv VERISPEC_QUANT_KERNEL=gemv -- "${spec[@]}" --quant mlx-4bit
+    run qwen3-8b-mlx-4bit-nostream VERISPEC_STREAM_MLP=0 -- "${spec[@]}" --quant mlx-4bit
 fi
 if [[ " $STAGES " == *" large "* ]]; then
     for shape in $LARGE; do

@@ -1,5 +1,5 @@
 """On the lent GPU: a chain of 4-bit products of Qwen3-8B's shape as one persistent kernel whose
-weights never stop streaming (scripts/stream_chain.py: a producer warp copies every tile into a
+weights never stop streaming (verispec/kernels/stream_chain.py: a producer warp copies every tile into a
 shared-memory ring by TMA, across the grid barriers between the products; consumer partitions
 multiply from it), against the launched products (docs/benchmarks.md, "Twentieth session").
 
@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stream_chain import compile_offline, stream_chain  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
+from verispec.kernels.stream_chain import compile_offline, stream_chain  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 CHAINS = {"mlp": ("gate_up", "down"), "layer": ("o", "gate_up", "down")}
@@ -104,13 +104,14 @@ def main() -> None:
         compile_only(args, plans)
         return
 
-    from gpu_persistent_bound import random_frag, resident_per_multiprocessor, synchronize_or_exit
+    from gpu_persistent_bound import random_frag, synchronize_or_exit
+    from verispec.kernels.grid_sync import resident_per_multiprocessor
     from gpu_timing import cycle_time_us
     from triton.runtime.errors import OutOfResources
     from verispec.kernels.rms_norm import add_rms_norm
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counter = torch.zeros(2, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(2, dtype=torch.int64, device="cuda")  # [1]: MODE 0's never-stored sum
     if args.ncu:
         names = CHAINS[args.chain.split(",")[0]]
         weights = [random_frag(*SHAPES[name]) for name in names]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent GPU (device tool), one call: the persistent streaming kernel of scripts/stream_chain.py
+# On the lent GPU (device tool), one call: the persistent streaming kernel of verispec/kernels/stream_chain.py
 # as it stands (docs/gpu.md, the twentieth session's next steps). Results under $OUT.
 #   chain - gate_up -> down and o -> gate_up -> down against the launches, 1 and 4 rows (same bits
 #           as frag_gemv with the same tiles, a row alone == the same row among 4)

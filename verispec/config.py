@@ -36,6 +36,7 @@ class EnvSettings:
     quant_tiles: str | None = None  # VERISPEC_QUANT_TILES: JSON TileConfig fields (kernels/quant_matmul.py)
     pdl: bool = True  # VERISPEC_PDL=0: quantized kernels launch without programmatic dependent launch
     gate_in_product: bool = True  # VERISPEC_GATE_IN_PRODUCT=0: SiLU(gate) * up as its own kernel, not in the 4-bit gate/up kernel
+    stream_mlp: bool = True  # VERISPEC_STREAM_MLP=0: a 4-bit MLP's gate/up and down as two launches, not one streaming kernel
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -54,6 +55,7 @@ class EnvSettings:
             quant_tiles=env.get("VERISPEC_QUANT_TILES") or None,
             pdl=_env_flag("VERISPEC_PDL", default=True),
             gate_in_product=_env_flag("VERISPEC_GATE_IN_PRODUCT", default=True),
+            stream_mlp=_env_flag("VERISPEC_STREAM_MLP", default=True),
         )
 
 

@@ -1,4 +1,4 @@
-"""The persistent streaming kernel of scripts/stream_chain.py (a producer warp copying 4-bit
+"""The persistent streaming kernel of verispec/kernels/stream_chain.py (a producer warp copying 4-bit
 weights by TMA into a shared-memory ring, consumer warps multiplying from it with quant_frag's
 `block_sums`), compiled for sm_90 on the CPU: its arithmetic and speed are measured on the GPU
 (docs/benchmarks.md, "Twentieth session"); this keeps it compiling as quant_frag changes, and

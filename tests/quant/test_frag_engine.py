@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from verispec.engine.engine import load_engine
-from verispec.kernels import frag_dequantize, quant_frag
+from verispec.kernels import frag_dequantize, quant_frag, stream_mlp
 from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
-                                                  release_converted_checkpoints)
+                                                  release_converted_checkpoints, stream_mlps)
 from verispec.models.layers.quant_linear import QuantizedLinear
 
 from tests.quant.conftest import mlx_convert
@@ -81,3 +81,45 @@ def test_a_second_engine_on_the_same_model_converts_nothing_twice(tiny_models, t
     assert gate_in_products(model, torch.float32) == 0
     assert release_converted_checkpoints(model) == 0
     assert all(m.frag.words is words[id(m)] for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
+def test_mlps_take_the_streaming_kernel_for_decode_and_verify_passes(tiny_models, tmp_path, monkeypatch):
+    """kernels/stream_mlp.py's StreamMLP replaced by what it computes: every MLP of the converted
+    model takes it (quant_convert.stream_mlps) for passes of up to 32 rows, wider prefills keep the
+    two products, and plain and speculative decoding give the unconverted model's tokens."""
+    src = tiny_models.get("frag-llama", "llama", **TARGET_SHAPE)
+    path = mlx_convert(src, tmp_path / "llama-4bit", q_bits=4, q_group_size=64)
+    reference = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+    prompts = [list(range(5, 60)), list(range(7, 27))]  # one pass of 55 rows; one of 20
+    plain = [reference.generate_all(ids, greedy(NEW_TOKENS)).token_ids for ids in prompts]
+    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+    widths = []
+
+    class TorchStreamMLP:
+        def __init__(self, gate_up, down, dtype):
+            self.gate_up, self.down, self.dtype = gate_up, down, dtype
+
+        def __call__(self, x):
+            widths.append(x.shape[0])
+            return frag_gemv_in_torch(frag_gemv_in_torch(x, self.gate_up, silu_gate=True), self.down)
+
+    monkeypatch.setattr(QuantizedLinear, "frag_reason", lambda self, device, dtype: None)
+    monkeypatch.setattr(quant_frag, "frag_gemv", frag_gemv_in_torch)
+    monkeypatch.setattr(stream_mlp, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(stream_mlp, "StreamMLP", TorchStreamMLP)
+    model = engine.model
+    convert_for_builtin_int4(model, torch.float32)
+    gate_in_products(model, torch.float32)
+    release_converted_checkpoints(model)
+    layers = TARGET_SHAPE["num_hidden_layers"]
+    assert stream_mlps(model, torch.float32) == layers
+    assert stream_mlps(model, torch.float32) == 0  # a second engine on the model: nothing twice
+
+    for ids, want in zip(prompts, plain):
+        assert engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
+    assert max(widths) == 20 and widths.count(20) == layers  # the 55-row prefill kept the products
+    assert widths.count(1) >= layers * (NEW_TOKENS - 1)
+    for ids, want in zip(prompts, plain):
+        spec = spec_engine(engine, ReplayProposer(want, model.vocab_size, right_at=lambda j: j % 3 != 1), 3)
+        assert spec.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
+    assert 4 in widths  # verify passes of 4 rows

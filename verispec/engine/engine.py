@@ -44,7 +44,7 @@ from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
-                                                  release_converted_checkpoints)
+                                                  release_converted_checkpoints, stream_mlps)
 from verispec.spec.proposer import Draft, PassRowStep, Proposer
 from verispec.spec.verify import verify_greedy, verify_sampling
 
@@ -115,6 +115,9 @@ class Engine:
                 # one kernel fewer a layer: +2-6% on Qwen3-8B 4-bit decode (VERISPEC_GATE_IN_PRODUCT=0: off)
                 gate_in_products(model, self.dtype)
             release_converted_checkpoints(model)
+            if env().stream_mlp:
+                # gate/up -> down as one persistent launch: VERISPEC_STREAM_MLP=0 turns it off
+                stream_mlps(model, self.dtype)
         self._setup_cache()
         self._prototype_free = True  # the proposer itself (its drafter graphs) serves one sequence
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()

@@ -205,7 +205,7 @@ if gluon is not None:
         a move a pair (offline SASS: 1,448 -> 1,240 instructions and 168 -> 134 registers for
         gate_up), but the launched products did not get faster (docs/benchmarks.md, twentieth
         session): `block_sums` takes it with PACKED, the persistent kernel of
-        scripts/stream_chain.py does."""
+        verispec/kernels/stream_chain.py does."""
         eight = gl.join(words, words)  # the word once an output value: the asm reads the first
         eight = gl.join(eight, eight)
         eight = gl.join(eight, eight)

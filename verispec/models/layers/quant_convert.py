@@ -82,6 +82,20 @@ def gate_in_products(root: nn.Module, dtype: torch.dtype) -> int:
     return len(chosen)
 
 
+def stream_mlps(root: nn.Module, dtype: torch.dtype) -> int:
+    """Every gated MLP under `root` whose 4-bit gate/up (SiLU in its epilogue) and down the
+    streaming kernel can run takes it for decode and verify passes (GatedMLP.use_stream: one
+    persistent launch for both products, kernels/stream_mlp.py); under VERISPEC_DEBUG=1, how many
+    did and why others did not. After the rows are interleaved and the checkpoints released: the
+    kernel's descriptors hold the final copies' addresses. Returns the count."""
+    mlps = [m for m in root.modules() if hasattr(m, "use_stream") and m.stream is None]
+    chosen = _choose(mlps, lambda m: m.stream_reason(dtype), "gate/up -> down runs as one streaming kernel for "
+                     "%d MLPs' decode / verify passes", "MLPs with %s keep gate/up and down as two launches")
+    for mlp in chosen:
+        mlp.use_stream(dtype)
+    return len(chosen)
+
+
 def _log_gemv_reasons(root: nn.Module, dtype: torch.dtype) -> None:
     """Under VERISPEC_DEBUG=1: how many layers run decode / verify passes on the Gluon GEMV, and
     why the others do not (once per reason). Layers tinygemm or the tensor-core kernel took are not

@@ -1,5 +1,6 @@
 """A chain of 4-bit products as one persistent kernel whose weights never stop streaming (Gluon,
-sm_90; measured by scripts/gpu_stream_chain.py, docs/benchmarks.md "Twentieth session").
+sm_90; the engine runs a gated MLP's gate_up -> down on it for decode and verify passes, see
+`StreamMLP`; measured by scripts/gpu_stream_chain.py, docs/benchmarks.md "Twentieth session").
 
 One program a multiprocessor, warp specialized:
 - a producer warp copies each of its program's tile groups, step by step (the words and group
@@ -13,16 +14,16 @@ One program a multiprocessor, warp specialized:
   with FragTiles(KB, W, 1, RT) bit for bit whatever the rows (M <= 8). With two partitions, each has
   its own ring and takes alternate tile groups: Gluon's mbarrier wait / arrive bring a
   partition-wide barrier a step, and one partition of 8 warps then stepped in lockstep;
-- between products the consumers of all programs meet at a grid barrier (all programs resident:
-  the launcher takes the program count from the driver's occupancy query).
+- between products the consumers of all programs meet at a grid barrier (kernels/grid_sync.py;
+  all programs resident: the launcher takes the program count from the driver's occupancy query).
 
 The chain: gate_up (SiLU(gate) * up in its epilogue) -> down, or o -> gate_up -> down, with (NORM)
 the residual add + RMSNorm between o and gate_up inside: after the barrier each consumer partition
 adds o's output to the residual and normalizes every row into its own copy for its gate_up groups,
-one partition of the grid writing the new residual (written and compiled, not yet run on a GPU).
-Groups of 64 values only (one term row a block). MODE 1 computes the
-products; 0 only reads the words and terms from the slots (the copies' own pace) and 2 only
-computes (nothing copied, the slots' contents whatever they hold: the arithmetic's own pace).
+one partition of the grid writing the new residual. Groups of 64 values only (one term row a
+block). MODE 1 computes the products; 0 only reads the words and terms from the slots (the copies'
+own pace) and 2 only computes (nothing copied, the slots' contents whatever they hold: the
+arithmetic's own pace).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
 
-    from gpu_persistent_bound import grid_barrier  # scripts/ on the path, as gpu_stream_chain.py puts it
+    from verispec.kernels.grid_sync import grid_barrier
     from verispec.kernels.quant_gemv import wait_for_previous_grid
 
 WORD_ROWS = 128  # int32 words of one 16-row tile's 64-value block
@@ -378,51 +379,61 @@ def slot_blocks(plan, warps: int) -> int:
 
 
 def constexprs(fws, plan, slots: int, programs: int, warps: int, mode: int = 1, parts: int = 2,
-               consumer_regs: int = 200, norm: bool = False) -> dict:
+               consumer_regs: int = 200, norm: bool = False, half: bool = False) -> dict:
     """The kernel's compile-time arguments: fws the products' weights (or anything with
-    out_features / in_features), plan their (row tiles, blocks a warp a step)."""
+    out_features / in_features), plan their (row tiles, blocks a warp a step); half: float16
+    activations (else bfloat16)."""
     args = {}
     padded = list(zip(fws, plan)) + [(fws[-1], plan[-1])] * (3 - len(fws))
     for i, (fw, (rt, kb)) in enumerate(padded, 1):
         tiles = -(-fw.out_features // (16 * qf.MAX_ROW_TILES)) * qf.MAX_ROW_TILES  # the repacked words' tiles
         args.update({f"N{i}": fw.out_features, f"K{i}": fw.in_features, f"G{i}": tiles // rt, f"RT{i}": rt,
                      f"KB{i}": kb})
-    return dict(args, PHASES=len(fws), S=slots, P=programs, MODE=mode, DECODE_ASM=qf.decode_pairs_asm(False),
+    return dict(args, PHASES=len(fws), S=slots, P=programs, MODE=mode, DECODE_ASM=qf.decode_pairs_asm(half),
                 SB=slot_blocks(plan, warps), PARTS=parts, CONSUMER_REGS=consumer_regs, PRODUCER_REGS_=PRODUCER_REGS,
                 NORM=norm)
 
 
-def compile_offline(fws, plan, slots: int, programs: int, warps: int, **options):
+def compile_offline(fws, plan, slots: int, programs: int, warps: int, half: bool = False, **options):
     """The kernel compiled for sm_90 without a GPU (offline_sass): registers, spills, shared memory."""
     from verispec.kernels import offline_sass
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-    signature = {name: "*bf16" for name in ("X", "A", "H", "Y")}
-    signature.update({"M": "i32", "COUNTER": "*i32", "R": "*bf16", "RN": "*bf16", "NW": "*bf16", "XS": "*bf16",
-                      "EPS": "fp32"})
+    act = "*fp16" if half else "*bf16"
+    signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW", "XS")}
+    signature.update({"M": "i32", "COUNTER": "*i64", "EPS": "fp32"})
     for i, (rt, kb) in enumerate(list(plan) + [plan[-1]] * (3 - len(plan)), 1):
         signature[f"wd{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {WORD_ROWS}],{layout!r}>"
         signature[f"td{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {TERM_COLS}],{layout!r}>"
     return offline_sass.compile_gluon(_stream_kernel, signature,
-                                      constexprs(fws, plan, slots, programs, warps, **options),
+                                      constexprs(fws, plan, slots, programs, warps, half=half, **options),
                                       ("X", "A", "H", "Y"), warps)
 
 
+def descriptors(fws, plan, warps: int) -> list:
+    """The TMA descriptors of each product's words and terms, as `stream_chain` takes them."""
+    descs = [d for fw, (rt, kb) in zip(fws, plan) for d in _descriptors(fw, rt, warps * kb)]
+    return descs + descs[-2:] * (3 - len(fws))
+
+
 def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warps: int, compile_only: bool = False,
-                 norm=None, **options):
+                 norm=None, descs=None, pdl: bool = True, **options):
     """fws: (gate_up, down) or (o, gate_up, down), groups of 64, plan: (row tiles, blocks a warp a
-    step) for each; x [M, K1] (M <= 8) -> y, through a and h (the intermediate outputs, contiguous);
-    counter: int32 [2], zero or left by launches of the same program count. norm (o -> gate_up ->
-    down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], scratch [programs * parts,
-    8, H], eps): gate_up then takes RMSNorm(residual + o), and residual out gets the sum."""
+    step) for each; x [M, K1] (M <= 8, bfloat16 / float16) -> y, through a and h (the intermediate
+    outputs, contiguous); counter: int64 (grid_sync.counter_for(device, parts * programs)). norm
+    (o -> gate_up -> down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], scratch
+    [programs * parts, 8, H], eps): gate_up then takes RMSNorm(residual + o), and residual out gets
+    the sum. descs: `descriptors(fws, plan, warps)`, made once by a caller that launches often; pdl:
+    launched with programmatic dependent launch (the producer's copies start while the kernel before
+    finishes; the consumers wait for it)."""
     if any(fw.group_size != 64 for fw in fws):
         raise ValueError("stream_chain: groups of 64 only (one term row a block)")
     if norm is not None and len(fws) != 3:
         raise ValueError("stream_chain: the norm sits between o and gate_up (three products)")
     residual, residual_out, norm_weight, scratch, eps = norm if norm is not None else (x, x, x, x, 1e-6)
-    descs = [d for fw, (rt, kb) in zip(fws, plan) for d in _descriptors(fw, rt, warps * kb)]
-    descs += descs[-2:] * (3 - len(fws))
+    descs = descriptors(fws, plan, warps) if descs is None else descs
     launch = _stream_kernel.warmup if compile_only else _stream_kernel[(programs,)]
     extra = {"grid": (programs,)} if compile_only else {}
     return launch(x, a, h, y, x.shape[0], counter, *descs, residual, residual_out, norm_weight, scratch, eps,
-                  **constexprs(fws, plan, slots, programs, warps, norm=norm is not None, **options), num_warps=warps,
-                  launch_pdl=True, **extra)
+                  **constexprs(fws, plan, slots, programs, warps, norm=norm is not None,
+                                 half=x.dtype == torch.float16, **options), num_warps=warps,
+                  launch_pdl=pdl, **extra)

@@ -1,0 +1,116 @@
+"""A gated MLP's 4-bit gate_up -> SiLU(gate) * up -> down as one launch of the streaming kernel
+(kernels/stream_chain.py) for decode and verify passes: the weights of both products stream into
+every multiprocessor's shared memory without a break, where two launches each pay a start and a
+tail (H200, Qwen3-8B's shape: 31-32 us against 35.5 at 1 row, 33-34 against 35.5 at 4; docs/
+benchmarks.md "Twenty-first session").
+
+Row independence: every row's sums run in one fixed order whatever the launch's rows are, and a
+pass of more than 8 rows (up to `MAX_ROWS`) is launched 8 rows at a time, so a sequence's rows get
+the same bits alone, in a verify pass or in a batch. The bits differ from two `frag_gemv` launches
+with their own tiles (the warps split K differently): one MLP must take every decode and verify
+pass on this path or none (GatedMLP does).
+"""
+from __future__ import annotations
+
+import torch
+
+from verispec.kernels import grid_sync, quant_frag, quant_gemv, stream_chain
+from verispec.kernels.quant_gemv import gluon
+
+# Each product's step (row tiles, blocks a warp a step), in order of preference: every step fills
+# one slot of 16 blocks (4 warps x row tiles x blocks), and a product takes the first whose steps
+# divide its K. Measured on Qwen3-8B's shape (H200, twentieth session): gate_up 2 x 2 and down 1 x 4.
+GATE_UP_STEPS = ((2, 2), (4, 1), (1, 4))
+DOWN_STEPS = ((1, 4), (2, 2), (4, 1))
+WARPS = 4  # in each of 2 consumer partitions
+PARTS = 2
+SLOTS = 3  # a partition's ring (H200, twenty-first session: 31.0 / 32.8 us at 1 / 4 rows, 32.0 / 34.5 with 2)
+MAX_ROWS = 32  # the widest pass launched in 8-row pieces (quant_linear.FRAG_CHUNKED_MAX_ROWS)
+
+
+def _step(k: int, choices) -> tuple[int, int] | None:
+    return next(((rt, kb) for rt, kb in choices if (k // quant_frag.BLOCK) % (WARPS * kb) == 0), None)
+
+
+def plan_for(gate_up_k: int, down_k: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(gate_up's step, down's step) for these input widths, or None where one has no whole steps."""
+    steps = _step(gate_up_k, GATE_UP_STEPS), _step(down_k, DOWN_STEPS)
+    return None if None in steps else steps
+
+
+def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWeights, device: torch.device,
+                       dtype: torch.dtype) -> str | None:
+    """Why a gated MLP with these fragment-order products cannot run on the streaming kernel (None:
+    it can)."""
+    if gluon is None:
+        return "no Triton Gluon"
+    if device.type != "cuda":
+        return f"a {device.type} device (the kernel is CUDA's)"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return (f"compute capability {torch.cuda.get_device_capability(device)} (the kernel's TMA copies and "
+                f"warp roles are built and measured for sm_90)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} activations (bfloat16 / float16 only)"
+    for name, fw in (("gate_up", gate_up), ("down", down)):
+        if fw.group_size != quant_frag.BLOCK:
+            return f"{name} groups of {fw.group_size} values (64 only: one scale row a block)"
+        if fw.zero_point:
+            return f"{name} zero points (affine scale and bias only)"
+        if fw.in_features % (quant_frag.BLOCK * WARPS):
+            return f"{name} input features {fw.in_features} (a multiple of {quant_frag.BLOCK * WARPS}: whole steps)"
+    if down.in_features * 2 != gate_up.out_features:
+        return f"down's {down.in_features} inputs are not half of gate_up's {gate_up.out_features} outputs"
+    return None
+
+
+class StreamMLP:
+    """gate_up (rows interleaved for SiLU(gate) * up, as quant_frag's epilogue reads them) and down
+    of one MLP on the streaming kernel. Made once after the weights are final: the TMA descriptors
+    hold the fragment-order copies' addresses."""
+
+    def __init__(self, gate_up: quant_frag.FragWeights, down: quant_frag.FragWeights, dtype: torch.dtype):
+        device = gate_up.words.device
+        if reason := unsupported_reason(gate_up, down, device, dtype):
+            raise ValueError(f"StreamMLP: {reason}")
+        self.fws = (gate_up, down)
+        self.dtype = dtype
+        self.plan = plan_for(gate_up.in_features, down.in_features)
+        self.descs = stream_chain.descriptors(self.fws, self.plan, WARPS)
+        self.programs = programs_for(device, dtype, self.fws, self.plan)
+        self.counter = grid_sync.counter_for(device, PARTS * self.programs)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] (M <= MAX_ROWS) -> [M, N]
+        rows = x.shape[0]
+        if rows > MAX_ROWS or x.dtype != self.dtype:
+            raise ValueError(f"StreamMLP: {rows} rows of {x.dtype} (at most {MAX_ROWS} of {self.dtype})")
+        gate_up, down = self.fws
+        x = x.contiguous()
+        y = torch.empty(rows, down.out_features, dtype=x.dtype, device=x.device)
+        pieces = zip(x.split(quant_frag.MAX_ROWS), y.split(quant_frag.MAX_ROWS))
+        for part, out in pieces:
+            h = torch.empty(part.shape[0], down.in_features, dtype=x.dtype, device=x.device)
+            _launch(part, h, out, self.fws, self.plan, self.counter, self.programs, self.descs)
+        return y
+
+
+def _launch(x, h, y, fws, plan, counter, programs: int, descs, compile_only: bool = False):
+    return stream_chain.stream_chain(x, x, h, y, fws, plan, counter, programs, SLOTS, WARPS, compile_only=compile_only,
+                                     descs=descs, parts=PARTS, pdl=quant_gemv.pdl_enabled(x.device))
+
+
+def programs_for(device: torch.device, dtype: torch.dtype, fws, plan) -> int:
+    """The launch's program count: every program resident at once (the grid barrier's condition), as
+    many as the driver's occupancy query says fit (one a multiprocessor today)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    gate_up, down = fws
+    x = torch.zeros(1, gate_up.in_features, dtype=dtype, device=device)
+    h = torch.empty(1, down.in_features, dtype=dtype, device=device)
+    y = torch.empty(1, down.out_features, dtype=dtype, device=device)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    # one program a multiprocessor (the count is compiled in): the driver must fit at least one
+    kernel = _launch(x, h, y, fws, plan, counter, sms, stream_chain.descriptors(fws, plan, WARPS),
+                     compile_only=True)
+    resident = grid_sync.resident_per_multiprocessor(kernel, kernel.metadata.num_warps)
+    if resident < 1:
+        raise RuntimeError("StreamMLP: the streaming kernel does not fit on a multiprocessor")
+    return sms
