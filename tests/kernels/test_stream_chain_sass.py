@@ -36,6 +36,9 @@ def test_stream_kernel_compiles_for_sm90():
     assert ops.get("UTMALDG.2D", 0) + ops.get("UTMALDG.3D", 0) > 0, "the weights are not copied by TMA"
     assert ops.get("HMMA.16816.F32.BF16", 0) > 0
     assert ops.get("LDS.128", 0) > 0, "the consumers do not read the words from shared memory"
+    # a consumer's reads of a slot are fenced against the producer's next TMA write to it (without
+    # the fence, a producer running ahead into the next product overwrote slots still being read)
+    assert ops.get("FENCE.VIEW.ASYNC.S", 0) > 1, ops
     # the only 128-bit global loads left are the activations' (2 where a step loads them, in each
     # of two consumer partitions: 64 today), not the words (one more a row tile at each place)
     assert ops.get("LDG.E.128", 0) <= 80, ops

@@ -34,7 +34,7 @@ from verispec.kernels.quant_gemv import gl, gluon
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
 
@@ -165,6 +165,11 @@ if gluon is not None:
             mbarrier.wait(full.index(slot), (count // S) & 1)
         words = slots_w.index(slot).load(LW3)
         terms = slots_t.index(slot).load(LT3)
+        # the slot's reads (generic proxy) ordered before the producer's next TMA write to it (async
+        # proxy): without this fence a program whose producer runs ahead into the next product had
+        # its slots overwritten while still being read (twenty-first session: wrong, varying results
+        # in up to 58 of 60 runs of a short product followed by a longer one; none with it)
+        fence_async_shared()
         mbarrier.arrive(empty.index(slot))
         words = gl.convert_layout(gl.reshape(gl.permute(words, (1, 0, 2)), [BT, RT, 8, 4, 4]), LW, assert_trivial=True)
         terms = gl.convert_layout(gl.reshape(gl.permute(terms, (1, 0, 2)), [BT, RT, 8, 2]), LT, assert_trivial=True)
