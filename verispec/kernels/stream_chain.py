@@ -18,9 +18,10 @@ One program a multiprocessor, warp specialized:
   all programs resident: the launcher takes the program count from the driver's occupancy query).
 
 The chain: gate_up (SiLU(gate) * up in its epilogue) -> down, or o -> gate_up -> down, with (NORM)
-the residual add + RMSNorm between o and gate_up inside: after the barrier each consumer partition
-adds o's output to the residual and normalizes every row into its own copy for its gate_up groups,
-one partition of the grid writing the new residual. Groups of 64 values only (one term row a
+the residual add + RMSNorm between o and gate_up inside: after o's barrier consumer partition j of
+the grid adds o's output to the residual of row j, writes the new residual and the normalized row
+(one partition a row: when every partition normalized every row into its own copy, the norm cost
+~2.4 us a row, twenty-first session), and a second barrier hands the rows to gate_up. Groups of 64 values only (one term row a
 block). MODE 1 computes the products; 0 only reads the words and terms from the slots (the copies'
 own pace) and 2 only computes (nothing copied, the slots' contents whatever they hold: the
 arithmetic's own pace).
@@ -263,25 +264,21 @@ if gluon is not None:
         return count
 
     @gluon.jit
-    def _add_norm(O, R, RN, NW, XN, M, EPS, WRITE, H: gl.constexpr):
-        """The residual add and RMSNorm between o and gate_up, as kernels/rms_norm.py computes them
-        (the sum rounded to the activations' dtype, statistics in float32, the normed value rounded
-        before the weight): rows of O [M, H] + R [M, H] -> XN [M, H] (this consumer partition's own
-        copy, read by its gate_up groups); RN [M, H] gets the sum where WRITE (one partition of the
-        grid). Each row is reduced in the same fixed order whatever M is."""
+    def _add_norm_row(O, R, RN, NW, XN, row, EPS, H: gl.constexpr):
+        """The residual add and RMSNorm between o and gate_up for one row, as kernels/rms_norm.py
+        computes them (the sum rounded to the activations' dtype, statistics in float32, the normed
+        value rounded before the weight): O [., H] + R [., H] -> RN (the new residual) and XN (what
+        gate_up reads). The row's sum of squares runs in one fixed order whatever M is."""
         WS: gl.constexpr = gl.num_warps()
         L: gl.constexpr = gl.BlockedLayout([H // (32 * WS)], [32], [WS], [0])
         DT: gl.constexpr = O.dtype.element_ty
         cols = gl.arange(0, H, layout=L)
         w = gl.load(NW + cols).to(gl.float32)
-        limit = gl.where(WRITE, H, 0)
-        for m in range(M):
-            h = (gl.load(O + m * H + cols).to(gl.float32) + gl.load(R + m * H + cols).to(gl.float32)).to(DT)
-            gl.store(RN + m * H + cols, h, mask=cols < limit)
-            hf = h.to(gl.float32)
-            rstd = 1.0 / gl.sqrt(gl.sum(hf * hf, axis=0) / H + EPS)
-            gl.store(XN + m * H + cols, (w * (hf * rstd).to(DT).to(gl.float32)).to(DT))
-        gl.thread_barrier()  # the partition's stores before its gate_up groups read XN
+        h = (gl.load(O + row * H + cols).to(gl.float32) + gl.load(R + row * H + cols).to(gl.float32)).to(DT)
+        gl.store(RN + row * H + cols, h)
+        hf = h.to(gl.float32)
+        rstd = 1.0 / gl.sqrt(gl.sum(hf * hf, axis=0) / H + EPS)
+        gl.store(XN + row * H + cols, (w * (hf * rstd).to(DT).to(gl.float32)).to(DT))
 
     @gluon.jit
     def _consumer(X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, R, RN, NW, XS, EPS, N1: gl.constexpr,
@@ -297,9 +294,12 @@ if gluon is not None:
             count = _consume(X, A, M, COUNTER, ring_w, ring_t, full, empty, count, K1, N1, G1, RT1, KB1, False, S, P,
                              MODE, DECODE_ASM, Q, PARTS)
             grid_barrier(COUNTER, PARTS * P)
-            if NORM:  # gate_up takes RMSNorm(R + A), each consumer partition its own copy (XS: [P*PARTS, 8, K2])
-                x2 = XS + (PARTS * gl.program_id(0) + Q) * (8 * K2)
-                _add_norm(A, R, RN, NW, x2, M, EPS, (gl.program_id(0) == 0) & (Q == 0), K2)
+            if NORM:  # gate_up takes RMSNorm(R + A) (XS [M, K2]): consumer partition j normalizes row j
+                row = PARTS * gl.program_id(0) + Q
+                if row < M:
+                    _add_norm_row(A, R, RN, NW, XS, row, EPS, K2)
+                grid_barrier(COUNTER, PARTS * P)
+                x2 = XS
             else:
                 x2 = A
             count = _consume(x2, H, M, COUNTER, ring_w, ring_t, full, empty, count, K2, N2, G2, RT2, KB2, True, S,
@@ -426,8 +426,8 @@ def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warp
     step) for each; x [M, K1] (M <= 8, bfloat16 / float16) -> y, through a and h (the intermediate
     outputs, contiguous); counter: int64 (grid_sync.counter_for(device, parts * programs)). norm
     (o -> gate_up -> down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], scratch
-    [programs * parts, 8, H], eps): gate_up then takes RMSNorm(residual + o), and residual out gets
-    the sum. descs: `descriptors(fws, plan, warps)`, made once by a caller that launches often; pdl:
+    [M, H], eps): gate_up then takes RMSNorm(residual + o) (from scratch), and residual out gets the
+    sum. descs: `descriptors(fws, plan, warps)`, made once by a caller that launches often; pdl:
     launched with programmatic dependent launch (the producer's copies start while the kernel before
     finishes; the consumers wait for it)."""
     if any(fw.group_size != 64 for fw in fws):
