@@ -18,10 +18,14 @@ One program a multiprocessor, warp specialized:
   all programs resident: the launcher takes the program count from the driver's occupancy query).
 
 The chain: gate_up (SiLU(gate) * up in its epilogue) -> down, or o -> gate_up -> down, with (NORM)
-the residual add + RMSNorm between o and gate_up inside: after o's barrier consumer partition j of
-the grid adds o's output to the residual of row j, writes the new residual and the normalized row
-(one partition a row: when every partition normalized every row into its own copy, the norm cost
-~2.4 us a row, twenty-first session), and a second barrier hands the rows to gate_up. Groups of 64 values only (one term row a
+the residual add + RMSNorm between o and gate_up inside, at no barrier of its own: o's epilogue
+adds its output to the residual (the new residual, bit for bit the engine's add + RMSNorm kernel's),
+stores it times the norm's weight for gate_up, and each group's share of each row's sum of squares;
+gate_up scales its sums by each row's 1 / RMS from those shares, before SiLU(gate) * up. That is
+RMSNorm with the 1 / RMS moved past the product (rounded once less than the launched norm; the
+shares added in one fixed order, so rows stay independent). Where every consumer partition
+normalized every row into its own copy the norm cost ~2.4 us a row; one partition a row and a
+second barrier ~3.4 us at any width (twenty-first session). Groups of 64 values only (one term row a
 block). MODE 1 computes the products; 0 only reads the words and terms from the slots (the copies'
 own pace) and 2 only computes (nothing copied, the slots' contents whatever they hold: the
 arithmetic's own pace).
@@ -97,6 +101,10 @@ if gluon is not None:
     @constexpr_function
     def _tiled_layout(warps, blocks, row_tiles):
         return _HOST_LAYOUTS["tiled"](int(warps), int(blocks), int(row_tiles))
+
+    @constexpr_function
+    def _next_power_of_2(n):
+        return 1 << (int(n) - 1).bit_length()
 
     @constexpr_function
     def _tma_layout():
@@ -203,10 +211,11 @@ if gluon is not None:
     def _consume(X, Y, M, COUNTER, ring_w, ring_t, full, empty, count, K: gl.constexpr, N: gl.constexpr,
                  GROUPS: gl.constexpr, RT: gl.constexpr, KB: gl.constexpr, SILU: gl.constexpr, S: gl.constexpr,
                  P: gl.constexpr, MODE: gl.constexpr, DECODE_ASM: gl.constexpr, Q: gl.constexpr,
-                 PARTS: gl.constexpr):
+                 PARTS: gl.constexpr, R, RN, NW, PART, EPS, NORM_STAGE: gl.constexpr, NG: gl.constexpr):
         """Consumer partition Q's tile groups of one product (RT row tiles each) from its ring: y = x @
         W^T (SILU: SiLU(gate) * up of each tile's 8 + 8 rows), one step ahead on the activations;
-        returns the slots consumed so far."""
+        returns the slots consumed so far. NORM_STAGE 1 (o): `_norm_out`'s epilogue; 2 (gate_up):
+        y scaled by each row's 1 / RMS from the NG partial sums `_norm_out` left in PART."""
         WS: gl.constexpr = gl.num_warps()
         BT: gl.constexpr = WS * KB  # blocks of each row tile a step
         NB: gl.constexpr = K // 64
@@ -230,6 +239,8 @@ if gluon is not None:
         zero = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
         zero16 = gl.zeros([BT, 16, MT], gl.float32, layout=MMA)
         zero4 = gl.zeros([BT, RT, 16, MT], gl.float32, layout=L4)
+        if NORM_STAGE == 2:
+            rstd = _row_rstd(PART, EPS, K, NG, gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
         for group in range(PARTS * gl.program_id(0) + Q, GROUPS, PARTS * P):
             acc = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
             check_w = gl.zeros([BT, RT, 8, 4, 4], gl.int32, layout=LW)
@@ -250,12 +261,16 @@ if gluon is not None:
                          + gl.sum(gl.reshape(check_t, [BT * RT * 16]), 0))
                 gl.store(COUNTER + 1, total, mask=M < 0)
             y = gl.sum(acc, axis=0)  # [16 * RT, MT]: the (warp, block) shares, added in a fixed order
+            if NORM_STAGE == 2:
+                y = y * gl.expand_dims(rstd, 0)
             if SILU:
                 out = qf.silu_gated(y, RT, Y.dtype.element_ty)
                 ry = group * 8 * RT + gl.arange(0, 8 * RT, layout=gl.SliceLayout(1, out.type.layout))
                 my = gl.arange(0, MT, layout=gl.SliceLayout(0, out.type.layout))
                 gl.store(Y + gl.expand_dims(my, 0) * (N // 2) + gl.expand_dims(ry, 1), out.to(Y.dtype.element_ty),
                          mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
+            elif NORM_STAGE == 1:
+                _norm_out(y, Y, R, RN, NW, PART, M, group, N, RT)
             else:
                 ry = group * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, y.type.layout))
                 my = gl.arange(0, MT, layout=gl.SliceLayout(0, y.type.layout))
@@ -264,21 +279,41 @@ if gluon is not None:
         return count
 
     @gluon.jit
-    def _add_norm_row(O, R, RN, NW, XN, row, EPS, H: gl.constexpr):
-        """The residual add and RMSNorm between o and gate_up for one row, as kernels/rms_norm.py
-        computes them (the sum rounded to the activations' dtype, statistics in float32, the normed
-        value rounded before the weight): O [., H] + R [., H] -> RN (the new residual) and XN (what
-        gate_up reads). The row's sum of squares runs in one fixed order whatever M is."""
+    def _norm_out(y, U, R, RN, NW, PART, M, group, N: gl.constexpr, RT: gl.constexpr):
+        """o's epilogue with the residual add and RMSNorm after it: for y [16*RT, 8] (o's columns n of
+        this group x rows m), h = R + y (y rounded to the activations' dtype first, as o's output is
+        stored, the sum rounded too: the engine's add + RMSNorm kernel's residual, bit for bit) into
+        RN; U = w * h rounded, what gate_up multiplies (the RMS is applied to gate_up's sums, see
+        `_row_rstd`); PART [group, m] = this group's share of row m's sum of squares."""
+        MT: gl.constexpr = y.shape[1]
+        DT: gl.constexpr = U.dtype.element_ty
+        ry = group * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, y.type.layout))
+        my = gl.arange(0, MT, layout=gl.SliceLayout(0, y.type.layout))
+        mask = (gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N)
+        offsets = gl.expand_dims(my, 0) * N + gl.expand_dims(ry, 1)
+        r = gl.load(R + offsets, mask=mask, other=0.0).to(gl.float32)
+        h = (y.to(DT).to(gl.float32) + r).to(DT)
+        gl.store(RN + offsets, h, mask=mask)
+        hf = gl.where(mask, h.to(gl.float32), 0.0)
+        w = gl.load(NW + ry, mask=ry < N, other=0.0).to(gl.float32)
+        gl.store(U + offsets, (gl.expand_dims(w, 1) * hf).to(DT), mask=mask)
+        gl.store(PART + group * MT + my, gl.sum(hf * hf, axis=0), mask=my < M)
+
+    @gluon.jit
+    def _row_rstd(PART, EPS, H: gl.constexpr, NG: gl.constexpr, LAYOUT: gl.constexpr):
+        """Each row's 1 / RMS from o's NG groups' partial sums of squares PART [NG, 8], added in one
+        fixed order whatever the rows are: [8] in LAYOUT (rows past M: whatever PART holds, never
+        stored)."""
         WS: gl.constexpr = gl.num_warps()
-        L: gl.constexpr = gl.BlockedLayout([H // (32 * WS)], [32], [WS], [0])
-        DT: gl.constexpr = O.dtype.element_ty
-        cols = gl.arange(0, H, layout=L)
-        w = gl.load(NW + cols).to(gl.float32)
-        h = (gl.load(O + row * H + cols).to(gl.float32) + gl.load(R + row * H + cols).to(gl.float32)).to(DT)
-        gl.store(RN + row * H + cols, h)
-        hf = h.to(gl.float32)
-        rstd = 1.0 / gl.sqrt(gl.sum(hf * hf, axis=0) / H + EPS)
-        gl.store(XN + row * H + cols, (w * (hf * rstd).to(DT).to(gl.float32)).to(DT))
+        MT: gl.constexpr = qf._MAX_ROWS
+        NGP: gl.constexpr = _next_power_of_2(NG)
+        LP: gl.constexpr = gl.BlockedLayout([1, MT], [32, 1], [WS, 1], [1, 0])
+        pg = gl.arange(0, NGP, layout=gl.SliceLayout(1, LP))
+        pm = gl.arange(0, MT, layout=gl.SliceLayout(0, LP))
+        parts = gl.load(PART + gl.expand_dims(pg, 1) * MT + gl.expand_dims(pm, 0), mask=gl.expand_dims(pg, 1) < NG,
+                        other=0.0)
+        rstd = 1.0 / gl.sqrt(gl.sum(parts, axis=0) / H + EPS)
+        return gl.convert_layout(rstd, LAYOUT)
 
     @gluon.jit
     def _consumer(X, A, H, Y, M, COUNTER, ring_w, ring_t, full, empty, R, RN, NW, XS, EPS, N1: gl.constexpr,
@@ -290,29 +325,21 @@ if gluon is not None:
                   PARTS: gl.constexpr, NORM: gl.constexpr):
         wait_for_previous_grid()
         count = 0
-        if PHASES == 3:  # o -> gate_up -> down: X -> A -> H -> Y
+        if PHASES == 3:  # o -> gate_up -> down: X -> A -> H -> Y (NORM: A = w * (R + o), see _norm_out)
             count = _consume(X, A, M, COUNTER, ring_w, ring_t, full, empty, count, K1, N1, G1, RT1, KB1, False, S, P,
-                             MODE, DECODE_ASM, Q, PARTS)
+                             MODE, DECODE_ASM, Q, PARTS, R, RN, NW, XS, EPS, NORM * 1, G1)
             grid_barrier(COUNTER, PARTS * P)
-            if NORM:  # gate_up takes RMSNorm(R + A) (XS [M, K2]): consumer partition j normalizes row j
-                row = PARTS * gl.program_id(0) + Q
-                if row < M:
-                    _add_norm_row(A, R, RN, NW, XS, row, EPS, K2)
-                grid_barrier(COUNTER, PARTS * P)
-                x2 = XS
-            else:
-                x2 = A
-            count = _consume(x2, H, M, COUNTER, ring_w, ring_t, full, empty, count, K2, N2, G2, RT2, KB2, True, S,
-                             P, MODE, DECODE_ASM, Q, PARTS)
+            count = _consume(A, H, M, COUNTER, ring_w, ring_t, full, empty, count, K2, N2, G2, RT2, KB2, True, S,
+                             P, MODE, DECODE_ASM, Q, PARTS, R, RN, NW, XS, EPS, NORM * 2, G1)
             grid_barrier(COUNTER, PARTS * P)
             _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, count, K3, N3, G3, RT3, KB3, False, S, P, MODE,
-                     DECODE_ASM, Q, PARTS)
+                     DECODE_ASM, Q, PARTS, R, RN, NW, XS, EPS, 0, G1)
         else:  # gate_up -> down: X -> H -> Y (phase 1's arguments are gate_up's)
             count = _consume(X, H, M, COUNTER, ring_w, ring_t, full, empty, count, K1, N1, G1, RT1, KB1, True, S, P,
-                             MODE, DECODE_ASM, Q, PARTS)
+                             MODE, DECODE_ASM, Q, PARTS, R, RN, NW, XS, EPS, 0, G1)
             grid_barrier(COUNTER, PARTS * P)
             _consume(H, Y, M, COUNTER, ring_w, ring_t, full, empty, count, K2, N2, G2, RT2, KB2, False, S, P, MODE,
-                     DECODE_ASM, Q, PARTS)
+                     DECODE_ASM, Q, PARTS, R, RN, NW, XS, EPS, 0, G1)
 
     @gluon.jit
     def _stream_kernel(X, A, H, Y, M, COUNTER, wd1, td1, wd2, td2, wd3, td3, R, RN, NW, XS, EPS,
@@ -404,8 +431,8 @@ def compile_offline(fws, plan, slots: int, programs: int, warps: int, half: bool
     from verispec.kernels import offline_sass
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     act = "*fp16" if half else "*bf16"
-    signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW", "XS")}
-    signature.update({"M": "i32", "COUNTER": "*i64", "EPS": "fp32"})
+    signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW")}
+    signature.update({"M": "i32", "COUNTER": "*i64", "XS": "*fp32", "EPS": "fp32"})
     for i, (rt, kb) in enumerate(list(plan) + [plan[-1]] * (3 - len(plan)), 1):
         signature[f"wd{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {WORD_ROWS}],{layout!r}>"
         signature[f"td{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {TERM_COLS}],{layout!r}>"
@@ -425,9 +452,9 @@ def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warp
     """fws: (gate_up, down) or (o, gate_up, down), groups of 64, plan: (row tiles, blocks a warp a
     step) for each; x [M, K1] (M <= 8, bfloat16 / float16) -> y, through a and h (the intermediate
     outputs, contiguous); counter: int64 (grid_sync.counter_for(device, parts * programs)). norm
-    (o -> gate_up -> down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], scratch
-    [M, H], eps): gate_up then takes RMSNorm(residual + o) (from scratch), and residual out gets the
-    sum. descs: `descriptors(fws, plan, warps)`, made once by a caller that launches often; pdl:
+    (o -> gate_up -> down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], partial
+    sums float32 [o's tile groups, 8], eps): gate_up then takes RMSNorm(residual + o) (a holds the
+    weighted sum), and residual out gets the sum. descs: `descriptors(fws, plan, warps)`, made once by a caller that launches often; pdl:
     launched with programmatic dependent launch (the producer's copies start while the kernel before
     finishes; the consumers wait for it)."""
     if any(fw.group_size != 64 for fw in fws):
