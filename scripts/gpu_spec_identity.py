@@ -24,8 +24,8 @@ from verispec.engine.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 from verispec.spec.proposer import Draft, Proposer
 
-# intermediate 1536 (24 blocks of 64): whole steps of the 4-bit MLP's streaming kernel (kernels/stream_mlp.py)
-SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+# intermediate 2048 (32 blocks of 64): whole steps of the 4-bit MLP's streaming kernel (kernels/stream_mlp.py)
+SHAPE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=4096)
 
 

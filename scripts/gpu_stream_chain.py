@@ -15,9 +15,10 @@ product's row tiles x blocks a warp a step (`gate_up=2x2,down=1x4,o=1x4`; warps 
 for every product, a slot).
 
 Checks: the launched products with the same tiles (same bits; with `--norm`: the new residual's
-bits, and the output's largest difference from the launched products around a torch norm, whose
-float32 sums run in another order), a row alone == the same row among M. Times: us per chain under a CUDA graph cycling through copies of the weights (read from memory,
-not L2), against the launched products with the shipped tiles; `--mode 0` only reads the weights
+bits, and the output's largest difference from the launched products around a torch norm: the
+kernel applies 1 / RMS to gate_up's sums, so they round once less), a row alone == the same row
+among M. Times: us per chain under a CUDA graph cycling through copies of the weights (read from
+memory, not L2), against the launched products with the shipped tiles; `--mode 0` only reads the weights
 from the slots (the copies' own pace), `--mode 2` copies nothing (the arithmetic's own pace).
 
   python3 scripts/gpu_stream_chain.py [--rows 1,4] [--slots 2,4] [--parts 2] [--warps 4] [--out DIR]

@@ -27,11 +27,12 @@ def frag_weights(n: int, k: int, seed: int, device="cpu", dtype=torch.bfloat16, 
     return quant_frag.repack(packed, scales, offsets, group), (packed, scales, offsets)
 
 
-def test_plans_take_the_measured_steps_where_k_allows():
+def test_the_plan_takes_only_the_measured_steps():
     assert stream_mlp.plan_for(4096, 12288) == ((2, 2), (1, 4))  # Qwen3-8B
-    assert stream_mlp.plan_for(2560, 9728) == ((2, 2), (2, 2))  # Qwen3-4B: 152 blocks, not 16 a step
-    assert stream_mlp.plan_for(768, 1280) == ((4, 1), (4, 1))
-    for steps in stream_mlp.plan_for(4096, 12288):  # every step fills one slot of the ring
+    assert stream_mlp.plan_for(5120, 17408) == ((2, 2), (1, 4))  # Qwen3.6-27B
+    assert stream_mlp.plan_for(2560, 9728) is None  # Qwen3-4B: 152 blocks, not whole steps of 16
+    assert stream_mlp.plan_for(768, 1024) is None
+    for steps in stream_mlp.PLAN:  # every step fills one slot of the ring
         assert stream_mlp.WARPS * steps[0] * steps[1] == 16
 
 
@@ -84,7 +85,7 @@ def reference_mlp(x, gate_up_q, down_q):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hidden,intermediate", [(1024, 2048), (512, 1024), (768, 1280)])
+@pytest.mark.parametrize("hidden,intermediate", [(1024, 2048), (512, 1024), (1536, 3072)])
 def test_matches_reference_launched_products_and_rows_are_independent(dtype, hidden, intermediate):
     gate_up, gate_up_q = frag_weights(2 * intermediate, hidden, 3, cuda, dtype)
     down, down_q = frag_weights(hidden, intermediate, 4, cuda, dtype)
@@ -110,9 +111,9 @@ def test_matches_reference_launched_products_and_rows_are_independent(dtype, hid
 
 @gpu
 def test_refuses_shapes_and_formats_it_cannot_take():
-    gate_up, _ = frag_weights(2 * 1408, 512, 1, cuda)
-    down, _ = frag_weights(512, 1408, 2, cuda)  # 22 blocks: not whole steps of 4 warps
-    assert "1408" in stream_mlp.unsupported_reason(gate_up, down, cuda, torch.bfloat16)
+    gate_up, _ = frag_weights(2 * 1536, 512, 1, cuda)
+    down, _ = frag_weights(512, 1536, 2, cuda)  # 24 blocks: not whole steps of 16
+    assert "1536" in stream_mlp.unsupported_reason(gate_up, down, cuda, torch.bfloat16)
     wide, _ = frag_weights(1024, 512, 3, cuda, group=128)
     assert "groups of 128" in stream_mlp.unsupported_reason(wide, down, cuda, torch.bfloat16)
     assert "float32" in stream_mlp.unsupported_reason(gate_up, down, cuda, torch.float32)

@@ -454,9 +454,9 @@ def stream_chain(x, a, h, y, fws, plan, counter, programs: int, slots: int, warp
     outputs, contiguous); counter: int64 (grid_sync.counter_for(device, parts * programs)). norm
     (o -> gate_up -> down only): (residual [M, H], residual out [M, H], RMSNorm weight [H], partial
     sums float32 [o's tile groups, 8], eps): gate_up then takes RMSNorm(residual + o) (a holds the
-    weighted sum), and residual out gets the sum. descs: `descriptors(fws, plan, warps)`, made once by a caller that launches often; pdl:
-    launched with programmatic dependent launch (the producer's copies start while the kernel before
-    finishes; the consumers wait for it)."""
+    weighted sum), and residual out gets the sum. descs: `descriptors(fws, plan, warps)`, made once
+    by a caller that launches often; pdl: launched with programmatic dependent launch (the
+    producer's copies start while the kernel before finishes; the consumers wait for it)."""
     if any(fw.group_size != 64 for fw in fws):
         raise ValueError("stream_chain: groups of 64 only (one term row a block)")
     if norm is not None and len(fws) != 3:

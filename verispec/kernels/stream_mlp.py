@@ -17,25 +17,23 @@ import torch
 from verispec.kernels import grid_sync, quant_frag, quant_gemv, stream_chain
 from verispec.kernels.quant_gemv import gluon
 
-# Each product's step (row tiles, blocks a warp a step), in order of preference: every step fills
-# one slot of 16 blocks (4 warps x row tiles x blocks), and a product takes the first whose steps
-# divide its K. Measured on Qwen3-8B's shape (H200, twentieth session): gate_up 2 x 2 and down 1 x 4.
-GATE_UP_STEPS = ((2, 2), (4, 1), (1, 4))
-DOWN_STEPS = ((1, 4), (2, 2), (4, 1))
+# Each product's step (row tiles, blocks a warp a step): every step fills one slot of 16 blocks (4
+# warps x row tiles x blocks). Measured on Qwen3-8B's MLP (H200, twenty-first session, us at 1 / 4
+# rows, launched 35.7 / 35.4): gate_up 2 x 2 and down 1 x 4 30.3 / 32.8; gate_up 4 x 1 34.7 / 39.1;
+# 1 x 4 33.9 / 36.0; down 2 x 2 36.3 / 38.2; 4 x 1 52.8 / 55.9. Other steps lose to the launches, so
+# MLPs whose widths do not divide into these steps keep them.
+PLAN = ((2, 2), (1, 4))
 WARPS = 4  # in each of 2 consumer partitions
 PARTS = 2
-SLOTS = 3  # a partition's ring (H200, twenty-first session: 31.0 / 32.8 us at 1 / 4 rows, 32.0 / 34.5 with 2)
+SLOTS = 3  # a partition's ring (2: 31.8 / 34.6 us; 4: 31.1 / 35.4)
 MAX_ROWS = 32  # the widest pass launched in 8-row pieces (quant_linear.FRAG_CHUNKED_MAX_ROWS)
-
-
-def _step(k: int, choices) -> tuple[int, int] | None:
-    return next(((rt, kb) for rt, kb in choices if (k // quant_frag.BLOCK) % (WARPS * kb) == 0), None)
 
 
 def plan_for(gate_up_k: int, down_k: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """(gate_up's step, down's step) for these input widths, or None where one has no whole steps."""
-    steps = _step(gate_up_k, GATE_UP_STEPS), _step(down_k, DOWN_STEPS)
-    return None if None in steps else steps
+    whole = all((k // quant_frag.BLOCK) % (WARPS * kb) == 0 and k % quant_frag.BLOCK == 0
+                for k, (_, kb) in zip((gate_up_k, down_k), PLAN))
+    return PLAN if whole else None
 
 
 def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWeights, device: torch.device,
@@ -56,8 +54,10 @@ def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWei
             return f"{name} groups of {fw.group_size} values (64 only: one scale row a block)"
         if fw.zero_point:
             return f"{name} zero points (affine scale and bias only)"
-        if fw.in_features % (quant_frag.BLOCK * WARPS):
-            return f"{name} input features {fw.in_features} (a multiple of {quant_frag.BLOCK * WARPS}: whole steps)"
+    for name, fw, (_, kb) in (("gate_up", gate_up, PLAN[0]), ("down", down, PLAN[1])):
+        step = quant_frag.BLOCK * WARPS * kb
+        if fw.in_features % step:
+            return f"{name} input features {fw.in_features} (a multiple of {step}: whole steps of the measured plan)"
     if down.in_features * 2 != gate_up.out_features:
         return f"down's {down.in_features} inputs are not half of gate_up's {gate_up.out_features} outputs"
     return None
