@@ -3,9 +3,12 @@
 For a tiny random Qwen3 model (float32 and bf16; plain, always-right replay, always-wrong replay)
 and the embedded demo model (its default MTP speculation and plain): N prompts are generated
 alone, then all together; prints how many are identical. float32 must be N/N; bf16 shows what
-batch-size-dependent GEMM reduction order does today (the exact-bf16 issue).
+batch-size-dependent GEMM reduction order does today (the exact-bf16 issue). With --quant mlx-4bit
+the tiny target is MLX 4-bit (`verispec quantize`, group 64) and wide enough (hidden 512, MLP 1,024)
+for its MLPs to take the streaming kernel (kernels/stream_mlp.py): 8 rows a decode step, 32 a
+speculative round (four 8-row launches); --skip-demo leaves out the demo model.
 
-    python3 scripts/gpu_batch_identity.py [--out DIR]
+    python3 scripts/gpu_batch_identity.py [--quant mlx-4bit] [--dtypes float32,bfloat16] [--out DIR]
 """
 from __future__ import annotations
 
@@ -48,29 +51,41 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quant", default="none", help="none or mlx-4bit (the tiny target's weights)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--skip-demo", action="store_true")
     args = ap.parse_args()
     results = {}
     root = Path(tempfile.mkdtemp())
     build_tokenizer(root / "tok")
+    shape = dict(hidden_size=128, intermediate_size=256) if args.quant == "none" else dict(hidden_size=512,
+                                                                                          intermediate_size=1024)
     build_tiny_model(root / "qwen3", "qwen3", seed=0, tokenizer_dir=root / "tok", num_hidden_layers=4,
-                     hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-    for dtype in ("float32", "bfloat16"):
-        base = load_engine(str(root / "qwen3"), dtype=dtype, device="cuda", max_num_seqs=16)
+                     num_attention_heads=4, num_key_value_heads=2, **shape)
+    target = root / "qwen3"
+    if args.quant != "none":
+        from verispec.cli import main as main_cli
+        target = root / f"qwen3-{args.quant}"
+        if main_cli(["quantize", "-m", str(root / "qwen3"), "--format", args.quant, "--out", str(target)]) != 0:
+            raise SystemExit(f"quantize {args.quant} failed")
+    for dtype in args.dtypes.split(","):
+        base = load_engine(str(target), dtype=dtype, device="cuda", max_num_seqs=16)
         base.capture_graphs()
         prompts = [base.tokenizer.encode(t) for t in TEXTS]
-        results[f"tiny {dtype} plain"] = compare(base, prompts, args.tokens)
+        results[f"tiny {args.quant} {dtype} plain"] = compare(base, prompts, args.tokens)
         greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         conts = {tuple(ids): base.generate_all(ids, greedy).token_ids for ids in prompts}
         for right in (True, False):
             eng = Engine(base.model, base.tokenizer, base.config, base.model_dir,
                          proposer=KeyedReplay(conts, base.model.vocab_size, right), num_drafts=3)
             eng.capture_graphs()
-            results[f"tiny {dtype} replay-{'right' if right else 'wrong'}"] = compare(eng, prompts, args.tokens)
+            label = f"tiny {args.quant} {dtype} replay-{'right' if right else 'wrong'}"
+            results[label] = compare(eng, prompts, args.tokens)
             del eng
         del base
         torch.cuda.empty_cache()
     demo = Path(__file__).resolve().parents[1] / "verispec" / "demo" / "model"
-    if (demo / "config.json").is_file():
+    if (demo / "config.json").is_file() and not args.skip_demo:
         for label, kwargs in (("demo plain", {}), ("demo mtp-3", {"mtp": True, "mtp_depth": 3, "num_mtp_tokens": 3})):
             eng = load_engine(str(demo), device="cuda", max_num_seqs=16, **kwargs)
             eng.prewarm()
