@@ -22,7 +22,6 @@ whole kernel and its parts (`--phases`: 1 the gate/up part alone, 2 without the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import functools
 import json
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
-from verispec.kernels.grid_sync import grid_barrier  # noqa: E402
+from verispec.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
 from verispec.kernels import frag_dequantize, offline_sass  # noqa: E402
 from verispec.kernels import quant_frag as qf  # noqa: E402
@@ -268,16 +267,13 @@ def _resident_reason(kernel, warps: int, count: int, device: torch.device) -> st
     """Why the compiled kernel's P programs may not all be resident at once (None: they are), from
     the driver's occupancy calculation (registers, shared memory, warps): a grid barrier over
     programs that cannot all run at once would never end."""
-    kernel._init_handles()
-    per_sm = ctypes.c_int()
-    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(per_sm), ctypes.c_void_p(kernel.function), ctypes.c_int(32 * warps),
-        ctypes.c_size_t(kernel.metadata.shared))
-    if status:
-        return f"the occupancy query failed ({status})"
+    try:
+        per_sm = resident_per_multiprocessor(kernel, warps)
+    except RuntimeError as exc:
+        return str(exc)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if per_sm.value * sms < count:
-        return f"{count} programs, {per_sm.value} a multiprocessor x {sms} resident at once"
+    if per_sm * sms < count:
+        return f"{count} programs, {per_sm} a multiprocessor x {sms} resident at once"
     return None
 
 

@@ -29,14 +29,22 @@ def frag_gemv_in_torch(x, fw, tiles=None, silu_gate=False):
     return torch.nn.functional.silu(tiles_of[:, :, 0].flatten(1)) * tiles_of[:, :, 1].flatten(1)
 
 
-def test_converted_and_released_layers_give_the_same_tokens(tiny_models, tmp_path, monkeypatch):
+PROMPTS = [list(range(5, 60)), list(range(7, 27))]  # one pass of 55 rows; one of 20
+
+
+def reference_and_engine(tiny_models, tmp_path):
+    """An MLX 4-bit Llama written by mlx_lm.convert: the unconverted model's greedy tokens for
+    PROMPTS, and a second engine of its own on the checkpoint (the first one's prompt cache would
+    skip the prefills)."""
     src = tiny_models.get("frag-llama", "llama", **TARGET_SHAPE)
     path = mlx_convert(src, tmp_path / "llama-4bit", q_bits=4, q_group_size=64)
     reference = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
-    prompts = [list(range(5, 60)), list(range(7, 27))]  # one pass of 55 rows; one of 20
-    plain = [reference.generate_all(ids, greedy(NEW_TOKENS)).token_ids for ids in prompts]
-    # a second engine of its own (the first one's prompt cache would skip the prefills)
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+    plain = [reference.generate_all(ids, greedy(NEW_TOKENS)).token_ids for ids in PROMPTS]
+    return plain, load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+
+
+def test_converted_and_released_layers_give_the_same_tokens(tiny_models, tmp_path, monkeypatch):
+    plain, engine = reference_and_engine(tiny_models, tmp_path)
 
     widths, gated = [], []
 
@@ -55,13 +63,13 @@ def test_converted_and_released_layers_give_the_same_tokens(tiny_models, tmp_pat
     assert release_converted_checkpoints(model) == len(layers)
     assert all(m.released() for m in layers)
 
-    for ids, want in zip(prompts, plain):
+    for ids, want in zip(PROMPTS, plain):
         assert engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
     assert max(widths) <= quant_frag.MAX_ROWS and 1 in widths and any(gated)
     # the 20-row prompt: 8 + 8 + 4 rows a launch in each decoder layer's 4 products (the head: last row)
     assert widths.count(4) >= 4 * TARGET_SHAPE["num_hidden_layers"]
     # verify passes of 4 rows on the copy: speculative == plain
-    for ids, want in zip(prompts, plain):
+    for ids, want in zip(PROMPTS, plain):
         spec = spec_engine(engine, ReplayProposer(want, model.vocab_size, right_at=lambda j: j % 3 != 1), 3)
         assert spec.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
 
@@ -87,12 +95,7 @@ def test_mlps_take_the_streaming_kernel_for_decode_and_verify_passes(tiny_models
     """kernels/stream_mlp.py's StreamMLP replaced by what it computes: every MLP of the converted
     model takes it (quant_convert.stream_mlps) for passes of up to 32 rows, wider prefills keep the
     two products, and plain and speculative decoding give the unconverted model's tokens."""
-    src = tiny_models.get("frag-llama", "llama", **TARGET_SHAPE)
-    path = mlx_convert(src, tmp_path / "llama-4bit", q_bits=4, q_group_size=64)
-    reference = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
-    prompts = [list(range(5, 60)), list(range(7, 27))]  # one pass of 55 rows; one of 20
-    plain = [reference.generate_all(ids, greedy(NEW_TOKENS)).token_ids for ids in prompts]
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=64)
+    plain, engine = reference_and_engine(tiny_models, tmp_path)
     widths = []
 
     class TorchStreamMLP:
@@ -115,11 +118,11 @@ def test_mlps_take_the_streaming_kernel_for_decode_and_verify_passes(tiny_models
     assert stream_mlps(model, torch.float32) == layers
     assert stream_mlps(model, torch.float32) == 0  # a second engine on the model: nothing twice
 
-    for ids, want in zip(prompts, plain):
+    for ids, want in zip(PROMPTS, plain):
         assert engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
     assert max(widths) == 20 and widths.count(20) == layers  # the 55-row prefill kept the products
     assert widths.count(1) >= layers * (NEW_TOKENS - 1)
-    for ids, want in zip(prompts, plain):
+    for ids, want in zip(PROMPTS, plain):
         spec = spec_engine(engine, ReplayProposer(want, model.vocab_size, right_at=lambda j: j % 3 != 1), 3)
         assert spec.generate_all(ids, greedy(NEW_TOKENS)).token_ids == want
     assert 4 in widths  # verify passes of 4 rows
