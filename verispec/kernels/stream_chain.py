@@ -82,13 +82,23 @@ def tiled_acc_layout(warps: int, blocks: int, row_tiles: int):
                                       [warps * blocks, row_tiles, 16, 8])
 
 
+def partials_layout(groups: int, warps: int):
+    """A register layout for o's partial sums [groups, 8] (groups a power of two >= 32) whose
+    reduction over the groups stays inside each warp (lanes and registers; every warp holds all of
+    it): no shared memory and no barrier before gate_up's first step."""
+    regs = [[0, 1], [0, 2], [0, 4]] + [[1 << i, 0] for i in range(5, groups.bit_length() - 1)]
+    lanes = [[1 << i, 0] for i in range(5)]
+    return gl.DistributedLinearLayout(regs, lanes, [[0, 0]] * (warps.bit_length() - 1), [], [groups, 8])
+
+
 if gluon is not None:
     _WORD_ROWS = gl.constexpr(WORD_ROWS)
     _TERM_COLS = gl.constexpr(TERM_COLS)
 
     # the host functions the layouts come from (in a dict: Triton's dependency check refuses plain
     # callables referenced by a constexpr function)
-    _HOST_LAYOUTS = {"frag": qf._layouts, "slot": smem_layouts, "tiled": tiled_acc_layout}
+    _HOST_LAYOUTS = {"frag": qf._layouts, "slot": smem_layouts, "tiled": tiled_acc_layout,
+                     "partials": partials_layout}
 
     @constexpr_function
     def _frag_layout(which, warps, blocks, row_tiles):
@@ -103,8 +113,12 @@ if gluon is not None:
         return _HOST_LAYOUTS["tiled"](int(warps), int(blocks), int(row_tiles))
 
     @constexpr_function
-    def _next_power_of_2(n):
-        return 1 << (int(n) - 1).bit_length()
+    def _partials_groups(n):
+        return max(32, 1 << (int(n) - 1).bit_length())
+
+    @constexpr_function
+    def _partials_layout(groups, warps):
+        return _HOST_LAYOUTS["partials"](int(groups), int(warps))
 
     @constexpr_function
     def _tma_layout():
@@ -242,6 +256,8 @@ if gluon is not None:
         if NORM_STAGE == 2:
             rstd = _row_rstd(PART, EPS, K, NG, gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
         for group in range(PARTS * gl.program_id(0) + Q, GROUPS, PARTS * P):
+            if NORM_STAGE == 1:  # the residual's tile, loaded before the K loop hides its latency
+                r = _residual_tile(R, M, group, N, RT, gl.SliceLayout(0, MMA))
             acc = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
             check_w = gl.zeros([BT, RT, 8, 4, 4], gl.int32, layout=LW)
             check_t = gl.zeros([BT, RT, 8, 2], gl.int32, layout=LT)
@@ -270,7 +286,7 @@ if gluon is not None:
                 gl.store(Y + gl.expand_dims(my, 0) * (N // 2) + gl.expand_dims(ry, 1), out.to(Y.dtype.element_ty),
                          mask=(gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N // 2))
             elif NORM_STAGE == 1:
-                _norm_out(y, Y, R, RN, NW, PART, M, group, N, RT)
+                _norm_out(y, r, Y, RN, NW, PART, M, group, N, RT)
             else:
                 ry = group * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, y.type.layout))
                 my = gl.arange(0, MT, layout=gl.SliceLayout(0, y.type.layout))
@@ -279,19 +295,28 @@ if gluon is not None:
         return count
 
     @gluon.jit
-    def _norm_out(y, U, R, RN, NW, PART, M, group, N: gl.constexpr, RT: gl.constexpr):
+    def _residual_tile(R, M, group, N: gl.constexpr, RT: gl.constexpr, LAYOUT: gl.constexpr):
+        """R's [16*RT, 8] tile of o's group (columns n x rows m, as o's sums lie), in float32."""
+        MT: gl.constexpr = qf._MAX_ROWS
+        ry = group * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, LAYOUT))
+        my = gl.arange(0, MT, layout=gl.SliceLayout(0, LAYOUT))
+        mask = (gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N)
+        return gl.load(R + gl.expand_dims(my, 0) * N + gl.expand_dims(ry, 1), mask=mask, other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _norm_out(y, r, U, RN, NW, PART, M, group, N: gl.constexpr, RT: gl.constexpr):
         """o's epilogue with the residual add and RMSNorm after it: for y [16*RT, 8] (o's columns n of
         this group x rows m), h = R + y (y rounded to the activations' dtype first, as o's output is
         stored, the sum rounded too: the engine's add + RMSNorm kernel's residual, bit for bit) into
         RN; U = w * h rounded, what gate_up multiplies (the RMS is applied to gate_up's sums, see
-        `_row_rstd`); PART [group, m] = this group's share of row m's sum of squares."""
+        `_row_rstd`); PART [group, m] = this group's share of row m's sum of squares. r: R's tile
+        (`_residual_tile`)."""
         MT: gl.constexpr = y.shape[1]
         DT: gl.constexpr = U.dtype.element_ty
         ry = group * 16 * RT + gl.arange(0, 16 * RT, layout=gl.SliceLayout(1, y.type.layout))
         my = gl.arange(0, MT, layout=gl.SliceLayout(0, y.type.layout))
         mask = (gl.expand_dims(my, 0) < M) & (gl.expand_dims(ry, 1) < N)
         offsets = gl.expand_dims(my, 0) * N + gl.expand_dims(ry, 1)
-        r = gl.load(R + offsets, mask=mask, other=0.0).to(gl.float32)
         h = (y.to(DT).to(gl.float32) + r).to(DT)
         gl.store(RN + offsets, h, mask=mask)
         hf = gl.where(mask, h.to(gl.float32), 0.0)
@@ -302,12 +327,11 @@ if gluon is not None:
     @gluon.jit
     def _row_rstd(PART, EPS, H: gl.constexpr, NG: gl.constexpr, LAYOUT: gl.constexpr):
         """Each row's 1 / RMS from o's NG groups' partial sums of squares PART [NG, 8], added in one
-        fixed order whatever the rows are: [8] in LAYOUT (rows past M: whatever PART holds, never
-        stored)."""
-        WS: gl.constexpr = gl.num_warps()
+        fixed order whatever the rows are (inside each warp: `partials_layout`): [8] in LAYOUT
+        (rows past M: whatever PART holds, never stored)."""
         MT: gl.constexpr = qf._MAX_ROWS
-        NGP: gl.constexpr = _next_power_of_2(NG)
-        LP: gl.constexpr = gl.BlockedLayout([1, MT], [32, 1], [WS, 1], [1, 0])
+        NGP: gl.constexpr = _partials_groups(NG)
+        LP: gl.constexpr = _partials_layout(NGP, gl.num_warps())
         pg = gl.arange(0, NGP, layout=gl.SliceLayout(1, LP))
         pm = gl.arange(0, MT, layout=gl.SliceLayout(0, LP))
         parts = gl.load(PART + gl.expand_dims(pg, 1) * MT + gl.expand_dims(pm, 0), mask=gl.expand_dims(pg, 1) < NG,
