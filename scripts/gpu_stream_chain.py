@@ -157,6 +157,17 @@ def main() -> None:
         row = {"chain": chain, "rows": m, "norm": norm, "launched_shipped_tiles_us": round(cycle_time_us(
             [lambda s=s: launched(x, s, names, lambda name, x: qf.tiles_for(*SHAPES[name], x.shape[0]), norm)
              for s in sets], 10), 2)}
+        if norm:  # what the engine runs today: o and the norm launched, then the MLP streamed (stream_mlp)
+            from verispec.kernels import stream_mlp
+
+            def engine_path(x, ws):
+                o = qf.frag_gemv(x, ws["o"], qf.tiles_for(*SHAPES["o"], x.shape[0]))
+                _, normed = add_rms_norm(residual[x.shape[0]], o, norm_weight, eps, False)
+                return streams[id(ws)](normed)
+
+            streams = {id(ws): stream_mlp.StreamMLP(ws["gate_up"], ws["down"], torch.bfloat16) for ws in sets}
+            row["launched_o_norm_streamed_mlp_us"] = round(cycle_time_us(
+                [lambda s=s: engine_path(x, s) for s in sets], 10), 2)
         print(json.dumps(row), flush=True)
         for index, plan in enumerate(plans):
             steps = [plan[n] for n in names]
