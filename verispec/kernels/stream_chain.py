@@ -1,6 +1,7 @@
 """A chain of 4-bit products as one persistent kernel whose weights never stop streaming (Gluon,
 sm_90; the engine runs a gated MLP's gate_up -> down on it for decode and verify passes, see
-`StreamMLP`; measured by scripts/gpu_stream_chain.py, docs/benchmarks.md "Twentieth session").
+kernels/stream_mlp.py; measured by scripts/gpu_stream_chain.py, docs/benchmarks.md "Twentieth
+session" and "Twenty-first session").
 
 One program a multiprocessor, warp specialized:
 - a producer warp copies each of its program's tile groups, step by step (the words and group
@@ -15,7 +16,10 @@ One program a multiprocessor, warp specialized:
   its own ring and takes alternate tile groups: Gluon's mbarrier wait / arrive bring a
   partition-wide barrier a step, and one partition of 8 warps then stepped in lockstep;
 - between products the consumers of all programs meet at a grid barrier (kernels/grid_sync.py;
-  all programs resident: the launcher takes the program count from the driver's occupancy query).
+  all programs resident: the launcher takes the program count from the driver's occupancy query);
+- a consumer hands a slot back only after a proxy fence: its reads are ordinary shared loads and
+  the producer's next write to the slot is a TMA copy (without the fence, a producer running ahead
+  into the next product overwrote slots still being read).
 
 The chain: gate_up (SiLU(gate) * up in its epilogue) -> down, or o -> gate_up -> down, with (NORM)
 the residual add + RMSNorm between o and gate_up inside, at no barrier of its own: o's epilogue
@@ -25,8 +29,9 @@ gate_up scales its sums by each row's 1 / RMS from those shares, before SiLU(gat
 RMSNorm with the 1 / RMS moved past the product (rounded once less than the launched norm; the
 shares added in one fixed order, so rows stay independent). Where every consumer partition
 normalized every row into its own copy the norm cost ~2.4 us a row; one partition a row and a
-second barrier ~3.4 us at any width (twenty-first session). Groups of 64 values only (one term row a
-block). MODE 1 computes the products; 0 only reads the words and terms from the slots (the copies'
+second barrier ~3.4 us at any width; in this form the whole layer only equals o and the norm
+launched before the streamed MLP, so the engine runs the MLP alone (twenty-first session). Groups
+of 64 values only (one term row a block). MODE 1 computes the products; 0 only reads the words and terms from the slots (the copies'
 own pace) and 2 only computes (nothing copied, the slots' contents whatever they hold: the
 arithmetic's own pace).
 """
