@@ -66,7 +66,8 @@ def main() -> int:
     os.environ["VERISPEC_DEBUG"] = "1"
     log = root / "serve.log"
     result = {"offline_mlps_streamed": streamed}
-    with served(f"-m {model} --no-prefix-cache --kv-cache-gb 2", BenchOptions(), log_path=log) as (url, cold_start):
+    serve_args = f"-m {model} --served-model-name m --no-prefix-cache --kv-cache-gb 2"
+    with served(serve_args, BenchOptions(), log_path=log) as (url, cold_start):
         result["cold_start_s"] = round(cold_start, 1)
         one_at_a_time = [complete(url, ids, args.tokens)[1] for ids in prompts[:3]]
         texts = [reply["choices"][0]["text"] for reply in one_at_a_time]
