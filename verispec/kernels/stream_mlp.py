@@ -29,10 +29,14 @@ SLOTS = 3  # a partition's ring (2: 31.8 / 34.6 us; 4: 31.1 / 35.4)
 MAX_ROWS = 32  # the widest pass launched in 8-row pieces (quant_linear.FRAG_CHUNKED_MAX_ROWS)
 
 
+def _step_values(blocks: int) -> int:
+    """Input values a product's step covers: 4 warps x `blocks` 64-value blocks."""
+    return quant_frag.BLOCK * WARPS * blocks
+
+
 def plan_for(gate_up_k: int, down_k: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """(gate_up's step, down's step) for these input widths, or None where one has no whole steps."""
-    whole = all((k // quant_frag.BLOCK) % (WARPS * kb) == 0 and k % quant_frag.BLOCK == 0
-                for k, (_, kb) in zip((gate_up_k, down_k), PLAN))
+    whole = all(k % _step_values(kb) == 0 for k, (_, kb) in zip((gate_up_k, down_k), PLAN))
     return PLAN if whole else None
 
 
@@ -55,7 +59,7 @@ def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWei
         if fw.zero_point:
             return f"{name} zero points (affine scale and bias only)"
     for name, fw, (_, kb) in (("gate_up", gate_up, PLAN[0]), ("down", down, PLAN[1])):
-        step = quant_frag.BLOCK * WARPS * kb
+        step = _step_values(kb)
         if fw.in_features % step:
             return f"{name} input features {fw.in_features} (a multiple of {step}: whole steps of the measured plan)"
     if down.in_features * 2 != gate_up.out_features:
@@ -76,14 +80,14 @@ class StreamMLP:
         self.dtype = dtype
         self.plan = plan_for(gate_up.in_features, down.in_features)
         self.descs = stream_chain.descriptors(self.fws, self.plan, WARPS)
-        self.programs = programs_for(device, dtype, self.fws, self.plan)
+        self.programs = programs_for(device, dtype, self.fws, self.plan, self.descs)
         self.counter = grid_sync.counter_for(device, PARTS * self.programs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] (M <= MAX_ROWS) -> [M, N]
         rows = x.shape[0]
         if rows > MAX_ROWS or x.dtype != self.dtype:
             raise ValueError(f"StreamMLP: {rows} rows of {x.dtype} (at most {MAX_ROWS} of {self.dtype})")
-        gate_up, down = self.fws
+        down = self.fws[1]
         x = x.contiguous()
         y = torch.empty(rows, down.out_features, dtype=x.dtype, device=x.device)
         pieces = zip(x.split(quant_frag.MAX_ROWS), y.split(quant_frag.MAX_ROWS))
@@ -98,19 +102,25 @@ def _launch(x, h, y, fws, plan, counter, programs: int, descs, compile_only: boo
                                      descs=descs, parts=PARTS, pdl=quant_gemv.pdl_enabled(x.device))
 
 
-def programs_for(device: torch.device, dtype: torch.dtype, fws, plan) -> int:
+_PROGRAMS: dict[tuple, int] = {}
+
+
+def programs_for(device: torch.device, dtype: torch.dtype, fws, plan, descs) -> int:
     """The launch's program count: every program resident at once (the grid barrier's condition), as
-    many as the driver's occupancy query says fit (one a multiprocessor today)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    many as the driver's occupancy query says fit (one a multiprocessor today). Asked once per
+    compiled kernel (its shapes, plan and dtype), not once per MLP of a model."""
     gate_up, down = fws
-    x = torch.zeros(1, gate_up.in_features, dtype=dtype, device=device)
-    h = torch.empty(1, down.in_features, dtype=dtype, device=device)
-    y = torch.empty(1, down.out_features, dtype=dtype, device=device)
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
-    # one program a multiprocessor (the count is compiled in): the driver must fit at least one
-    kernel = _launch(x, h, y, fws, plan, counter, sms, stream_chain.descriptors(fws, plan, WARPS),
-                     compile_only=True)
-    resident = grid_sync.resident_per_multiprocessor(kernel, kernel.metadata.num_warps)
-    if resident < 1:
-        raise RuntimeError("StreamMLP: the streaming kernel does not fit on a multiprocessor")
-    return sms
+    key = (torch.device(device), dtype, plan, gate_up.out_features, gate_up.in_features, down.out_features,
+           down.in_features)
+    if key not in _PROGRAMS:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        x = torch.zeros(1, gate_up.in_features, dtype=dtype, device=device)
+        h = torch.empty(1, down.in_features, dtype=dtype, device=device)
+        y = torch.empty(1, down.out_features, dtype=dtype, device=device)
+        # one program a multiprocessor (the count is compiled in): the driver must fit at least one
+        kernel = _launch(x, h, y, fws, plan, grid_sync.counter_for(device, PARTS * sms), sms, descs,
+                         compile_only=True)
+        if grid_sync.resident_per_multiprocessor(kernel, kernel.metadata.num_warps) < 1:
+            raise RuntimeError("StreamMLP: the streaming kernel does not fit on a multiprocessor")
+        _PROGRAMS[key] = sms
+    return _PROGRAMS[key]
