@@ -50,7 +50,15 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--timeline", action="store_true",
                    help="also the gaps: per kernel name, its mean duration and the idle time before it")
+    p.add_argument("--passes", default="",
+                   help="instead of generating: profile the runner's passes of these widths (e.g. 1,4: a decode "
+                        "step and a 4-token verify pass, as `verispec bench` times verify / decode), each by "
+                        "the critical path its kernels make")
     args = p.parse_args()
+    if args.passes:
+        for quant in args.quant.split(","):
+            profile_passes(args, None if quant == "none" else quant, [int(w) for w in args.passes.split(",")])
+        return
     for quant in args.quant.split(","):
         opts = BenchOptions(shape=args.shape, quant=None if quant == "none" else quant, contexts=(512,),
                             gen_tokens=args.steps, repeats=1)
@@ -102,6 +110,37 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+def profile_passes(args, quant: str | None, widths: list[int]) -> None:
+    """The runner's pass of each width over one 512-token sequence (an EAGLE3 engine with random
+    drafter weights, so passes of up to draft_block + 1 tokens run as captured graphs), repeated
+    --steps times under the profiler."""
+    from verispec.bench.offline import _capture_graphs, _engine, _prompt, setup_target
+    from verispec.bench.options import BenchOptions, Method
+    from verispec.bench.steps import _prefilled_sequence
+
+    opts = BenchOptions(shape=args.shape, quant=quant, contexts=(512,), gen_tokens=16, repeats=1,
+                        draft_block=max(widths) - 1)
+    setup = setup_target(opts)
+    engine, _ = _engine(setup, Method.EAGLE3)
+    graphs = _capture_graphs(engine)
+    seq = _prefilled_sequence(engine, _prompt(setup, 512, 0), engine.num_drafts)
+    try:
+        for width in widths:
+            tokens = [[seq.token_ids[-1]] * width]
+            capture = engine.proposer.capture_layers if width > 1 else ()  # as the bench's verify step
+            for _ in range(5):
+                engine.runner.verify([seq], tokens, capture).logits.argmax(-1).tolist()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    engine.runner.verify([seq], tokens, capture).logits.argmax(-1).tolist()
+                torch.cuda.synchronize()
+            print(f"\n== {args.shape} {quant or 'bf16'}: a {width}-token pass (graphs {graphs}), {args.steps} passes")
+            print_timeline(prof, args.steps, args.top)
+    finally:
+        engine.scheduler.release(seq)
+
+
 def print_timeline(prof, steps: float, top: int) -> None:
     """Kernels in device order: the span they cover, the device's idle time between them (a gap is
     the next kernel's start minus the latest end so far; a programmatic launch can make it
@@ -116,6 +155,9 @@ def print_timeline(prof, steps: float, top: int) -> None:
     overlap = 0.0
     before: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
     pairs: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])
+    # the critical path's share: how far each kernel moves the latest end so far (what the step
+    # would lose if the kernel took no time, as long as the others kept their order)
+    advances: dict[str, float] = collections.defaultdict(float)
     previous = kernels[0][2]
     for start, end, name in kernels[1:]:
         gap = start - busy_end
@@ -130,10 +172,14 @@ def print_timeline(prof, steps: float, top: int) -> None:
             idle += gap
         else:
             overlap -= gap
+        advances[name] += max(0.0, end - max(busy_end, start))
         busy_end = max(busy_end, end)
         previous = name
     print(f"  timeline: span {span / steps:.0f} us/step, idle {idle / steps:.0f} us/step, "
           f"overlapped {overlap / steps:.0f} us/step, {len(kernels) / steps:.1f} kernels/step")
+    print("  critical path by kernel (us per step the kernel moves the latest end, idle excluded):")
+    for name, us in sorted(advances.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {us / steps:8.1f}  {name[:100]}")
     print("  idle before (us per step, calls per step, mean gap us, mean duration us):")
     for name, (gap, n, dur) in sorted(before.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"    {gap / steps:8.1f}  {n / steps:5.1f}  {gap / n:6.2f}  {dur / n:7.2f}  {name[:90]}")
