@@ -186,7 +186,8 @@ if triton is not None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int | None = None, num_splits: int | None = None,
-                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """Triton split-K attention; same contract as `decode_attention_reference`.
 
     q [B, Hq, T, D] with T <= 8; k_cache/v_cache [B, Hkv, capacity, D] (last dim contiguous);
