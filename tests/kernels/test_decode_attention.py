@@ -117,7 +117,6 @@ def test_paged_sliding_window():
                           block_size=16) < 1e-2
 
 
-
 def test_output_layout_and_repeatability():
     """The output is [B, Hq, T, D] viewing [B, T, Hq, D] memory, so the output projection's
     transpose(1, 2) + reshape needs no copy; repeated launches give the same bits."""

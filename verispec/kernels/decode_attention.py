@@ -191,7 +191,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Triton split-K attention; same contract as `decode_attention_reference`.
 
     q [B, Hq, T, D] with T <= 8; k_cache/v_cache [B, Hkv, capacity, D] (last dim contiguous);
-    positions [B, T] increasing, on q's device.
+    positions [B, T] increasing, on q's device. The result is the [B, Hq, T, D] view of [B, T, Hq, D]
+    memory (what the output projection reads after transpose(1, 2): no copy).
     """
     return _launch(q, k_cache, v_cache, positions, scale, window, None, 0, num_splits, block_n, num_warps, num_stages)
 
