@@ -158,6 +158,7 @@ def print_timeline(prof, steps: float, top: int) -> None:
     # the critical path's share: how far each kernel moves the latest end so far (what the step
     # would lose if the kernel took no time, as long as the others kept their order)
     advances: dict[str, float] = collections.defaultdict(float)
+    advances_after: dict[tuple, float] = collections.defaultdict(float)  # the same by the kernel before
     previous = kernels[0][2]
     for start, end, name in kernels[1:]:
         gap = start - busy_end
@@ -173,6 +174,7 @@ def print_timeline(prof, steps: float, top: int) -> None:
         else:
             overlap -= gap
         advances[name] += max(0.0, end - max(busy_end, start))
+        advances_after[(previous[:40], name[:40])] += max(0.0, end - max(busy_end, start))
         busy_end = max(busy_end, end)
         previous = name
     print(f"  timeline: span {span / steps:.0f} us/step, idle {idle / steps:.0f} us/step, "
@@ -180,6 +182,9 @@ def print_timeline(prof, steps: float, top: int) -> None:
     print("  critical path by kernel (us per step the kernel moves the latest end, idle excluded):")
     for name, us in sorted(advances.items(), key=lambda kv: -kv[1])[:top]:
         print(f"    {us / steps:8.1f}  {name[:100]}")
+    print("  critical path by (previous kernel -> kernel) (us per step; tells a layer's products apart):")
+    for (a, b), us in sorted(advances_after.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {us / steps:8.1f}  {a} -> {b}")
     print("  idle before (us per step, calls per step, mean gap us, mean duration us):")
     for name, (gap, n, dur) in sorted(before.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"    {gap / steps:8.1f}  {n / steps:5.1f}  {gap / n:6.2f}  {dur / n:7.2f}  {name[:90]}")
