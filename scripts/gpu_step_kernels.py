@@ -166,15 +166,17 @@ def print_timeline(prof, steps: float, top: int) -> None:
         entry[0] += gap
         entry[1] += 1
         entry[2] += end - start
-        pair = pairs[(previous[:40], name[:40])]
+        key = (previous[:40], name[:40])
+        pair = pairs[key]
         pair[0] += gap
         pair[1] += 1
         if gap > 0:
             idle += gap
         else:
             overlap -= gap
-        advances[name] += max(0.0, end - max(busy_end, start))
-        advances_after[(previous[:40], name[:40])] += max(0.0, end - max(busy_end, start))
+        advance = max(0.0, end - max(busy_end, start))
+        advances[name] += advance
+        advances_after[key] += advance
         busy_end = max(busy_end, end)
         previous = name
     print(f"  timeline: span {span / steps:.0f} us/step, idle {idle / steps:.0f} us/step, "
