@@ -18,6 +18,8 @@ PATCH (several joined by +):
                             them into the products
   no-combine                the split-K attention's combine left out: the bound for folding it
                             into the split kernel
+  attention-prefetch-off    the split-K programs do not ask L2 for their first key block before
+                            their launch wait (decode_attention.PREFETCH)
 """
 from __future__ import annotations
 
@@ -76,6 +78,8 @@ def apply(patch: str) -> None:
         rms_norm.add_rms_norm = lambda x, update, weight, eps, unit_offset: (x, x)
     elif patch == "no-combine":
         decode_attention._combine_kernel = _NoLaunch()
+    elif patch == "attention-prefetch-off":
+        decode_attention.PREFETCH = False
     else:
         raise SystemExit(f"gpu_fusion_bounds.py: unknown patch {patch!r}")
 

@@ -24,6 +24,9 @@ except ImportError:  # CPU-only installs: the torch reference is used instead
     tl = None
 
 MAX_QUERY_TOKENS = 8
+# With programmatic launch, each split program asks L2 for its first key block's K and V before it
+# waits for the kernel before it (scripts/gpu_fusion_bounds.py's `attention-prefetch-off` sets False)
+PREFETCH = True
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -57,6 +60,31 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 if triton is not None:
 
+    @triton.jit
+    def _prefetch_block(K, V, BT, b, h, start, end, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                        stride_vn, stride_btb, BLOCK_N: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
+                        D: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
+        """`prefetch.global.L2` of keys [start, start + BLOCK_N) (clamped to end - 1: no address past
+        the keys the program reads) of kv head h, K and V: LINES lines of LINE values a key."""
+        offs_n = tl.minimum(start + tl.arange(0, BLOCK_N), end - 1)
+        if PAGED:
+            block = tl.load(BT + b * stride_btb + offs_n // PAGE)
+            rows = block.to(tl.int64) * PAGE + offs_n % PAGE
+            k_base = K + h * stride_kh
+            v_base = V + h * stride_vh
+        else:
+            rows = offs_n.to(tl.int64)
+            k_base = K + b * stride_kb + h * stride_kh
+            v_base = V + b * stride_vb + h * stride_vh
+        lines = tl.minimum(tl.arange(0, LINES) * LINE, D - 1)  # a key's cache lines (D values)
+        _prefetch_l2(k_base + rows[:, None] * stride_kn + lines[None, :])
+        _prefetch_l2(v_base + rows[:, None] * stride_vn + lines[None, :])
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
     # Arguments that vary between calls of one model and do not speed the kernel up when specialised
     # are not: the positions' row stride (1 when T = 1), the block table's width (1 for a short
     # prompt) and where the positions / table start (a slice may be 8-byte aligned only). Each
@@ -72,25 +100,22 @@ if triton is not None:
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                      PAGE: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                      PAGE: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+                      PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64, LINES: tl.constexpr = 2):
         # PAGED: K/V are pools [slots, Hkv, D] and key n of row b sits in slot
         # BT[b, n // PAGE] * PAGE + n % PAGE (stride_kb/stride_vb unused); else [B, Hkv, capacity, D]
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
         hq_total = tl.num_programs(1) * G
-        if PDL:  # q and the cache were written by the kernel before this one
-            gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
         offs_m = tl.arange(0, BLOCK_M)
         row_valid = offs_m < G * T
         g = offs_m // T
         t = offs_m % T
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
-        q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+        # the positions (and the block table) are the step's inputs, written before the step began:
+        # read before the wait, like the cache rows of earlier steps
         pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
         # Each query row splits its own keys [lo_t, pos_t] into NUM_SPLITS shares of whole blocks,
         # as a one-row pass at its position would (shares grow with the keys: a pass's rows can
@@ -107,6 +132,19 @@ if triton is not None:
         end_t = tl.minimum(start_t + chunk_t, kv_t)
         start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
         end = tl.max(tl.where(row_valid, end_t, 0), 0)
+        if PREFETCH:
+            # The program's first key block into L2 while the kernel before (the q / k preparation,
+            # which writes this pass's keys) finishes: its keys from earlier steps do not depend on
+            # it, and the loads after the wait read every key, so the result is the same bits.
+            if start < end:
+                _prefetch_block(K, V, BT, b, h, start, end, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                stride_vn, stride_btb, BLOCK_N, LINE, LINES, D, PAGED, PAGE)
+        if PDL:  # q and this pass's keys were written by the kernel before this one
+            gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
+        q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -254,6 +292,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         table, table_stride = positions, 0  # unused
     pdl, early = quant_gemv.small_kernel_pdl(q.device)
+    line = 128 // k_cache.element_size()  # values a 128-byte cache line holds
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
@@ -263,7 +302,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages, PDL=pdl, EARLY=early,
-        launch_pdl=pdl,
+        PREFETCH=pdl and PREFETCH, LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)), launch_pdl=pdl,
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, t, HQ=hq, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, PDL=pdl,
                                    EARLY=early, num_warps=4, launch_pdl=pdl)

@@ -1,8 +1,10 @@
-"""Compile the fragment-order 4-bit kernel (quant_frag.py) for sm_90 on a machine without a GPU,
-and read what ptxas made of it: its SASS (Triton's bundled nvdisasm) and its registers, stack and
-shared memory (cuobjdump). The kernels' arithmetic is checked on the GPU; this lets CPU CI check
-that they compile, with the launcher's specializations, into the loads and register budget their
-speed depends on (tests/kernels/test_quant_frag_sass.py), and scripts/frag_sass.py print them.
+"""Compile the fragment-order 4-bit kernel (quant_frag.py) and the split-K attention kernel
+(decode_attention.py) for sm_90 on a machine without a GPU, and read what ptxas made of them: the
+SASS (Triton's bundled nvdisasm) and the registers, stack and shared memory (cuobjdump). The kernels'
+arithmetic is checked on the GPU; this lets CPU CI check that they compile, with the launcher's
+specializations, into the instructions and register budget their speed depends on
+(tests/kernels/test_quant_frag_sass.py, test_decode_attention_sass.py), and scripts/frag_sass.py
+print them.
 """
 from __future__ import annotations
 
@@ -54,19 +56,39 @@ def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch
                          tiles.num_warps)
 
 
-def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int) -> CompiledFrag:
-    """A Gluon kernel compiled for sm_90 (signature: the runtime arguments' types; constexprs: the
-    rest; divisible: the arguments the launcher sees as multiples of 16), with its SASS and usage."""
+def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool) -> CompiledFrag:
+    """`decode_attention._split_kernel` as `_launch` compiles it for Qwen3-8B's attention (bfloat16,
+    4 query heads a kv head, head dim 128, 16 splits) at `tokens` query tokens."""
+    from verispec.kernels import decode_attention as da
+    fn = da._split_kernel
+    signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i32", "OPART": "*fp32", "LSE": "*fp32",
+                 "BT": "*i32", "scale": "fp32", "window": "i32"}
+    strides = [name for name in fn.arg_names if name.startswith("stride_")]
+    signature.update({name: "i32" for name in strides})
+    constexprs = dict(T=tokens, G=4, D=128, NUM_SPLITS=16, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128, HAS_WINDOW=False,
+                      IEEE=False, PAGED=paged, PAGE=16, PDL=pdl, EARLY=pdl, PREFETCH=prefetch, LINE=64, LINES=2)
+    # the launcher's 16-divisibility specializations (the positions' and table's are turned off)
+    divisible = ("Q", "K", "V", "OPART", "LSE", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
+    return compile_gluon(fn, signature, constexprs, divisible, 4, num_stages=3, gluon=False)
+
+
+def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int,
+                  num_stages: int | None = None, gluon: bool = True) -> CompiledFrag:
+    """A Gluon (or, gluon False, plain Triton) kernel compiled for sm_90 (signature: the runtime
+    arguments' types; constexprs: the rest; divisible: the arguments the launcher sees as multiples
+    of 16), with its SASS and usage."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = dict(signature)
     for name in constexprs:
         signature[name] = "constexpr"
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    source = (GluonASTSource if gluon else ASTSource)(fn, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -95,7 +117,8 @@ def opcode_counts(sass: str) -> collections.Counter:
 
 def compile_frags(cases: list[dict]) -> list[CompiledFrag]:
     """`compile_frag(**case)` for each case (dtype as its name, e.g. "bfloat16"; tiles as
-    [blocks, warps, depth, row_tiles]), in a fresh Python process without TRITON_INTERPRET (the
+    [blocks, warps, depth, row_tiles]; or, with "kernel": "split_attention",
+    `compile_split_attention(**case)`), in a fresh Python process without TRITON_INTERPRET (the
     test suite runs the other kernels in Triton's interpreter)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "verispec.kernels.offline_sass"], input=json.dumps(cases),
@@ -108,6 +131,9 @@ def compile_frags(cases: list[dict]) -> list[CompiledFrag]:
 def _main() -> None:
     results = []
     for case in json.loads(sys.stdin.read()):
+        if case.pop("kernel", "frag") == "split_attention":
+            results.append(dataclasses.asdict(compile_split_attention(**case)))
+            continue
         case = dict(case, tiles=qf.FragTiles(*case["tiles"]), dtype=getattr(torch, case.get("dtype", "bfloat16")))
         results.append(dataclasses.asdict(compile_frag(**case)))
     print(json.dumps(results))

@@ -1,0 +1,45 @@
+"""The split-K attention kernel compiled for sm_90 on the CPU (verispec/kernels/offline_sass.py), as
+`decode_attention` launches it for Qwen3-8B under programmatic launch: its results are checked on the
+GPU (test_decode_attention.py), this checks what its prefetch rests on.
+
+- with PREFETCH each program asks L2 for its first key block (`prefetch.global.L2`, SASS
+  `CCTL.E.PF2`) before `griddepcontrol.wait` (SASS `ACQBULK`): after it, the prefetch would only
+  add instructions in front of the loads it was meant to hide;
+- without it, or without programmatic launch, there is no prefetch at all;
+- nothing spills to local memory.
+"""
+from __future__ import annotations
+
+import pytest
+
+from verispec.kernels import offline_sass
+
+pytest.importorskip("triton")
+
+CASES = [dict(tokens=t, paged=paged, pdl=pdl, prefetch=prefetch)
+         for t in (1, 4) for paged in (False, True) for pdl, prefetch in ((True, True), (True, False), (False, False))]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list:
+    return offline_sass.compile_frags([dict(case, kernel="split_attention") for case in CASES])
+
+
+def _ids(case: dict) -> str:
+    return f"t{case['tokens']}-{'paged' if case['paged'] else 'contiguous'}-pdl{int(case['pdl'])}-pf{int(case['prefetch'])}"
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_ids(case) for case in CASES])
+def test_prefetch_comes_before_the_launch_wait(compiled, index):
+    case, result = CASES[index], compiled[index]
+    ops = offline_sass.instructions(result.sass)
+    prefetches = [i for i, op in enumerate(ops) if op.startswith("CCTL.E.PF2")]
+    waits = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
+    assert result.stack == 0, f"{result.stack} bytes of spills"
+    assert bool(waits) == case["pdl"]
+    if not case["prefetch"]:
+        assert not prefetches
+        return
+    # 128 keys x 2 cache lines x (K, V) over 128 threads: 4 prefetches a thread
+    assert len(prefetches) == 4, ops[:80]
+    assert max(prefetches) < min(waits)
