@@ -18,6 +18,10 @@ PATCH (several joined by +):
                             them into the products
   no-combine                the split-K attention's combine left out: the bound for folding it
                             into the split kernel
+  no-attention              the q/k preparation and both split-K attention kernels left out
+  products-only             no-norm + no-attention: the step's weight products (and embedding,
+                            lm_head, argmax) alone - what a step of these products costs if
+                            everything between them were free
   attention-prefetch-off    the split-K programs do not ask L2 for their first key block before
                             their launch wait (decode_attention.PREFETCH)
 """
@@ -26,10 +30,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verispec import cli  # noqa: E402
-from verispec.kernels import decode_attention, quant_frag, quant_gemv, rms_norm  # noqa: E402
+from verispec.kernels import decode_attention, qk_prep, quant_frag, quant_gemv, rms_norm  # noqa: E402
 
 
 def _layer_kind(n: int, k: int) -> str:
@@ -48,6 +54,13 @@ def _patch_tiles(kind: str, spec: str) -> None:
     def tiles_for(n: int, k: int, m: int = 1) -> quant_frag.FragTiles:
         return tiles if _layer_kind(n, k) == kind else original(n, k, m)
     quant_frag.tiles_for = tiles_for
+
+
+def _unprepared_qk(q, k, cos, sin, q_weight, k_weight, eps, unit_offset, v=None, cache_rows=None):
+    """q and k in the shapes `qk_prep.prepare_qk` returns, with no kernel launched (values unset)."""
+    b, t, hq, d = q.shape
+    return (torch.empty((b, hq, t, d), dtype=q.dtype, device=q.device),
+            torch.empty((b, k.shape[2], t, d), dtype=k.dtype, device=k.device))
 
 
 class _NoLaunch:
@@ -78,6 +91,12 @@ def apply(patch: str) -> None:
         rms_norm.add_rms_norm = lambda x, update, weight, eps, unit_offset: (x, x)
     elif patch == "no-combine":
         decode_attention._combine_kernel = _NoLaunch()
+    elif patch == "no-attention":
+        decode_attention._split_kernel = _NoLaunch()
+        decode_attention._combine_kernel = _NoLaunch()
+        qk_prep.prepare_qk = _unprepared_qk
+    elif patch == "products-only":
+        apply("no-norm+no-attention")
     elif patch == "attention-prefetch-off":
         decode_attention.PREFETCH = False
     else:

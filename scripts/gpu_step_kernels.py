@@ -116,14 +116,14 @@ def profile_passes(args, quant: str | None, widths: list[int]) -> None:
     --steps times under the profiler."""
     from verispec.bench.offline import _capture_graphs, _engine, _prompt, setup_target
     from verispec.bench.options import BenchOptions, Method
-    from verispec.bench.steps import _prefilled_sequence
+    from verispec.bench.steps import prefilled_sequence
 
     opts = BenchOptions(shape=args.shape, quant=quant, contexts=(512,), gen_tokens=16, repeats=1,
                         draft_block=max(widths) - 1)
     setup = setup_target(opts)
     engine, _ = _engine(setup, Method.EAGLE3)
     graphs = _capture_graphs(engine)
-    seq = _prefilled_sequence(engine, _prompt(setup, 512, 0), engine.num_drafts)
+    seq = prefilled_sequence(engine, _prompt(setup, 512, 0), engine.num_drafts)
     try:
         for width in widths:
             tokens = [[seq.token_ids[-1]] * width]

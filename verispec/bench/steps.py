@@ -84,7 +84,7 @@ def _median_ms(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequence:
+def prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequence:
     """A sequence prefilled through the engine's own runner (not queued: the bench drives steps
     itself), holding blocks for k+1 more positions, its proposer observing as in generation."""
     greedy = SamplingParams(temperature=0.0, max_tokens=k + 2, ignore_eos=True)
@@ -124,7 +124,7 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
     device = engine.device
     greedy = SamplingParams(temperature=0.0)
     capture = proposer.capture_layers
-    seqs = [_prefilled_sequence(engine, prompt_ids, k) for _ in range(batch)]
+    seqs = [prefilled_sequence(engine, prompt_ids, k) for _ in range(batch)]
     try:
         token = seqs[0].token_ids[-1]
         batched = engine.batched_drafting

@@ -60,6 +60,12 @@ def _powers(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length() - 1)]
 
 
+def tma_layout():
+    """The shared layout of a TMA box [RT, BT, words] of int32, unswizzled: the descriptors', the
+    slots' and the offline compile's."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
 def smem_layouts(warps: int, blocks: int, row_tiles: int):
     """Register layouts for a slot's words [RT, W*KB, 128] and terms [RT, W*KB, 16] (int32; RT
     row tiles of W*KB blocks each, as TMA writes them) whose permutation to [W*KB, RT, ...]
@@ -103,7 +109,7 @@ if gluon is not None:
     # the host functions the layouts come from (in a dict: Triton's dependency check refuses plain
     # callables referenced by a constexpr function)
     _HOST_LAYOUTS = {"frag": qf._layouts, "slot": smem_layouts, "tiled": tiled_acc_layout,
-                     "partials": partials_layout}
+                     "partials": partials_layout, "tma": tma_layout}
 
     @constexpr_function
     def _frag_layout(which, warps, blocks, row_tiles):
@@ -127,7 +133,7 @@ if gluon is not None:
 
     @constexpr_function
     def _tma_layout():
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+        return _HOST_LAYOUTS["tma"]()
 
     @gluon.jit
     def _slot_views(ring_w, ring_t, S: gl.constexpr, RT: gl.constexpr, BT: gl.constexpr):
@@ -423,7 +429,7 @@ def _descriptors(fw, rt: int, bt: int):
     """TMA descriptors over a product's words [tiles, K/64, 128] and terms [tiles, K/64, 16]
     (int32 views; groups of 64 values: one term row a block), a box of one consumer step: RT row
     tiles x BT blocks."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    layout = tma_layout()
     blocks = fw.in_features // 64
     words = fw.words.view(-1, blocks, WORD_ROWS)
     terms = fw.terms.view(torch.int32).view(-1, blocks, TERM_COLS)
@@ -458,7 +464,7 @@ def constexprs(fws, plan, slots: int, programs: int, warps: int, mode: int = 1, 
 def compile_offline(fws, plan, slots: int, programs: int, warps: int, half: bool = False, **options):
     """The kernel compiled for sm_90 without a GPU (offline_sass): registers, spills, shared memory."""
     from verispec.kernels import offline_sass
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    layout = tma_layout()
     act = "*fp16" if half else "*bf16"
     signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW")}
     signature.update({"M": "i32", "COUNTER": "*i64", "XS": "*fp32", "EPS": "fp32"})

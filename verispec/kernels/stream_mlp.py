@@ -34,10 +34,17 @@ def _step_values(blocks: int) -> int:
     return quant_frag.BLOCK * WARPS * blocks
 
 
+def _steps_reason(gate_up_k: int, down_k: int) -> str | None:
+    """Why these input widths have no whole steps of the measured plan (None: they have)."""
+    for name, k, (_, kb) in (("gate_up", gate_up_k, PLAN[0]), ("down", down_k, PLAN[1])):
+        if k % _step_values(kb):
+            return f"{name} input features {k} (a multiple of {_step_values(kb)}: whole steps of the measured plan)"
+    return None
+
+
 def plan_for(gate_up_k: int, down_k: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """(gate_up's step, down's step) for these input widths, or None where one has no whole steps."""
-    whole = all(k % _step_values(kb) == 0 for k, (_, kb) in zip((gate_up_k, down_k), PLAN))
-    return PLAN if whole else None
+    return None if _steps_reason(gate_up_k, down_k) else PLAN
 
 
 def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWeights, device: torch.device,
@@ -58,10 +65,8 @@ def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWei
             return f"{name} groups of {fw.group_size} values (64 only: one scale row a block)"
         if fw.zero_point:
             return f"{name} zero points (affine scale and bias only)"
-    for name, fw, (_, kb) in (("gate_up", gate_up, PLAN[0]), ("down", down, PLAN[1])):
-        step = _step_values(kb)
-        if fw.in_features % step:
-            return f"{name} input features {fw.in_features} (a multiple of {step}: whole steps of the measured plan)"
+    if reason := _steps_reason(gate_up.in_features, down.in_features):
+        return reason
     if down.in_features * 2 != gate_up.out_features:
         return f"down's {down.in_features} inputs are not half of gate_up's {gate_up.out_features} outputs"
     return None
