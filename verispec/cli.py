@@ -226,7 +226,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
-    bench.add_argument("--step-iters", type=int, default=20, help="timed steps for the speculative cost columns (default 20)")
+    bench.add_argument("--step-iters", type=int, default=50,
+                       help="timed rounds of (decode, verify, draft) steps, interleaved, behind the speculative cost columns")
     bench.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md and bench.png here")
     bench.add_argument("--endpoint", default="chat", choices=["chat", "completions"], help="HTTP: which API (default chat)")
     bench.add_argument("--api-key", default=None, help="HTTP: sent as 'Authorization: Bearer KEY'")

@@ -26,7 +26,8 @@ def compiled() -> list:
 
 
 def _ids(case: dict) -> str:
-    return f"t{case['tokens']}-{'paged' if case['paged'] else 'contiguous'}-pdl{int(case['pdl'])}-pf{int(case['prefetch'])}"
+    layout = "paged" if case["paged"] else "contiguous"
+    return f"t{case['tokens']}-{layout}-pdl{int(case['pdl'])}-pf{int(case['prefetch'])}"
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_ids(case) for case in CASES])

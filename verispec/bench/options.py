@@ -152,7 +152,7 @@ class BenchOptions:
     out: Path | None = None
     bandwidth_tbs: float | None = None
     eagle3: str | None = None  # a real drafter directory (offline)
-    step_iters: int = 20  # timed target/drafter steps per context for the speculative cost rows
+    step_iters: int = 50  # timed rounds of (decode, verify, draft) per context for the speculative cost rows
     endpoint: Endpoint = Endpoint.CHAT
     api_key: str | None = None
     serve_timeout_s: float = 900.0
