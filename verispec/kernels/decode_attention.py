@@ -24,8 +24,9 @@ except ImportError:  # CPU-only installs: the torch reference is used instead
     tl = None
 
 MAX_QUERY_TOKENS = 8
-# With programmatic launch, each split program asks L2 for its first key block's K and V before it
-# waits for the kernel before it (scripts/gpu_fusion_bounds.py's `attention-prefetch-off` sets False)
+# With programmatic launch, each split program of a one-token pass asks L2 for its first key block's
+# K and V before it waits for the kernel before it (scripts/gpu_fusion_bounds.py's
+# `attention-prefetch-off` sets False)
 PREFETCH = True
 
 
@@ -65,7 +66,7 @@ if triton is not None:
                         stride_vn, stride_btb, BLOCK_N: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
                         D: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
         """`prefetch.global.L2` of keys [start, start + BLOCK_N) (clamped to end - 1: no address past
-        the keys the program reads) of kv head h, K and V: LINES lines of LINE values a key."""
+        the keys asked for) of kv head h, K and V: LINES lines of LINE values a key."""
         offs_n = tl.minimum(start + tl.arange(0, BLOCK_N), end - 1)
         if PAGED:
             block = tl.load(BT + b * stride_btb + offs_n // PAGE)
@@ -134,11 +135,15 @@ if triton is not None:
         end = tl.max(tl.where(row_valid, end_t, 0), 0)
         if PREFETCH:
             # The program's first key block into L2 while the kernel before (the q / k preparation,
-            # which writes this pass's keys) finishes: its keys from earlier steps do not depend on
-            # it, and the loads after the wait read every key, so the result is the same bits.
-            if start < end:
-                _prefetch_block(K, V, BT, b, h, start, end, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                                stride_vn, stride_btb, BLOCK_N, LINE, LINES, D, PAGED, PAGE)
+            # which writes this pass's keys) finishes: the keys of earlier steps do not depend on it,
+            # and the loads after the wait read every key, so the result is the same bits. This
+            # pass's own keys (from its first position on) are left out. One-token passes only (the
+            # launcher's choice): in a 4-token pass the prefetch made the attention ~0.6 us a layer
+            # slower, with or without this pass's keys (twenty-third session; why is not known).
+            older = tl.minimum(end, tl.min(tl.where(row_valid, pos_t, 2147483647), 0))
+            if start < older:
+                _prefetch_block(K, V, BT, b, h, start, older, stride_kb, stride_kh, stride_kn, stride_vb,
+                                stride_vh, stride_vn, stride_btb, BLOCK_N, LINE, LINES, D, PAGED, PAGE)
         if PDL:  # q and this pass's keys were written by the kernel before this one
             gdc_wait()
         if EARLY:
@@ -302,7 +307,8 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages, PDL=pdl, EARLY=early,
-        PREFETCH=pdl and PREFETCH, LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)), launch_pdl=pdl,
+        PREFETCH=pdl and PREFETCH and t == 1, LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)),
+        launch_pdl=pdl,
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, t, HQ=hq, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, PDL=pdl,
                                    EARLY=early, num_warps=4, launch_pdl=pdl)
