@@ -62,21 +62,24 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
 if triton is not None:
 
     @triton.jit
-    def _prefetch_block(K, V, BT, b, h, start, end, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                        stride_vn, stride_btb, BLOCK_N: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr,
-                        D: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-        """`prefetch.global.L2` of keys [start, start + BLOCK_N) (clamped to end - 1: no address past
-        the keys asked for) of kv head h, K and V: LINES lines of LINE values a key."""
-        offs_n = tl.minimum(start + tl.arange(0, BLOCK_N), end - 1)
+    def _key_rows(BT, b, stride_btb, offs_n, valid, PAGED: tl.constexpr, PAGE: tl.constexpr):
+        """The cache rows of keys `offs_n` of batch row b: the keys themselves, or (PAGED) their
+        slots through the block table (keys not `valid` read table entry 0)."""
         if PAGED:
-            block = tl.load(BT + b * stride_btb + offs_n // PAGE)
+            block = tl.load(BT + b * stride_btb + offs_n // PAGE, mask=valid, other=0)
             rows = block.to(tl.int64) * PAGE + offs_n % PAGE
-            k_base = K + h * stride_kh
-            v_base = V + h * stride_vh
         else:
-            rows = offs_n.to(tl.int64)
-            k_base = K + b * stride_kb + h * stride_kh
-            v_base = V + b * stride_vb + h * stride_vh
+            rows = offs_n
+        return rows
+
+    @triton.jit
+    def _prefetch_block(k_base, v_base, BT, b, start, end, stride_kn, stride_vn, stride_btb,
+                        BLOCK_N: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr, D: tl.constexpr,
+                        PAGED: tl.constexpr, PAGE: tl.constexpr):
+        """`prefetch.global.L2` of keys [start, start + BLOCK_N) (clamped to end - 1: no address past
+        the keys asked for) of one kv head, K and V: LINES lines of LINE values a key."""
+        offs_n = tl.minimum(start + tl.arange(0, BLOCK_N), end - 1)
+        rows = _key_rows(BT, b, stride_btb, offs_n, offs_n < end, PAGED, PAGE)
         lines = tl.minimum(tl.arange(0, LINES) * LINE, D - 1)  # a key's cache lines (D values)
         _prefetch_l2(k_base + rows[:, None] * stride_kn + lines[None, :])
         _prefetch_l2(v_base + rows[:, None] * stride_vn + lines[None, :])
@@ -133,6 +136,12 @@ if triton is not None:
         end_t = tl.minimum(start_t + chunk_t, kv_t)
         start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
         end = tl.max(tl.where(row_valid, end_t, 0), 0)
+        if PAGED:
+            k_base = K + h * stride_kh
+            v_base = V + h * stride_vh
+        else:
+            k_base = K + b * stride_kb + h * stride_kh
+            v_base = V + b * stride_vb + h * stride_vh
         if PREFETCH:
             # The program's first key block into L2 while the kernel before (the q / k preparation,
             # which writes this pass's keys) finishes: the keys of earlier steps do not depend on it,
@@ -142,8 +151,8 @@ if triton is not None:
             # slower, with or without this pass's keys (twenty-third session; why is not known).
             older = tl.minimum(end, tl.min(tl.where(row_valid, pos_t, 2147483647), 0))
             if start < older:
-                _prefetch_block(K, V, BT, b, h, start, older, stride_kb, stride_kh, stride_kn, stride_vb,
-                                stride_vh, stride_vn, stride_btb, BLOCK_N, LINE, LINES, D, PAGED, PAGE)
+                _prefetch_block(k_base, v_base, BT, b, start, older, stride_kn, stride_vn, stride_btb, BLOCK_N, LINE,
+                                LINES, D, PAGED, PAGE)
         if PDL:  # q and this pass's keys were written by the kernel before this one
             gdc_wait()
         if EARLY:
@@ -154,21 +163,11 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if PAGED:
-            k_base = K + h * stride_kh
-            v_base = V + h * stride_vh
-        else:
-            k_base = K + b * stride_kb + h * stride_kh
-            v_base = V + b * stride_vb + h * stride_vh
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_valid = offs_n < end
             kv_mask = n_valid[:, None] & d_valid[None, :]
-            if PAGED:
-                block = tl.load(BT + b * stride_btb + offs_n // PAGE, mask=n_valid, other=0)
-                rows = block.to(tl.int64) * PAGE + offs_n % PAGE
-            else:
-                rows = offs_n
+            rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
             k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -266,6 +265,20 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return _launch(q, k_pool, v_pool, positions, scale, window, block_tables, block_size, num_splits)
 
 
+def split_config(d: int, element_size: int) -> dict:
+    """The split kernel's tiles and launch options for head dim d in elements of `element_size`
+    bytes (what `_launch` uses unless told otherwise, and offline_sass compiles)."""
+    block_d = max(16, triton.next_power_of_2(d))
+    # 16-bit, head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); float32 tiles and
+    # larger heads keep smaller blocks so the staged K/V tiles fit in shared memory
+    half = element_size <= 2
+    line = 128 // element_size  # values a 128-byte cache line holds (the prefetch's unit)
+    return dict(BLOCK_D=block_d,
+                BLOCK_N=(128 if half else 64) if block_d <= 128 else (32 if block_d <= 256 else 16),
+                num_stages=3 if half and block_d <= 128 else 2, num_warps=4 if block_d <= 128 else 8,
+                LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)))
+
+
 def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, num_splits=None,
             block_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
     b, hq, t, d = q.shape
@@ -276,13 +289,11 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     group = hq // hkv
     q = q.contiguous()
     splits = num_splits or num_splits_for(b, hkv, q.device)
-    block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(group * t))
-    # 16-bit, head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); float32 tiles and
-    # larger heads keep smaller blocks so the staged K/V tiles fit in shared memory
-    half = q.element_size() <= 2
-    block_n = block_n or ((128 if half else 64) if block_d <= 128 else (32 if block_d <= 256 else 16))
-    num_stages = num_stages or (3 if half and block_d <= 128 else 2)
+    config = split_config(d, q.element_size())
+    block_d = config["BLOCK_D"]
+    block_n = block_n or config["BLOCK_N"]
+    num_stages = num_stages or config["num_stages"]
     opart = torch.empty((b, hq, t, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, t, splits), dtype=torch.float32, device=q.device)
     # [B, T, Hq, D] in memory, returned as its [B, Hq, T, D] view: the callers' transpose(1, 2)
@@ -297,7 +308,6 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         table, table_stride = positions, 0  # unused
     pdl, early = quant_gemv.small_kernel_pdl(q.device)
-    line = 128 // k_cache.element_size()  # values a 128-byte cache line holds
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),
@@ -306,9 +316,8 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
-        num_warps=num_warps or (4 if block_d <= 128 else 8), num_stages=num_stages, PDL=pdl, EARLY=early,
-        PREFETCH=pdl and PREFETCH and t == 1, LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)),
-        launch_pdl=pdl,
+        num_warps=num_warps or config["num_warps"], num_stages=num_stages, PDL=pdl, EARLY=early,
+        PREFETCH=pdl and PREFETCH and t == 1, LINE=config["LINE"], LINES=config["LINES"], launch_pdl=pdl,
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, t, HQ=hq, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, PDL=pdl,
                                    EARLY=early, num_warps=4, launch_pdl=pdl)

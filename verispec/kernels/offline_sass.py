@@ -65,11 +65,13 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
                  "BT": "*i32", "scale": "fp32", "window": "i32"}
     strides = [name for name in fn.arg_names if name.startswith("stride_")]
     signature.update({name: "i32" for name in strides})
-    constexprs = dict(T=tokens, G=4, D=128, NUM_SPLITS=16, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128, HAS_WINDOW=False,
-                      IEEE=False, PAGED=paged, PAGE=16, PDL=pdl, EARLY=pdl, PREFETCH=prefetch, LINE=64, LINES=2)
+    config = da.split_config(128, 2)
+    num_warps, num_stages = config.pop("num_warps"), config.pop("num_stages")
+    constexprs = dict(config, T=tokens, G=4, D=128, NUM_SPLITS=16, BLOCK_M=16, HAS_WINDOW=False, IEEE=False,
+                      PAGED=paged, PAGE=16, PDL=pdl, EARLY=pdl, PREFETCH=prefetch)
     # the launcher's 16-divisibility specializations (the positions' and table's are turned off)
     divisible = ("Q", "K", "V", "OPART", "LSE", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
-    return compile_gluon(fn, signature, constexprs, divisible, 4, num_stages=3, gluon=False)
+    return compile_gluon(fn, signature, constexprs, divisible, num_warps, num_stages=num_stages, gluon=False)
 
 
 def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int,
