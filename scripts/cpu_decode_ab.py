@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from verispec.bench.build import load_target
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.models.layers import attention as att
 new_sdpa = att.sdpa
 def old_sdpa(q, k, v, mask, scale):

@@ -22,7 +22,7 @@ def child(mode: str) -> None:
     from verispec.config import EngineConfig
     from verispec.engine import cpu_threads
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     if mode == "keep":
         cpu_threads.release_thread_pool = lambda: False

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verispec.bench.build import load_target  # noqa: E402
 from verispec.config import EngineConfig  # noqa: E402
 from verispec.engine.engine import Engine  # noqa: E402
-from verispec.engine.params import SamplingParams  # noqa: E402
+from verispec.sampling.params import SamplingParams  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain what a CPU cache is in two sentences.", "List three fruits.",

@@ -21,8 +21,8 @@ def main() -> None:
     from verispec.demo.default import require_demo_model
     from verispec.engine.engine import Engine
     from verispec.engine.output import OutputBuilder
-    from verispec.engine.params import SamplingParams
-    from verispec.engine.sampler import TokenHistory
+    from verispec.sampling.params import SamplingParams
+    from verispec.sampling.sampler import TokenHistory
     from verispec.engine.sequence import Sequence
 
     p = argparse.ArgumentParser()

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verispec.bench.prompts import tokenized_prompt  # noqa: E402
 from verispec.engine.engine import Engine, load_engine  # noqa: E402
-from verispec.engine.params import SamplingParams  # noqa: E402
+from verispec.sampling.params import SamplingParams  # noqa: E402
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "verispec" / "demo" / "model"

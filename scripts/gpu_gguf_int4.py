@@ -21,7 +21,7 @@ def main() -> None:
     from verispec.config import EngineConfig
     from verispec.demo.tiny import build_tokenizer
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
     from verispec.loading.model_loader import load_model
     from verispec.loading.tokenizer import Tokenizer
     from verispec.models.layers.quant_linear import QuantizedLinear

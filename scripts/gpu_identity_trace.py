@@ -27,7 +27,7 @@ from gpu_spec_identity import SHAPE, Replay, divergence  # noqa: E402
 from verispec.cli import main as main_cli  # noqa: E402
 from verispec.demo.tiny import build_tiny_model, build_tokenizer, corpus_text  # noqa: E402
 from verispec.engine.engine import Engine, load_engine  # noqa: E402
-from verispec.engine.params import SamplingParams  # noqa: E402
+from verispec.sampling.params import SamplingParams  # noqa: E402
 
 
 class Recorder:

@@ -16,7 +16,7 @@ def main() -> None:
     from verispec.bench.options import BenchOptions
     from verispec.config import EngineConfig
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="tiny")

@@ -16,7 +16,7 @@ import torch
 
 from verispec.demo.tiny import build_tiny_model, build_tokenizer
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 
 CASES = {
     "llama": dict(num_key_value_heads=2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

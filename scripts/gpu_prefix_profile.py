@@ -20,7 +20,7 @@ from verispec.bench.build import random_target  # noqa: E402
 from verispec.bench.shapes import get_shape  # noqa: E402
 from verispec.config import EngineConfig  # noqa: E402
 from verispec.engine.engine import Engine  # noqa: E402
-from verispec.engine.params import SamplingParams  # noqa: E402
+from verispec.sampling.params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def path_counts_and_profile(bits: int) -> dict:
     from verispec.bench.shapes import get_shape
     from verispec.config import EngineConfig
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
     from verispec.quant.in_memory import quantize_model_
 
     shape = get_shape("qwen3-8b")

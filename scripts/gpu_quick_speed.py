@@ -11,7 +11,7 @@ import torch
 
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.llama import LlamaForCausalLM
 

@@ -19,7 +19,7 @@ from verispec.config import EngineConfig
 from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, build_tokenizer,
                                 corpus_text, random_mtp_head, write_mtp_sidecar, write_random_eagle3)  # noqa: E501
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.spec.proposer import Draft, Proposer
 
 

@@ -41,7 +41,7 @@ def group_of(name: str) -> str:
 def main() -> None:
     from verispec.bench.offline import _capture_graphs, _engine, _prompt, setup_target
     from verispec.bench.options import BenchOptions, Method
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen3-8b")

@@ -29,7 +29,7 @@ from verispec.bench.options import BenchOptions  # noqa: E402
 from verispec.cli import main as main_cli  # noqa: E402
 from verispec.demo.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from verispec.engine.engine import load_engine  # noqa: E402
-from verispec.engine.params import SamplingParams  # noqa: E402
+from verispec.sampling.params import SamplingParams  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):", "x = [",
            "for i in range(10):\n    print(i)\n", "# sorts a list\ndef sort(xs):", "while True:", "with open("]

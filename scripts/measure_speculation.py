@@ -41,7 +41,7 @@ def device_label(engine) -> str:
 
 def measure(config, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     engine = Engine.load(config)
     engine.prewarm()

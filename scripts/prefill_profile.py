@@ -21,7 +21,7 @@ def main() -> None:
     from verispec.config import EngineConfig
     from verispec.demo.default import require_demo_model
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     p = argparse.ArgumentParser()
     p.add_argument("--length", type=int, default=512)

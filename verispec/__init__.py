@@ -7,7 +7,7 @@ Python API:
 """
 from __future__ import annotations
 
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import GenerationResult
 
 __all__ = ["LLM", "SamplingParams", "GenerationResult"]

@@ -45,21 +45,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "one padded pass)")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
-    p.add_argument("--draft-block", type=int, default=None, metavar="K",
-                   help="drafts per round (default: VERISPEC_EAGLE3_BLOCK, else 2)")
+    p.add_argument("--num-draft-tokens", "--draft-block", "--mtp-depth", "--num-mtp-tokens", dest="num_draft_tokens",
+                   type=int, default=None, metavar="K",
+                   help="drafts per round, for any proposer (default: 2 for EAGLE3 and a Gemma 4 assistant, 1 for "
+                        "a Qwen MTP head; --draft-schedule may lower it as the batch grows). --draft-block, "
+                        "--mtp-depth and --num-mtp-tokens are older names for this flag")
     p.add_argument("--mtp", action="store_true",
                    help="speculate with the model's own MTP head (Qwen3.5 / Qwen3.6; in the shards or a sidecar), "
                         "or on Gemma 4 with its assistant drafter (see --mtp-model)")
-    p.add_argument("--mtp-depth", type=int, default=None, metavar="N",
-                   help="MTP drafts per round (default 1: one draft + the bonus token)")
     p.add_argument("--mtp-hidden", default=None, choices=["post-norm", "pre-norm"],
                    help="target hidden state fed to the MTP head (default post-norm)")
     p.add_argument("--mtp-model", metavar="DIR", default=None,
                    help="Gemma 4: the assistant checkpoint (gemma4_assistant) for --mtp (default: a sibling "
                         "<model>-assistant directory, or <org>/<name>-assistant in the model caches)")
-    p.add_argument("--num-mtp-tokens", type=int, default=None, metavar="N",
-                   help="MTP drafts per round (SwiftLM's flag; wins over --mtp-depth; default 2 for a Gemma 4 "
-                        "assistant, --mtp-depth for a Qwen head)")
     p.add_argument("--assistant-window", type=int, default=None, metavar="W",
                    help="Gemma 4 assistant: attend to the last W target positions only (default: the whole context)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once (default 64)")
@@ -205,7 +203,8 @@ def _add_bench_parser(sub) -> None:
                             "over HTTP N concurrent clients (aggregate and per-request tok/s, TTFT p50/p99)")
     bench.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per run (default 128)")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per context after a warm-up; medians (default 3)")
-    bench.add_argument("--draft-block", type=int, default=None, metavar="K", help="drafts per round (default 2)")
+    bench.add_argument("--num-draft-tokens", "--draft-block", dest="draft_block", type=int, default=None, metavar="K",
+                       help="drafts per round (default 2; --draft-block is an older name for this flag)")
     bench.add_argument("--eagle3", metavar="DIR", default=None,
                        help="offline: a real EAGLE3 drafter (default: random weights of the real drafter shape)")
     bench.add_argument("--dtype", default=None, help="bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
@@ -251,12 +250,12 @@ def _apply_default_model(args) -> None:
     spec = chosen.speculation
     if spec.get("mtp"):
         args.mtp = True
-        if args.mtp_depth is None and args.draft_block is None:
-            args.mtp_depth = spec["mtp_depth"]
+        if args.num_draft_tokens is None:
+            args.num_draft_tokens = spec["num_draft_tokens"]
     elif spec.get("eagle3"):
         args.eagle3 = spec["eagle3"]
-        if args.draft_block is None and args.mtp_depth is None:
-            args.draft_block = spec["draft_block"]
+        if args.num_draft_tokens is None:
+            args.num_draft_tokens = spec["num_draft_tokens"]
 
 
 def _engine_config(args):
@@ -272,32 +271,28 @@ def _engine_config(args):
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--block-size", args.block_size),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len),
-                        ("--draft-block", args.draft_block), ("--num-mtp-tokens", args.num_mtp_tokens),
-                        ("--assistant-window", args.assistant_window)):
+                        ("--num-draft-tokens", args.num_draft_tokens), ("--assistant-window", args.assistant_window)):
         if value is not None and value < 1:
             raise VerispecError(f"{flag} must be >= 1, got {value}")
-    if args.mtp_depth is not None and args.mtp_depth < 1:
-        raise VerispecError(f"--mtp-depth must be >= 1, got {args.mtp_depth}")
     if not args.mtp:
-        for flag, value in (("--mtp-depth", args.mtp_depth), ("--mtp-hidden", args.mtp_hidden),
-                            ("--mtp-model", args.mtp_model), ("--num-mtp-tokens", args.num_mtp_tokens),
+        for flag, value in (("--mtp-hidden", args.mtp_hidden), ("--mtp-model", args.mtp_model),
                             ("--assistant-window", args.assistant_window)):
             if value is not None:
                 raise VerispecError(f"{flag} needs --mtp")
     elif args.eagle3:
         raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
-    elif args.draft_block is not None:
-        raise VerispecError("--draft-block sets EAGLE3's drafts per round; with --mtp use --mtp-depth N")
+    if args.num_draft_tokens is not None and not (args.mtp or args.eagle3):
+        raise VerispecError("--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR or --mtp)")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
                         seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
-                        eagle3=args.eagle3, draft_block=args.draft_block, cuda_graphs=not args.no_cuda_graphs,
+                        eagle3=args.eagle3, num_draft_tokens=args.num_draft_tokens,
+                        cuda_graphs=not args.no_cuda_graphs,
                         overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
                         batch_prefill=not getattr(args, "no_batch_prefill", False),
-                        mtp=args.mtp, mtp_depth=args.mtp_depth or 1, mtp_hidden=args.mtp_hidden or "post-norm",
-                        mtp_model=args.mtp_model, num_mtp_tokens=args.num_mtp_tokens or args.mtp_depth,
+                        mtp=args.mtp, mtp_hidden=args.mtp_hidden or "post-norm", mtp_model=args.mtp_model,
                         assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
@@ -350,7 +345,7 @@ def cmd_serve(args) -> int:
 
 def cmd_generate(args) -> int:
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -10,17 +10,6 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return default if not raw else raw not in ("0", "false", "no", "off")
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        from verispec.errors import VerispecError
-        raise VerispecError(f"{name}={raw!r} is not an integer") from None
-
-
 @dataclass(frozen=True)
 class EnvSettings:
     debug: bool = False
@@ -29,7 +18,6 @@ class EnvSettings:
     hf_home: str | None = None
     xdg_cache_home: str | None = None
     hf_offline: bool = False
-    eagle3_block: int | None = None  # VERISPEC_EAGLE3_BLOCK: drafts per round for EAGLE3
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
     quant_kernel: str = "auto"  # VERISPEC_QUANT_KERNEL: auto | mma | builtin | gemv | triton (quant_convert.convert_for_builtin_int4)
@@ -48,7 +36,6 @@ class EnvSettings:
             hf_home=env.get("HF_HOME") or None,
             xdg_cache_home=env.get("XDG_CACHE_HOME") or None,
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
-            eagle3_block=_env_int("VERISPEC_EAGLE3_BLOCK"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
             use_fla=_env_flag("VERISPEC_FLA", default=True),
             quant_kernel=env.get("VERISPEC_QUANT_KERNEL", "auto").strip() or "auto",
@@ -77,13 +64,13 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode/verify steps as CUDA graphs (CUDA + Triton only)
     fuse_small_ops: bool = True  # compile norms/RoPE/activations into single kernels (CUDA only)
     eagle3: str | None = None  # speculators EAGLE3 drafter directory
-    draft_block: int | None = None  # drafts per round (None: VERISPEC_EAGLE3_BLOCK, else 2)
+    # drafts per round, whichever the proposer (None: its default, EAGLE3 2, a Qwen MTP head 1, a
+    # Gemma 4 assistant 2); the draft schedule may lower it as the batch grows
+    num_draft_tokens: int | None = None
     mtp: bool = False  # speculate with the model's own MTP head (Qwen3.5 / Qwen3.6)
-    mtp_depth: int = 1  # MTP drafts per round (1: mlx-lm's "depth-2 bonus" loop: draft + bonus)
     mtp_hidden: str = "post-norm"  # target hidden fed to the head: post-norm | pre-norm
     # --mtp on a Gemma 4 target: the assistant drafter (model_type gemma4_assistant)
     mtp_model: str | None = None  # its directory or hub id (None: `<model>-assistant` beside the model)
-    num_mtp_tokens: int | None = None  # MTP drafts per round (None: 2 for the assistant, mtp_depth for Qwen)
     assistant_window: int | None = None  # the assistant attends to the last W target positions (None: all)
     # serving: continuous batching over a paged KV cache
     max_num_seqs: int = 64  # sequences decoding at once
@@ -94,5 +81,5 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
     # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
     overlap_decode: bool | None = None
-    batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/prefill.py)
+    batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`)
     draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)

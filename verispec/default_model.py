@@ -42,7 +42,7 @@ SMOLLM2_DTYPE_BY_DEVICE = {"cpu": "float16"}
 class DefaultModel:
     model: str  # what -m would be: the GGUF path, or the demo model's directory
     served_name: str  # the model id clients send
-    speculation: dict = field(default_factory=dict)  # EngineConfig fields (eagle3, draft_block) or {}
+    speculation: dict = field(default_factory=dict)  # EngineConfig fields (eagle3, num_draft_tokens) or {}
     dtype: str | None = None  # the compute dtype to use unless --dtype says otherwise (None: the general default)
 
 
@@ -66,7 +66,7 @@ def drafter_speculation(drafter_dir: Path, device_type: str) -> tuple[dict, str]
         return {}, f"no speculation measured for {device_type} in {path}"
     if entry.get("method") == "eagle3":
         draft_block = int(entry.get("draft_block", 2))
-        return ({"eagle3": str(drafter_dir), "draft_block": draft_block},
+        return ({"eagle3": str(drafter_dir), "num_draft_tokens": draft_block},
                 f"EAGLE3 drafter, {draft_block} drafts per round on {device_type} ({why})")
     return {}, f"plain decoding on {device_type}, as measured ({why})"
 

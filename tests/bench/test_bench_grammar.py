@@ -15,7 +15,7 @@ from verispec.bench.vocabulary import ByteVocabularyTokenizer
 from verispec.cli import main
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.grammar.spec import json_schema_grammar
 
 

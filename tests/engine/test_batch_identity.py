@@ -19,11 +19,12 @@ import torch
 from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
                                 write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import FinishReason
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
 from verispec.spec.mtp import MtpProposer, load_mtp_head
+from tests.doubles import PerSequence
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
 SHAPE = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -37,12 +38,13 @@ TEXTS = [
 NEW = 24
 
 
-class KeyedReplay(Proposer):
+class KeyedReplay(PerSequence):
     """Replays each prompt's own known continuation: right everywhere, or wrong everywhere."""
 
     method = "replay"
 
     def __init__(self, continuations: dict[tuple, list[int]], vocab_size: int, right: bool):
+        super().__init__()
         self.continuations, self.vocab_size, self.right = continuations, vocab_size, right
         self.continuation: list[int] = []
         self.prompt_len = self.next_index = 0
@@ -51,10 +53,10 @@ class KeyedReplay(Proposer):
         self.continuation = self.continuations.get(tuple(prompt_ids), [])
         self.prompt_len = len(prompt_ids)
 
-    def observe(self, step: TargetStep):
+    def observe_step(self, step: TargetStep):
         self.next_index = step.start_position + len(step.token_ids) - self.prompt_len + 1
 
-    def propose(self, num_drafts, params, generator):
+    def draft(self, num_drafts, params, generator):
         out = []
         for j in range(num_drafts):
             i = self.next_index + j

@@ -1,4 +1,4 @@
-"""Prompt chunks of several sequences in one pass (engine/prefill.py) give each sequence exactly
+"""Prompt chunks of several sequences in one pass (engine/scheduler.py `prefill_groups`) give each sequence exactly
 what it gets alone: float64 on the CPU, for llama (with EAGLE3), the Qwen3.5 hybrid (with its MTP
 head: padded rows must neither decay nor write the recurrent state) and Gemma 4 (sliding windows,
 shared-KV layers, with the assistant). The chunks are long enough for the masked attention call
@@ -13,11 +13,11 @@ import torch
 
 from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
                                 write_mtp_sidecar, write_random_eagle3)
-from verispec.engine import prefill
+from verispec.engine import scheduler as prefill
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.output import OutputBuilder
-from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import TokenHistory
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import TokenHistory
 from verispec.engine.sequence import Sequence
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
@@ -134,16 +134,16 @@ def test_groups_bound_the_padding():
     seqs = [object() for _ in range(6)]
     # four long first chunks and a 64-token one share a pass; 16-token tails group among themselves
     chunks = [(seqs[0], 496), (seqs[1], 16), (seqs[2], 496), (seqs[3], 496), (seqs[4], 64), (seqs[5], 16)]
-    got = prefill.groups(chunks)
+    got = prefill.prefill_groups(chunks)
     assert [[n for _, n in g] for g in got] == [[496, 496, 496], [64, 16, 16]] or \
         all(len(g) * max(n for _, n in g) <= prefill.PADDING_ALLOWANCE * sum(n for _, n in g)
             + prefill.PADDING_SLACK * len(g) for g in got)
     assert sorted(n for g in got for _, n in g) == sorted(n for _, n in chunks)
     assert all((seqs[1], 16) not in g for g in got if any(n == 496 for _, n in g))  # no tail in a long pass
-    assert prefill.groups([(seqs[0], 7)]) == [[(seqs[0], 7)]]
+    assert prefill.prefill_groups([(seqs[0], 7)]) == [[(seqs[0], 7)]]
     # the plan's order is kept inside a group
     same = [(s, 32) for s in seqs]
-    assert prefill.groups(same) == [same]
+    assert prefill.prefill_groups(same) == [same]
 
 
 def test_padded_rows_leave_the_recurrent_state_alone(tmp_path, tokenizer_dir):

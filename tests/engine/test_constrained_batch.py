@@ -15,7 +15,7 @@ import pytest
 
 from tests.engine.test_batch_identity import SHAPE, TEXTS, KeyedReplay, spec
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import FinishReason
 from verispec.grammar.spec import json_object_grammar, json_schema_grammar, lark_grammar
 from verispec.server.tools.parsers import FORMATS, MistralFormat

@@ -65,7 +65,7 @@ def test_release_targets_torchs_runtime_when_another_libgomp_is_loaded():
 ENGINE_RUN = """
     from verispec.config import EngineConfig
     from verispec.engine.engine import Engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
     from verispec.engine.cpu_threads import release_thread_pool
     engine = Engine.load(EngineConfig(model={model!r}, device="cpu", dtype="float32", kv_cache_gb=0.05,
                                       max_model_len=256))

@@ -12,9 +12,8 @@ import threading
 
 import pytest
 
-from verispec.engine import overlap
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import FinishReason
 from verispec.grammar.spec import json_object_grammar
 
@@ -145,16 +144,16 @@ def test_overlap_only_where_the_next_input_is_the_device_argmax(tiny_models, tmp
                            (SamplingParams(max_tokens=1, **GREEDY), False)]:
         seq = unqueued(engine, ids, params)
         monkeypatch.setattr(engine.scheduler, "running", [seq])
-        assert overlap.eligible(engine, [seq], 0) is expect, params
-        assert not overlap.eligible(engine, [seq], 2)  # drafts: a verify round
+        assert engine.overlap.eligible([seq], 0) is expect, params
+        assert not engine.overlap.eligible([seq], 2)  # drafts: a verify round
     # a sequence still in its prompt (admitted, running, not decoding) gets a prefill chunk every step
     decoding, prefilling = (unqueued(engine, ids, SamplingParams(max_tokens=8, **GREEDY)) for _ in range(2))
     monkeypatch.setattr(engine.scheduler, "running", [decoding, prefilling])
-    assert not overlap.eligible(engine, [decoding], 0)
+    assert not engine.overlap.eligible([decoding], 0)
     monkeypatch.setattr(engine.scheduler, "running", [decoding])
-    assert overlap.eligible(engine, [decoding], 0)
+    assert engine.overlap.eligible([decoding], 0)
     build_tiny_qwen3_5(tmp_path / "hybrid", seed=5, tokenizer_dir=tokenizer_dir)
     hybrid = load_engine(str(tmp_path / "hybrid"), dtype="float64", device="cpu", overlap_decode=True)
     seq = unqueued(hybrid, ids, SamplingParams(max_tokens=8, **GREEDY))
     monkeypatch.setattr(hybrid.scheduler, "running", [seq])
-    assert overlap.eligible(hybrid, [seq], 0) is False
+    assert hybrid.overlap.eligible([seq], 0) is False

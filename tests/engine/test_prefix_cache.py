@@ -19,7 +19,7 @@ from verispec.cache.prefix import chain_hashes
 from verispec.demo.tiny import (build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5,
                                 random_mtp_head, write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
 from verispec.spec.mtp import MtpProposer, load_mtp_head
@@ -109,11 +109,11 @@ def check_hits_change_nothing(base: Engine, make_proposer, k: int, label: str, s
     warm = with_proposer(base, make_proposer(), k)
     drafted = {id(cold): [], id(warm): []}
     for engine in (cold, warm):  # every round's drafts, request by request (they run one at a time)
-        def recording(seqs, counts, engine=engine, real=engine._propose):
+        def recording(seqs, counts, engine=engine, real=engine.runner.propose):
             drafts = real(seqs, counts)
             drafted[id(engine)].append([d.token_ids for d in drafts])
             return drafts
-        engine._propose = recording
+        engine.runner.propose = recording
     want, got = [], []
     for p, q in zip(prompts, PARAMS):
         want.append(cold.generate_all(p, q))
@@ -321,7 +321,7 @@ def test_whole_prompt_hit_copies_its_last_block_or_stops_a_block_short_without_r
 
     from verispec.cache.paged import BlockAllocator
     from verispec.cache.prefix import PrefixCache
-    from verispec.engine.scheduler import Scheduler
+    from verispec.engine.scheduler import CopyBlock, Scheduler
     from verispec.engine.sequence import Sequence
 
     prompt = list(range(100, 100 + 3 * BLOCK))
@@ -329,9 +329,7 @@ def test_whole_prompt_hit_copies_its_last_block_or_stops_a_block_short_without_r
     def setup(num_blocks: int):
         blocks = BlockAllocator(num_blocks, BLOCK)
         prefix = PrefixCache(blocks, SimpleNamespace(recurrent_layers=[]), [], keep_features=False)
-        copies = []
-        scheduler = Scheduler(blocks, None, 4, 256, 256, on_free=lambda seq: None, prefix=prefix,
-                              on_copy=lambda src, dst: copies.append((src, dst)))
+        scheduler = Scheduler(blocks, None, 4, 256, 256, prefix=prefix)
         seq = lambda: Sequence(prompt, SamplingParams(max_tokens=4), 4, SimpleNamespace(history=[], token_ids=[]),  # noqa: E731
                                None, "ar", lambda chunk: None, block_size=BLOCK)
         earlier = seq()
@@ -339,16 +337,19 @@ def test_whole_prompt_hit_copies_its_last_block_or_stops_a_block_short_without_r
         for block, block_hash in zip(cached, earlier.full_block_hashes(3)):
             blocks.register(block, block_hash)
         blocks.free(cached)
-        return blocks, scheduler, copies, cached, seq()
+        return blocks, scheduler, cached, seq()
 
-    blocks, scheduler, copies, cached, seq = setup(num_blocks=6)  # 5 usable: 3 cached + 2 free
+    def copies(scheduler: Scheduler) -> list[tuple[int, int]]:
+        return [(op.src, op.dst) for op in scheduler.take_cache_ops() if isinstance(op, CopyBlock)]
+
+    blocks, scheduler, cached, seq = setup(num_blocks=6)  # 5 usable: 3 cached + 2 free
     scheduler._take_prefix(seq)
     assert seq.num_cached == 3 * BLOCK - 1 and seq.prefix_hit.num_tokens == 3 * BLOCK - 1
     assert seq.block_table[:2] == cached[:2] and seq.block_table[2] not in cached
-    assert copies == [(cached[2], seq.block_table[2])]
+    assert copies(scheduler) == [(cached[2], seq.block_table[2])]
     assert blocks.refs(cached[2]) == 0 and blocks.num_cached_idle == 1  # the original stays cached
 
-    blocks, scheduler, copies, cached, seq = setup(num_blocks=4)  # 3 usable, all of them the cached prompt
+    blocks, scheduler, cached, seq = setup(num_blocks=4)  # 3 usable, all of them the cached prompt
     scheduler._take_prefix(seq)
-    assert seq.num_cached == 2 * BLOCK and seq.block_table == cached[:2] and copies == []
+    assert seq.num_cached == 2 * BLOCK and seq.block_table == cached[:2] and copies(scheduler) == []
     assert blocks.refs(cached[2]) == 0 and blocks.num_free == 1  # the last block given back, still cached

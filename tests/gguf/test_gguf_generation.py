@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import ModelNotFoundError, UnsupportedModelError
 from verispec.loading.gguf import GGUFCheckpoint
 from verispec.loading.resolve import resolve_model
@@ -158,7 +158,7 @@ def test_speculation_on_a_gguf_target(gguf_files, tmp_path):
     plain = load_engine(str(case.path), dtype="float64", device="cpu", prefill_step_size=16)
     drafter = write_random_eagle3(tmp_path / "eagle3", GGUFCheckpoint(case.path).config, seed=3, aux_layer_ids=[0, 1, 1])
     spec = load_engine(str(case.path), dtype="float64", device="cpu", prefill_step_size=16, eagle3=str(drafter),
-                       draft_block=3)
+                       num_draft_tokens=3)
     mtp = load_engine(str(case.path), dtype="float64", device="cpu", mtp=True)
     assert mtp.proposer is None
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError, VerispecError
 from verispec.loading.model_loader import load_model
 

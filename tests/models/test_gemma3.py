@@ -26,7 +26,7 @@ from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditiona
 
 from verispec.demo.tiny import GEMMA3_TINY_TEXT, build_tiny_gemma3
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.gemma3 import LayerType

@@ -29,7 +29,7 @@ from transformers import Gemma4ForConditionalGeneration as HFGemma4ForConditiona
 from verispec.cache.kv import KVCache
 from verispec.demo.tiny import GEMMA4_TINY_TEXT, build_tiny_gemma4
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.gemma4 import Gemma4Settings, LayerType, gemma_rms_norm

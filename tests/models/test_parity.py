@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.loading.model_loader import load_model
 from verispec.models.registry import model_class
 

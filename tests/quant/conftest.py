@@ -57,7 +57,7 @@ def mlx_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
 def verispec_greedy(model_dir: Path, num_tokens: int) -> list[int]:
     """verispec's own greedy decoding of PROMPT (float32, CPU, eos ignored)."""
     from verispec.engine.engine import load_engine
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
 
     engine = load_engine(str(model_dir), dtype="float32", device="cpu", prefill_step_size=16)
     return engine.generate_all(PROMPT, SamplingParams(max_tokens=num_tokens, temperature=0.0,

@@ -13,7 +13,7 @@ import torch
 
 from verispec.demo.tiny import build_tiny_gemma4
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.quant_experts import MLXQuantizedExperts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 
 
 def test_concurrent_requests_run_in_one_batch_and_match_alone(engine, client):

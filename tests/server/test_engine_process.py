@@ -15,7 +15,7 @@ import pytest
 from tests.server.server_helpers import live_server, openai_client
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.process import EngineProcess, EngineProcessError
 from verispec.errors import InvalidRequestError, ModelNotFoundError
 from verispec.server.app import create_app

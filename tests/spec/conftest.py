@@ -9,21 +9,24 @@ import torch
 
 from verispec.demo.tiny import write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+from tests.doubles import PerSequence
+from verispec.cache.kv import KVCache
 from verispec.spec.proposer import Draft, Proposer, TargetStep
 
 TARGET_SHAPE = dict(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2)
 
 
-class ReplayProposer(Proposer):
+class ReplayProposer(PerSequence):
     """Proposes a known continuation: the target's own greedy output (always right), or that
     output with every token changed (always wrong), or right only where `right_at(i)` says."""
 
     method = "replay"
 
     def __init__(self, continuation: list[int], vocab_size: int, right_at=lambda i: True):
+        super().__init__()
         self.continuation = continuation
         self.vocab_size = vocab_size
         self.right_at = right_at
@@ -33,11 +36,11 @@ class ReplayProposer(Proposer):
     def reset(self, prompt_ids):
         self.prompt_len = len(prompt_ids)
 
-    def observe(self, step: TargetStep):
+    def observe_step(self, step: TargetStep):
         # next_token sits at position start + n; it is continuation[index]; drafts follow it
         self.next_index = step.start_position + len(step.token_ids) - self.prompt_len + 1
 
-    def propose(self, num_drafts, params, generator):
+    def draft(self, num_drafts, params, generator):
         out = []
         for j in range(num_drafts):
             i = self.next_index + j
@@ -125,7 +128,7 @@ def train_drafter(engine: Engine, proposer: Eagle3Proposer, prompts: list[list[i
             batches.append((ids[:, 1:-1], aux, torch.tensor(labels)))
     for step in range(steps):
         tokens, aux, labels = batches[step % len(batches)]
-        cache = proposer.cache.__class__(drafter.cache_specs(), tokens.shape[1] + 1, aux[0].dtype, aux[0].device)
+        cache = KVCache(drafter.cache_specs(), tokens.shape[1] + 1, aux[0].dtype, aux[0].device)
         positions = torch.arange(tokens.shape[1])[None]
         _, logits = drafter(tokens, drafter.project(aux), positions, cache)
         loss = torch.nn.functional.cross_entropy(logits[0].float(), labels, ignore_index=-100)

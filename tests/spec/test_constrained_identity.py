@@ -13,7 +13,7 @@ from tests.spec.conftest import ReplayProposer, eagle3_proposer, greedy, spec_en
 from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
                                 write_mtp_sidecar)
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import FinishReason
 from verispec.grammar.spec import json_object_grammar, json_schema_grammar
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
@@ -105,8 +105,8 @@ def test_forbidden_drafts_are_cut_and_eos_waits_for_completion(targets, prompt_i
     expected = plain_constrained[("qwen3", 0)]
 
     class EosProposer(ReplayProposer):
-        def propose(self, num_drafts, params, generator):
-            draft = super().propose(num_drafts, params, generator)
+        def draft(self, num_drafts, params, generator):
+            draft = super().draft(num_drafts, params, generator)
             draft.token_ids = [eos] * num_drafts
             return draft
 

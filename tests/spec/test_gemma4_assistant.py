@@ -22,12 +22,13 @@ from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM as HFGemm
 
 from verispec.cli import main as cli_main
 from verispec.demo.tiny import build_tiny_gemma4, build_tiny_gemma4_assistant
-from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.engine.engine import Engine, load_engine
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import load_model
 from verispec.spec import gemma4_assistant as assistant_module
 from verispec.spec.gemma4_assistant import AssistantProposer, find_assistant, load_assistant
+from verispec.bench.steps import prefilled_sequence
 from verispec.spec.proposer import TargetStep
 
 from tests.spec.conftest import PROMPTS, ReplayProposer, greedy, spec_engine
@@ -173,7 +174,8 @@ def test_proposer_drafts_what_transformers_drafts(dirs):
     pass whose last two rows were rejected (still in the cache buffer past its length)."""
     hf_target = HFGemma4ForCausalLM.from_pretrained(str(dirs["target"]), dtype=torch.float32).eval()
     hf = Gemma4AssistantForCausalLM.from_pretrained(str(dirs["assistant"]), dtype=torch.float32).eval()
-    target = load_model(dirs["target"], torch.float32, torch.device("cpu"))
+    engine = load_engine(str(dirs["target"]), dtype="float32", device="cpu")
+    target = engine.model
     proposer = AssistantProposer(load_assistant(dirs["assistant"], target), target)
     num_drafts, params = 3, SamplingParams(temperature=0.0)
 
@@ -190,20 +192,35 @@ def test_proposer_drafts_what_transformers_drafts(dirs):
         return out
 
     ids = torch.randint(0, 500, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    seq = sequence_in(spec_engine(engine, proposer, num_drafts), ids, next_token=7)
+    drafts = proposer.propose([seq], [num_drafts], [params], [None])[0].token_ids
+    assert drafts == oracle(ids, 7)
+    verify = [7] + drafts
+    out = verify_and_commit(engine_of[proposer], seq, verify, 2)
+    proposer.observe([(seq, TargetStep(verify[:2], 20, out.hidden[0, :2], [], 11))])
+    assert proposer.propose([seq], [num_drafts], [params], [None])[0].token_ids == oracle(ids + verify[:2], 11)
+
+
+engine_of: dict = {}  # proposer -> the engine it drafts for (sequence_in)
+
+
+def sequence_in(spec: Engine, ids: list[int], next_token: int):
+    """A sequence of `spec`'s (its proposer bound to its paged cache), prefilled over `ids` with
+    room for a verify pass, whose proposer observed the prompt with `next_token` after it."""
+    seq = prefilled_sequence(spec, ids, 4)
     with torch.inference_mode():
-        cache = target.make_cache(64)
-        proposer.attach_target_cache(cache)
-        proposer.reset(ids)
-        hidden = target(torch.tensor([ids]), torch.arange(20)[None], cache).hidden[0]
-        cache.commit(20)
-        proposer.observe(TargetStep(ids, 0, hidden, [], 7))
-        drafts = proposer.propose(num_drafts, params, None).token_ids
-        assert drafts == oracle(ids, 7)
-        verify = [7] + drafts
-        hidden = target(torch.tensor([verify]), torch.arange(20, 24)[None], cache).hidden[0]
-        cache.commit(2)
-        proposer.observe(TargetStep(verify[:2], 20, hidden[:2], [], 11))
-        assert proposer.propose(num_drafts, params, None).token_ids == oracle(ids + verify[:2], 11)
+        hidden = spec.model(torch.tensor([ids]), torch.arange(len(ids))[None], spec.model.make_cache(len(ids))).hidden[0]
+    spec.proposer.observe([(seq, TargetStep(ids, 0, hidden, [], next_token))])
+    engine_of[spec.proposer] = spec
+    return seq
+
+
+def verify_and_commit(spec: Engine, seq, tokens: list[int], keep: int):
+    """A verify pass over `tokens` after the sequence's committed rows; the first `keep` committed."""
+    out = spec.runner.verify([seq], [tokens], ())
+    out.cache.commit([keep])
+    seq.num_cached += keep
+    return out
 
 
 def test_window_reads_only_the_last_rows(plain, dirs):
@@ -276,30 +293,33 @@ def test_identity_random_assistants(plain, dirs):
 
 
 class RecordingProposer(AssistantProposer):
-    """Records its drafts; with `poison`, first fills the target cache's rows from cache.length on
-    (the last verify pass's rejected K/V) with NaN; `extra_rows` > 0 reads past the committed rows."""
+    """Records its drafts; with `poison`, first fills the target cache's rows from each sequence's
+    committed length on (the last verify pass's rejected K/V) with NaN; `extra_rows` > 0 reads past
+    the committed rows."""
 
     poison = False
     extra_rows = 0
-    batched = False  # the per-sequence path (tests/engine/test_batched_drafting.py checks the batched one)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.drafts: list[list[int]] = []
 
-    def propose(self, num_drafts, params, generator):
-        cache = self.target_cache
-        if self.poison:  # the sequence's rows from its committed length to the end of its blocks
-            rows = cache.rows_from(cache.length)
-            for k, v in zip(cache.pools.keys, cache.pools.values):
-                k[rows] = float("nan")
-                v[rows] = float("nan")
-        draft = super().propose(num_drafts, params, generator)
-        self.drafts.append(draft.token_ids)
-        return draft
+    def propose(self, seqs, num_drafts, params, generators):
+        pools = self._target.pools
+        if self.poison:  # each sequence's rows from its committed length to the end of its blocks
+            for seq in seqs:
+                size = pools.block_size
+                positions = range(seq.num_cached, len(seq.block_table) * size)
+                rows = torch.tensor([seq.block_table[p // size] * size + p % size for p in positions], dtype=torch.long)
+                for k, v in zip(pools.keys, pools.values):
+                    k[rows] = float("nan")
+                    v[rows] = float("nan")
+        drafts = super().propose(seqs, num_drafts, params, generators)
+        self.drafts.extend(d.token_ids for d in drafts)
+        return drafts
 
-    def _last_row(self, cache):
-        return super()._last_row(cache) + self.extra_rows
+    def _last_rows(self, seqs):
+        return [row + self.extra_rows for row in super()._last_rows(seqs)]
 
 
 class PoisoningProposer(RecordingProposer):
@@ -369,9 +389,9 @@ def test_sampling_through_the_assistant_keeps_the_target_distribution(plain, tra
     propose = proposer.propose
 
     def recording(*args):
-        draft = propose(*args)
+        [draft] = propose(*args)
         q_rows.append(draft.probs)
-        return draft
+        return [draft]
 
     proposer.propose = recording
     spec = spec_engine(engine, proposer, 1)
@@ -407,13 +427,15 @@ def test_sampled_drafts_follow_the_assistants_q(plain, trained, dirs):
 
     def proposer(drafter):
         prop = proposer_for(engine, drafter)
-        prop.attach_target_cache(cache)
-        prop.observe(TargetStep(ids, 0, hidden, [], outputs[0][0]))
-        return prop
+        seq = sequence_in(spec_engine(engine, prop, 3), ids, next_token=outputs[0][0])
 
-    prop = proposer(trained)
+        def propose(k, params, generator):
+            return prop.propose([seq], [k], [params], [generator])[0]
+        return propose
+
+    propose = proposer(trained)
     params = SamplingParams(temperature=1.0, top_k=4)
-    draft = prop.propose(2, params, torch.Generator().manual_seed(0))
+    draft = propose(2, params, torch.Generator().manual_seed(0))
     with torch.inference_mode():
         rope, last = torch.tensor([[n]]), torch.tensor([[n - 1]])
         h1, logits1 = trained(torch.cat((model.embed(torch.tensor([[outputs[0][0]]])), hidden[None, -1:]), -1),
@@ -426,14 +448,14 @@ def test_sampled_drafts_follow_the_assistants_q(plain, trained, dirs):
     q = draft.probs[0].double()
     support = q.nonzero().flatten().tolist()
     gen = torch.Generator().manual_seed(1)
-    counts = Counter(support.index(prop.propose(1, params, gen).token_ids[0]) for _ in range(2000))
+    counts = Counter(support.index(propose(1, params, gen).token_ids[0]) for _ in range(2000))
     assert chi_square(counts, q[support], 2000) < 16.27  # 3 degrees of freedom, p = 0.001
-    full = prop.propose(1, SamplingParams(temperature=1.0), gen).probs[0]
+    full = propose(1, SamplingParams(temperature=1.0), gen).probs[0]
     assert float(full[engine.num_real_tokens:].sum()) == 0 and abs(float(full.sum()) - 1) < 1e-5
     padded = load_assistant(dirs["assistant"], model)
     with torch.no_grad():
         padded.lm_head.weight[engine.num_real_tokens:] = padded.lm_head.weight[:VOCAB - engine.num_real_tokens] * 50
-    tokens = proposer(padded).propose(3, SamplingParams(temperature=0.0), None).token_ids
+    tokens = proposer(padded)(3, SamplingParams(temperature=0.0), None).token_ids
     assert all(t < engine.num_real_tokens for t in tokens)
 
 
@@ -465,7 +487,7 @@ def test_assistant_found_beside_the_model_or_in_the_hub_cache(plain, dirs, tmp_p
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = load_engine("org/tiny", dtype="float64", device="cpu", prefill_step_size=16, mtp=True,
-                       num_mtp_tokens=3, assistant_window=4)
+                       num_draft_tokens=3, assistant_window=4)
     assert isinstance(spec.proposer, AssistantProposer) and spec.num_drafts == 3 and spec.proposer.window == 4
     result = spec.generate_all(prompts[1], greedy(NEW_TOKENS))
     assert result.token_ids == outputs[1] and result.stats.method == "assistant"
@@ -476,8 +498,8 @@ def test_assistant_found_beside_the_model_or_in_the_hub_cache(plain, dirs, tmp_p
 
 
 def test_engine_option_checks(dirs, tiny_models):
-    with pytest.raises(VerispecError, match="--num-mtp-tokens must be >= 1, got 0"):
-        load_engine(str(dirs["target"]), mtp=True, num_mtp_tokens=0)
+    with pytest.raises(VerispecError, match="--num-draft-tokens must be >= 1, got 0"):
+        load_engine(str(dirs["target"]), mtp=True, num_draft_tokens=0)
     with pytest.raises(VerispecError, match="--assistant-window must be >= 1, got 0"):
         load_engine(str(dirs["target"]), mtp=True, assistant_window=0)
     qwen = tiny_models.get("qwen3", "qwen3")
@@ -518,7 +540,7 @@ def test_cli_mtp_on_gemma(plain, dirs):
     (["--mtp-model", "{assistant}"], "--mtp-model needs --mtp"),
     (["--assistant-window", "4"], "--assistant-window needs --mtp"),
     (["--mtp", "--assistant-window", "0"], "--assistant-window must be >= 1, got 0"),
-    (["--mtp", "--num-mtp-tokens", "0"], "--num-mtp-tokens must be >= 1, got 0"),
+    (["--mtp", "--num-mtp-tokens", "0"], "--num-draft-tokens must be >= 1, got 0"),
 ])
 def test_cli_bad_assistant_flags_are_one_line(dirs, capsys, args, message):
     args = [a.format(target=dirs["target"], assistant=dirs["assistant"]) for a in args]

@@ -28,7 +28,7 @@ from verispec.cache.paged import BatchCache
 from verispec.cli import main as cli_main
 from verispec.demo.tiny import build_tiny_qwen3_5, corpus_text, random_mtp_head, write_mtp_sidecar
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.norm import RMSNorm
@@ -295,7 +295,7 @@ def test_identity_random_head(plain, mtp_dirs, source):
     engine, prompts, outputs = plain
     for depth in (1, 2, 3):
         spec = load_engine(str(mtp_dirs[source]), dtype="float64", device="cpu", prefill_step_size=PREFILL_STEP,
-                           mtp=True, mtp_depth=depth)
+                           mtp=True, num_draft_tokens=depth)
         assert isinstance(spec.proposer, MtpProposer) and spec.num_drafts == depth
         for i, ids in enumerate(prompts):
             result = spec.generate_all(ids, greedy(NEW_TOKENS))
@@ -313,21 +313,18 @@ def test_identity_wrapper_checkpoint(mtp_dirs):
     expected = base.generate_all(ids, greedy(NEW_TOKENS)).token_ids
     for hidden in ("post-norm", "pre-norm"):
         spec = load_engine(d, dtype="float64", device="cpu", prefill_step_size=PREFILL_STEP, mtp=True,
-                           mtp_depth=2, mtp_hidden=hidden)
+                           num_draft_tokens=2, mtp_hidden=hidden)
         assert spec.proposer.hidden is MtpHidden(hidden)
         result = spec.generate_all(ids, greedy(NEW_TOKENS))
         assert result.token_ids == expected and result.stats.method == "mtp" and result.stats.drafted > 0
 
 
 class ScriptedMtp(MtpProposer):
-    """The real MTP proposer (head, cache, in-round rows, rollback) whose drafts are replaced by a
-    script: the target's own continuation, right where right(index, chain_position) says. Records
-    the head's logits at every draft, to be checked against the head run from scratch on the
-    committed sequence: its cache must hold exactly the committed rows, whatever was accepted.
-    Runs the per-sequence path (its own contiguous cache); tests/engine/test_batched_drafting.py
-    checks the batched path against it."""
-
-    batched = False
+    """The real MTP proposer (head, paged drafter rows, in-round rows overwritten) whose drafts are
+    replaced by a script: the target's own continuation, right where right(index, chain_position)
+    says. Records the head's logits at every draft, to be checked against the head run from
+    scratch on the committed sequence: its rows must hold exactly the committed ones, whatever
+    was accepted. Drives one sequence at a time."""
 
     def __init__(self, head, continuation, vocab_size, right, hidden=MtpHidden.POST_NORM):
         super().__init__(head, hidden)
@@ -336,28 +333,32 @@ class ScriptedMtp(MtpProposer):
         self.records: list[tuple[int, list[int], list[torch.Tensor]]] = []
         self.features: dict[int, torch.Tensor] = {}  # position -> the target feature observed there
 
-    def reset(self, prompt_ids):
-        super().reset(prompt_ids)
-        self.prompt_len = len(prompt_ids)
+    def start(self, seq):
+        super().start(seq)
+        self.prompt_len = len(seq.prompt_ids)
 
-    def observe(self, step):
-        super().observe(step)
-        features = step.hidden if self.hidden is MtpHidden.POST_NORM else step.pre_norm
-        for i, row in enumerate(features):
-            self.features[step.start_position + i] = row.clone()
+    def observe(self, rows):
+        super().observe(rows)
+        for _, step in rows:
+            features = step.hidden if self.hidden is MtpHidden.POST_NORM else step.pre_norm
+            for i, row in enumerate(features):
+                self.features[step.start_position + i] = row.clone()
 
-    def propose(self, num_drafts, params, generator):
+    def propose(self, seqs, num_drafts, params, generators):
+        assert len(seqs) == 1
         self._logits = []
-        draft = super().propose(num_drafts, params, generator)
-        self.records.append((self.next_position, draft.token_ids, self._logits))
-        return draft
+        self._next_position = self._states[seqs[0].id].next_position
+        drafts = super().propose(seqs, num_drafts, params, generators)
+        self.records.append((self._next_position, drafts[0].token_ids, self._logits))
+        return drafts
 
-    def _choose(self, logits, params, generator):
+    def _choose_rows(self, logits, params, generators, active):
         j = len(self._logits)
-        self._logits.append(logits.clone())
-        index = self.next_position + 1 + j - self.prompt_len  # the draft's index in the continuation
+        self._logits.append(logits[0].clone())
+        index = self._next_position + 1 + j - self.prompt_len  # the draft's index in the continuation
         token = self.continuation[index] if index < len(self.continuation) else 0
-        return (token if self.right(index, j) else (token + 1) % self.vocab_size), None
+        token = token if self.right(index, j) else (token + 1) % self.vocab_size
+        return torch.tensor([token], device=logits.device), [None]
 
 
 def check_records(proposer: ScriptedMtp, sequence: list[int]) -> None:
@@ -424,7 +425,6 @@ def test_rejection_at_every_chain_position(plain, mtp_dirs, pattern, monkeypatch
             assert result.stats.accepted == 0
         else:
             assert 0 < result.stats.accepted < result.stats.drafted
-        assert proposer.committed == proposer.cache.length == len(prompts[i]) + NEW_TOKENS - 1
         check_records(proposer, prompts[i] + outputs[i])
     assert set(verify_commits) == expected_commits, verify_commits
 
@@ -557,10 +557,10 @@ def test_cli_mtp_without_a_head_logs_why_and_generates(mtp_dirs):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--mtp", "--mtp-depth", "0"], "--mtp-depth must be >= 1, got 0"),
+    (["--mtp", "--mtp-depth", "0"], "--num-draft-tokens must be >= 1, got 0"),
     (["--mtp", "--eagle3", "/nowhere"], "--mtp and --eagle3 are two proposers; use one of them"),
-    (["--mtp-depth", "2"], "--mtp-depth needs --mtp"),
-    (["--mtp", "--draft-block", "3"], "--draft-block sets EAGLE3's drafts per round; with --mtp use --mtp-depth N"),
+    (["--mtp-depth", "2"], "--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR or --mtp)"),
+    (["--mtp-hidden", "pre-norm"], "--mtp-hidden needs --mtp"),
 ])
 def test_cli_bad_mtp_flags_are_one_line(mtp_dirs, capsys, args, message):
     import socket
@@ -586,7 +586,7 @@ def test_cli_bad_mtp_hidden_is_one_line(capsys):
 def test_engine_config_checks(mtp_dirs):
     with pytest.raises(VerispecError, match="--mtp-hidden 'middle' is not supported"):
         load_engine(str(mtp_dirs["hf-sidecar"]), mtp=True, mtp_hidden="middle")
-    with pytest.raises(VerispecError, match="--mtp-depth must be >= 1"):
-        load_engine(str(mtp_dirs["hf-sidecar"]), mtp=True, mtp_depth=0)
+    with pytest.raises(VerispecError, match="--num-draft-tokens must be >= 1"):
+        load_engine(str(mtp_dirs["hf-sidecar"]), mtp=True, num_draft_tokens=0)
     with pytest.raises(VerispecError, match="two proposers"):
         load_engine(str(mtp_dirs["hf-sidecar"]), mtp=True, eagle3="/nowhere")

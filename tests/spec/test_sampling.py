@@ -6,8 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.doubles import PerSequence
+
 from tests.spec.conftest import eagle3_proposer, spec_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.spec.verify import verify_sampling
 
 P = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10], dtype=torch.float64)
@@ -119,7 +121,7 @@ def test_engine_speculative_sampling_with_eagle3_drafter(targets, eagle3_dirs, p
     assert chi2 < 16.27  # 3 degrees of freedom, p = 0.001
 
 
-class FixedDistributionProposer:
+class FixedDistributionProposer(PerSequence):
     """Drafts one token from a fixed q over the target's own top-k support (a distorted p), so
     acceptance and residual sampling both matter: a wrong ratio or a q ignored shows up."""
 
@@ -127,15 +129,10 @@ class FixedDistributionProposer:
     capture_layers = ()
 
     def __init__(self, q_full: torch.Tensor):
+        super().__init__()
         self.q_full = q_full
 
-    def reset(self, prompt_ids):
-        pass
-
-    def observe(self, step):
-        pass
-
-    def propose(self, num_drafts, params, generator):
+    def draft(self, num_drafts, params, generator):
         from verispec.spec.proposer import Draft
         token = int(torch.multinomial(self.q_full, 1, generator=generator))
         return Draft([token], self.q_full[None].float())

@@ -124,6 +124,6 @@ def test_default_speculation_follows_the_device(tmp_path):
         "speculation": {"method": "mtp", "mtp_depth": 3},
         "speculation_by_device": {"cuda": {"method": "mtp", "mtp_depth": 3},
                                   "cpu": {"method": "eagle3", "eagle3": "eagle3", "draft_block": 4}}}))
-    assert demo_default.speculation_defaults(tmp_path, "cuda") == {"mtp": True, "mtp_depth": 3}
-    assert demo_default.speculation_defaults(tmp_path, "cpu") == {"eagle3": str(tmp_path / "eagle3"), "draft_block": 4}
-    assert demo_default.speculation_defaults(tmp_path, "mps") == {"mtp": True, "mtp_depth": 3}
+    assert demo_default.speculation_defaults(tmp_path, "cuda") == {"mtp": True, "num_draft_tokens": 3}
+    assert demo_default.speculation_defaults(tmp_path, "cpu") == {"eagle3": str(tmp_path / "eagle3"), "num_draft_tokens": 4}
+    assert demo_default.speculation_defaults(tmp_path, "mps") == {"mtp": True, "num_draft_tokens": 3}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.train import DrafterTrainOptions, Method, train_drafter
 from verispec.train.data import generate_answers, read_gen_prompts, split_gen_prompts

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from verispec.cli import main as cli_main
 from verispec.demo.tiny import write_random_eagle3
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.train import DrafterTrainOptions, Method, train_drafter
 
 FAST = dict(steps=80, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5, eval_prompts=4, eval_prompt_len=16,
@@ -98,12 +98,12 @@ def test_eagle3_on_qwen3_5_target_via_cli(tmp_path, qwen3_5_target, data_file, c
     summary = json.loads((out / "training-eagle3.json").read_text())
     assert summary["after"]["acceptance"] > summary["before"]["acceptance"] + 0.4
 
-    trained = acceptance(qwen3_5_target, eagle3=str(out), draft_block=3)
+    trained = acceptance(qwen3_5_target, eagle3=str(out), num_draft_tokens=3)
     random_dir = write_random_eagle3(tmp_path / "random", json.loads((qwen3_5_target / "config.json").read_text()),
                                      aux_layer_ids=config["eagle_aux_hidden_state_layer_ids"])
-    untrained = acceptance(qwen3_5_target, eagle3=str(random_dir), draft_block=3)
+    untrained = acceptance(qwen3_5_target, eagle3=str(random_dir), num_draft_tokens=3)
     assert trained > untrained + 0.4, (trained, untrained)
-    assert spec_equals_plain(qwen3_5_target, eagle3=str(out), draft_block=3) > 0
+    assert spec_equals_plain(qwen3_5_target, eagle3=str(out), num_draft_tokens=3) > 0
     transformers_loads(qwen3_5_target)
 
 
@@ -118,7 +118,7 @@ def test_eagle3_on_llama_family_target(tmp_path, qwen3_target, train_text):
     target_vocab = json.loads((qwen3_target / "config.json").read_text())["vocab_size"]
     target_ids = check_vocab_maps(out, target_vocab)
     assert len(target_ids) == min(32000, target_vocab)  # default: the whole (small) vocabulary
-    assert spec_equals_plain(qwen3_target, eagle3=str(out), draft_block=2) > 0
+    assert spec_equals_plain(qwen3_target, eagle3=str(out), num_draft_tokens=2) > 0
     transformers_loads(qwen3_target)
 
 
@@ -135,8 +135,8 @@ def test_mtp_head_for_a_target_that_has_none(tmp_path, qwen3_5_target, train_tex
     assert len(tensors) == 15
     # zero-centred norms (HF convention): the trained values sit around 0, not around 1
     assert float(tensors["mtp.norm.weight"].abs().mean()) < 0.5
-    assert acceptance(target, mtp=True, mtp_depth=2) > 0.3
-    assert spec_equals_plain(target, mtp=True, mtp_depth=2) > 0
+    assert acceptance(target, mtp=True, num_draft_tokens=2) > 0.3
+    assert spec_equals_plain(target, mtp=True, num_draft_tokens=2) > 0
     transformers_loads(target)
 
 

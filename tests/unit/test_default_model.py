@@ -76,7 +76,7 @@ def test_measured_table_picks_per_device(wheel, drafter, logs):
     (drafter / "speculation.json").write_text(json.dumps({
         "speculation_by_device": {"cuda": {"method": "eagle3", "draft_block": 3}, "cpu": {"method": "none"}},
         "why_by_device": {"cuda": "eagle3-3 fastest", "cpu": "plain fastest"}}))
-    assert dm.default_model("cuda").speculation == {"eagle3": str(drafter), "draft_block": 3}
+    assert dm.default_model("cuda").speculation == {"eagle3": str(drafter), "num_draft_tokens": 3}
     assert dm.default_model("cpu").speculation == {}
     assert "plain decoding on cpu" in logs.text
     assert dm.default_model("mps").speculation == {}
@@ -104,7 +104,7 @@ def test_cli_without_m_uses_the_default_and_its_speculation(wheel, drafter):
     args = cli.build_parser().parse_args(["serve", "--device", "cpu"])
     config = cli._engine_config(args)
     assert (config.model, args.default_served_name) == (str(wheel), "smollm2")
-    assert (config.eagle3, config.draft_block) == (str(drafter), 4)
+    assert (config.eagle3, config.num_draft_tokens) == (str(drafter), 4)
     args = cli.build_parser().parse_args(["serve", "--device", "cpu", "--no-spec"])
     assert cli._engine_config(args).eagle3 is None
 
@@ -144,8 +144,9 @@ def test_shipped_drafter_and_its_measured_table(wheel):
         rows = {r["config"]: r for r in record["measurements"] if r["device"].startswith(device + " ")}
         if not chosen:
             continue
-        assert chosen == {"eagle3": str(shipped), "draft_block": record["speculation_by_device"][device]["draft_block"]}
-        row = rows[f"eagle3-{chosen['draft_block']}"]
+        assert chosen == {"eagle3": str(shipped),
+                          "num_draft_tokens": record["speculation_by_device"][device]["draft_block"]}
+        row = rows[f"eagle3-{chosen['num_draft_tokens']}"]
         assert row["identical_to_plain_greedy"] == "16/16"
         assert row["decode_tok_per_s"] > rows["plain"]["decode_tok_per_s"]
     assert dm.default_model("cuda").speculation  # the H200 measurement chose the drafter

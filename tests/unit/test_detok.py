@@ -8,8 +8,8 @@ import torch
 
 from verispec.engine.detok import IncrementalDetokenizer, StopMatcher
 from verispec.engine.output import OutputBuilder
-from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import TokenHistory
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import TokenHistory
 from verispec.engine.types import FinishReason
 from verispec.loading.tokenizer import Tokenizer
 

@@ -53,7 +53,7 @@ def test_merged_chunks_say_what_both_said():
 def test_sampling_params_refuse_what_would_fail_an_engine_step(field, value):
     """The Python API checks what the server checks: a value that would fail inside a batched step
     (and with it every sequence in the batch) is refused up front, naming the field."""
-    from verispec.engine.params import SamplingParams
+    from verispec.sampling.params import SamplingParams
     from verispec.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match=field):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from verispec.config import env
-from verispec.errors import VerispecError
 
 
 @pytest.mark.parametrize("name,field,default", [("VERISPEC_PDL", "pdl", True),
@@ -18,9 +17,3 @@ def test_flags_default_and_toggle(monkeypatch, name, field, default):
     assert getattr(env(), field) is False
     monkeypatch.setenv(name, "1")
     assert getattr(env(), field) is True
-
-
-def test_a_bad_integer_names_the_variable(monkeypatch):
-    monkeypatch.setenv("VERISPEC_EAGLE3_BLOCK", "three")
-    with pytest.raises(VerispecError, match="VERISPEC_EAGLE3_BLOCK"):
-        env()

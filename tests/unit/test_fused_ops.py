@@ -8,7 +8,7 @@ import torch
 
 from verispec.demo.tiny import build_tiny_qwen3_5
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.models.layers import fused
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

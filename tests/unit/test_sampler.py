@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from verispec.engine.engine import load_engine
-from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import (TokenHistory, apply_penalties, filter_logits, processed_probs, sample,
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import (TokenHistory, apply_penalties, filter_logits, processed_probs, sample,
                                      token_logprobs)
 from verispec.errors import InvalidRequestError
 

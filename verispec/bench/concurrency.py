@@ -17,7 +17,7 @@ import statistics
 import threading
 import time
 
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -24,7 +24,7 @@ from verispec.bench.shapes import default_eagle3_shape, eagle3_config, get_shape
 from verispec.bench.steps import measure_step_costs
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import parse_device, parse_dtype
 

@@ -169,7 +169,7 @@ class BenchOptions:
 
     def check(self) -> "BenchOptions":
         for flag, value in (("--gen-tokens", self.gen_tokens), ("--repeats", self.repeats),
-                            ("--draft-block", self.draft_block), ("--prefill-step-size", self.prefill_step_size),
+                            ("--num-draft-tokens", self.draft_block), ("--prefill-step-size", self.prefill_step_size),
                             ("--step-iters", self.step_iters)):
             if value < 1:
                 raise VerispecError(f"{flag} must be >= 1, got {value}")

@@ -24,7 +24,7 @@ from verispec.bench.options import BenchOptions
 from verispec.bench.progress import Progress
 from verispec.bench.prompts import random_words
 from verispec.bench.report import BenchReport, run_metadata
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 
 TURNS = 10

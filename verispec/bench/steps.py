@@ -22,8 +22,8 @@ import torch
 
 from verispec.engine.engine import Engine
 from verispec.engine.output import OutputBuilder
-from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import TokenHistory
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import TokenHistory
 from verispec.engine.sequence import Sequence
 from verispec.spec.proposer import TargetStep
 
@@ -97,14 +97,17 @@ def prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequenc
     history = TokenHistory(engine.model.vocab_size, prompt_ids, engine.device)
     out = OutputBuilder(engine.tokenizer, greedy, k + 2, history, engine.eos_token_ids)
     seq = Sequence(prompt_ids, greedy, k + 2, out, None, "bench", sink=lambda chunk: None)
-    if not engine.scheduler._grow(seq, len(prompt_ids) + k + 1):
+    if not engine.scheduler.reserve(seq, len(prompt_ids) + k + 1):
         raise RuntimeError("the KV cache has no room for the step-cost sequences")
+    engine.runner.apply(engine.scheduler.take_cache_ops())
     if engine.scheduler.slots is not None:
         seq.state_slot = engine.scheduler.slots.allocate()
         engine.pools.clear_state(seq.state_slot)
-    engine._attach_proposer(seq)
-    proposer = seq.proposer
-    capture = proposer.capture_layers if proposer is not None else ()
+    proposer = engine.proposer
+    if proposer is not None:
+        proposer.start(seq)
+        seq.drafting = True
+    capture = engine.runner.capture_layers
     result = engine.runner.prefill([seq], [len(prompt_ids)], capture, keep_all_rows=proposer is not None)
     seq.num_cached = len(prompt_ids)
     token = int(torch.argmax(result.logits[0, -1]))
@@ -112,10 +115,7 @@ def prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequenc
     if proposer is not None:
         step = TargetStep(prompt_ids, 0, result.hidden[0], [a[0] for a in result.aux], token,
                           result.pre_norm[0] if result.pre_norm is not None else None)
-        if engine.batched_drafting:
-            proposer.observe_rows([(seq, step)])
-        else:
-            proposer.observe(step)
+        proposer.observe([(seq, step)])
     return seq
 
 
@@ -133,13 +133,10 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
     seqs = [prefilled_sequence(engine, prompt_ids, k) for _ in range(batch)]
     try:
         token = seqs[0].token_ids[-1]
-        batched = engine.batched_drafting
 
         def propose_all():
-            if batched:
-                return [d.token_ids for d in proposer.propose_rows(seqs, [k] * len(seqs), [greedy] * len(seqs),
-                                                                   [None] * len(seqs))]
-            return [s.proposer.propose(k, greedy, None).token_ids for s in seqs]
+            return [d.token_ids for d in proposer.propose(seqs, [k] * len(seqs), [greedy] * len(seqs),
+                                                          [None] * len(seqs))]
 
         drafts = propose_all()
         context = len(prompt_ids)
@@ -158,11 +155,7 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
 
         def draft_round():
             # the drafter re-reads the verified row (its rows past the committed prefix are dropped), then drafts k
-            if batched:
-                proposer.observe_rows(list(zip(seqs, verified["steps"])))
-            else:
-                for s, step in zip(seqs, verified["steps"]):
-                    s.proposer.observe(step)
+            proposer.observe(list(zip(seqs, verified["steps"])))
             propose_all()
 
         # verify_step before draft_round in every round: the draft round observes its verified row
@@ -171,4 +164,5 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
     finally:
         for s in seqs:
             engine.scheduler.release(s)
+        engine.runner.apply(engine.scheduler.take_cache_ops())
     return StepCosts(decode_ms, verify_ms, draft_ms, k)

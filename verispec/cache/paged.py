@@ -266,7 +266,7 @@ class BatchCache:
     (recurrent layers; None without any), num_keys: one past the largest position any query reads
     (a host int, so the eager path gathers no more keys than needed).
 
-    row_starts / row_lengths: a prompt pass (one sequence's chunk or several, engine/prefill.py)
+    row_starts / row_lengths: a prompt pass (one sequence's chunk or several, engine/scheduler.py `prefill_groups`)
     gives each row's first position and real token count (host ints); rows are padded to T at
     their end. Attention then runs per sequence, the call it would make alone, and `valid_rows`
     marks the real tokens, so that recurrent layers make the padding a no-op (no decay, no write)
@@ -404,3 +404,20 @@ class CacheBudget:
     @property
     def num_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size
+
+
+def block_table_rows(seqs, width: int, pad_rows: int = 0) -> torch.Tensor:
+    """Host [B + pad_rows, width] block tables (0 = the scratch block) for a pass's or a captured
+    graph's input. Each sequence keeps its row as a tensor (`table_row`), rebuilt only when its
+    table grew (every block_size tokens), so a step costs one stack, not B x width Python ints."""
+    rows = []
+    for s in seqs:
+        cached = s.table_row
+        if cached is None or cached[0] != len(s.block_table) or cached[1].shape[0] != width:
+            row = torch.zeros(width, dtype=torch.long)
+            row[:len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+            cached = s.table_row = (len(s.block_table), row)
+        rows.append(cached[1])
+    if pad_rows:
+        rows.extend([torch.zeros(width, dtype=torch.long)] * pad_rows)
+    return torch.stack(rows)

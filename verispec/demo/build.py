@@ -315,7 +315,7 @@ class DemoBuild:
         `select_seconds` the remaining ones are left for a rerun, which measures only those."""
         from verispec.config import EngineConfig
         from verispec.engine.engine import Engine
-        from verispec.engine.params import SamplingParams
+        from verispec.sampling.params import SamplingParams
 
         o = self.options
         prompts = self.prompts()
@@ -400,7 +400,7 @@ class DemoBuild:
     def samples(self) -> list[dict]:
         from verispec.demo.default import engine_config
         from verispec.engine.engine import Engine
-        from verispec.engine.params import SamplingParams
+        from verispec.sampling.params import SamplingParams
 
         engine = Engine.load(engine_config(self.model_dir, device=self.options.device))
         tok = engine.tokenizer

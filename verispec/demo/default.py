@@ -44,10 +44,10 @@ def speculation_defaults(model_dir: Path, device_type: str | None = None) -> dic
     spec = (record.get("speculation_by_device") or {}).get(device_type) or record.get("speculation") or {}
     method = spec.get("method")
     if method == "mtp" and (Path(model_dir) / "mtp.safetensors").is_file():
-        return {"mtp": True, "mtp_depth": int(spec.get("mtp_depth", 1))}
+        return {"mtp": True, "num_draft_tokens": int(spec.get("mtp_depth", 1))}
     if method == "eagle3" and (Path(model_dir) / spec.get("eagle3", "eagle3") / "config.json").is_file():
         return {"eagle3": str(Path(model_dir) / spec.get("eagle3", "eagle3")),
-                "draft_block": int(spec.get("draft_block", 2))}
+                "num_draft_tokens": int(spec.get("draft_block", 2))}
     return {}
 
 

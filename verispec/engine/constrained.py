@@ -1,4 +1,4 @@
-"""Grammar constraints inside the engine's speculative round (the round itself is engine._round).
+"""Grammar constraints inside the engine's speculative round (Engine._round, StepUpdate.verified).
 
 A round with no constrained sequence never reaches this module. Otherwise, per constrained sequence:
 drafts are cut at the first token its grammar forbids (a forbidden draft would be rejected anyway),

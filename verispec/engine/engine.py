@@ -1,17 +1,20 @@
 """The engine: requests in, token chunks out, many sequences decoding at once.
 
 The server and the Python API hand requests to `submit` (or iterate `generate`); a worker thread
-runs steps while there is work. Each step the scheduler picks the sequences and their token
-counts, the runner runs prompt chunks and one verify pass over every decoding sequence, and the
-speculative round is written once: every sequence proposes (k = 0 is plain decoding), one target
-pass checks all of them, acceptance and commit are per sequence. The paged KV cache is allocated
-once at start, sized from the memory budget.
+runs steps while there is work. A step is three phases with plain data between them:
+- the scheduler plans (engine/scheduler.py): which prompt chunks run in which passes, which
+  sequences decode with how many drafts, and the cache operations its bookkeeping implies;
+- the runner executes (engine/runner.py): the cache operations, the prompt passes, the drafts
+  and one verify pass over every decoding sequence;
+- the update applies (engine/update.py): acceptance, commit, the drafter's observation, output.
+The speculative round is written once: k = 0 drafts is plain decoding. Overlapped plain decoding
+(engine/overlap.py) is a loop over the same pieces. The paged KV cache is allocated once at
+start, sized from the memory budget.
 """
 from __future__ import annotations
 
 import atexit
 import collections
-import copy
 import queue
 import threading
 import time
@@ -25,28 +28,27 @@ from verispec import log
 from verispec.cache.prefix import PrefixCache
 from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
-from verispec.engine import constrained, cpu_threads, overlap, prefill
+from verispec.engine import constrained, cpu_threads, warmup
 from verispec.engine.cache_sizing import size_cache
-from verispec.engine import warmup
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.limits import RequestLimits
 from verispec.engine.output import OutputBuilder
-from verispec.engine.prefix_rows import features_at
-from verispec.engine.params import SamplingParams
-from verispec.engine.runner import ModelRunner, TargetView
-from verispec.engine.sampler import TokenHistory, apply_penalties, make_generator, processed_probs, sample
-from verispec.engine.scheduler import Scheduler, default_token_budget
+from verispec.engine.overlap import OverlappedDecode
+from verispec.engine.runner import ModelRunner
+from verispec.engine.scheduler import Scheduler, StepPlan, default_token_budget
 from verispec.engine.sequence import Sequence
 from verispec.engine.types import GenerationChunk, GenerationResult
-from verispec.errors import InvalidRequestError, VerispecError
+from verispec.engine.update import RoundInputs, StepUpdate, mark_first_scheduled
+from verispec.errors import VerispecError
 from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
                                                   release_converted_checkpoints, stream_mlps)
-from verispec.spec.proposer import Draft, PassRowStep, Proposer
-from verispec.spec.verify import verify_greedy, verify_sampling
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import TokenHistory, make_generator
+from verispec.spec.proposer import Draft, Proposer
 
 WORKER_IDLE_S = 0.5
 _live_workers: set[threading.Thread] = set()
@@ -57,6 +59,9 @@ def _join_workers() -> None:
     """Let a worker finish its step before the interpreter tears torch down under it."""
     for thread in list(_live_workers):
         thread.join(timeout=5)
+
+
+_NO_DRAFT = Draft([])
 
 
 def _sync(device: torch.device) -> None:
@@ -92,12 +97,8 @@ class Engine:
         if proposer is not None and num_drafts < 1:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
         self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts, self.device.type)
-        # a batched proposer drafts for every sequence in one pass per chained step (spec/batched.py);
-        # others get one instance per sequence (Proposer.fork)
-        self.batched_drafting = bool(getattr(proposer, "batched", False))
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
-        self.overlap_decode = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         if config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
             if self.device.type != "cuda":
                 # merged projections only (q/k/v and gate/up as one GEMM each): on a CPU a decode
@@ -119,7 +120,6 @@ class Engine:
                 # gate/up -> down as one persistent launch: VERISPEC_STREAM_MLP=0 turns it off
                 stream_mlps(model, self.dtype)
         self._setup_cache()
-        self._prototype_free = True  # the proposer itself (its drafter graphs) serves one sequence
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -127,6 +127,10 @@ class Engine:
         self.last_num_drafts = 0  # drafts per sequence chosen for the last decode step (/metrics)
         # per round: (sequences, tokens per sequence, draft+inputs ms, launch ms, device wait ms, host after ms)
         self.round_timings: collections.deque = collections.deque(maxlen=4096)
+        self.update = StepUpdate(self.scheduler, self.runner, self.grammars)
+        overlap = self.use_graphs if config.overlap_decode is None else config.overlap_decode
+        self.overlap = OverlappedDecode(self.scheduler, self.runner, self.update, overlap,
+                                        new_work=lambda: not self._inbox.empty(), timings=self.round_timings)
         self._release_caller_threads()
 
     def _release_caller_threads(self) -> None:
@@ -154,72 +158,17 @@ class Engine:
         batched = cfg.max_num_batched_tokens or default_token_budget(
             sum(p.numel() for p in self.model.parameters()), self.device.type, cfg.prefill_step_size)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
-                                   self._on_release, self._on_allocate, prefix=self.prefix,
-                                   on_copy=self._on_copy, on_admit=self._on_admit)
+                                   prefix=self.prefix, batch_prefill=cfg.batch_prefill)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
-                                  use_kernel=self.use_graphs or split_k.available(self.device))
-        if self.batched_drafting:
-            self.proposer.bind(num_blocks, block, self.runner.block_tables, self.runner.use_kernel,
-                               target_pools=self.pools)
+                                  use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer)
         if self.prefix is not None:
             # a drafter with K/V rows of its own recomputes its row at a hit's last position
-            self.prefix.keep_features = self._drafter_pools() is not None
+            self.prefix.keep_features = self.proposer is not None and self.proposer.pools is not None
         log.debug("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s); up to %d sequences at once; "
                   "prefix cache %s", num_blocks - 1, block, sizes.capacity, self.budget.bytes_total / 2**30,
                   f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs,
                   "off" if self.prefix is None else
                   f"on ({num_snapshots} recurrent-state snapshots)" if num_slots else "on")
-
-    def _on_allocate(self, blocks: list[int]) -> None:
-        self.pools.zero_blocks(blocks)
-        drafter_pools = self._drafter_pools()
-        if drafter_pools is not None:  # a drafter with K/V rows of its own (EAGLE3, the MTP head)
-            drafter_pools.zero_blocks(blocks)
-
-    def _drafter_pools(self) -> PagedPools | None:
-        """A batched drafter's own K/V pools (EAGLE3, the MTP head), indexed by the target's blocks."""
-        return getattr(self.proposer, "pools", None) if self.batched_drafting else None
-
-    def _on_copy(self, src: int, dst: int) -> None:
-        self.pools.copy_block(src, dst)
-        drafter_pools = self._drafter_pools()
-        if drafter_pools is not None:
-            drafter_pools.copy_block(src, dst)
-
-    def _on_admit(self, seq: Sequence) -> None:
-        """A sequence starts (or restarts after a preemption): its recurrent state is the prefix
-        hit's snapshot, else zeros."""
-        if seq.state_slot is None:
-            return
-        hit = seq.prefix_hit
-        if hit is not None and hit.snapshot_slot is not None:
-            self.pools.copy_state(hit.snapshot_slot, seq.state_slot)
-        else:
-            self.pools.clear_state(seq.state_slot)
-
-    def _on_release(self, seq: Sequence) -> None:
-        """A sequence's blocks went back (finished or preempted): so does its drafter state."""
-        if seq.proposer is not None and self.batched_drafting:
-            self.proposer.release(seq)
-        elif seq.proposer is not None and seq.proposer is self.proposer:
-            self._prototype_free = True
-        seq.proposer = None
-
-    def _attach_proposer(self, seq: Sequence) -> None:
-        if self.proposer is None:
-            return
-        if self.batched_drafting:
-            seq.proposer = self.proposer
-            self.proposer.start(seq)
-            return
-        if self._prototype_free:
-            seq.proposer, self._prototype_free = self.proposer, False
-        else:  # duck-typed proposers without fork(): a shallow copy, as Proposer.fork does
-            fork = getattr(self.proposer, "fork", None)
-            seq.proposer = fork() if fork is not None else copy.copy(self.proposer)
-        if hasattr(seq.proposer, "attach_target_cache"):
-            seq.proposer.attach_target_cache(TargetView(self.runner, seq))
-        seq.proposer.reset(seq.prompt_ids)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -386,177 +335,79 @@ class Engine:
                 "snapshots": self.prefix.num_snapshots}
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> None:
-        """Finish cancelled sequences, then run what the scheduler plans: prompt chunks and one
-        speculative round over every decoding sequence. A failing step fails its sequences (their
-        clients get the error), frees their blocks, and the engine goes on."""
+        """Finish cancelled sequences; the scheduler plans, the runner executes, the update applies.
+        A failing step fails its sequences (their clients get the error), frees their blocks, and
+        the engine goes on."""
         self._drain_inbox()
         self._finish_cancelled()
         plan = self.scheduler.schedule(self.draft_schedule.drafts_for)
+        self.runner.apply(plan.cache_ops)
         if plan.empty:
             return
         try:
-            if plan.prefills:
-                self._prefill(plan.prefills)
-            decodes = [s for s in plan.decodes if not s.finished]
-            if decodes:
-                self.last_num_drafts = plan.num_drafts
-                if not (overlap.eligible(self, decodes, plan.num_drafts) and overlap.run(self, decodes)):
-                    self._round(decodes, plan.num_drafts)
+            self._run(plan)
         except Exception as exc:  # noqa: BLE001 - handed to each affected request
             log.exception("engine step failed; failing its %d sequences", len(plan.prefills) + len(plan.decodes))
-            for seq in [s for s, _ in plan.prefills] + plan.decodes:
-                if not seq.finished:
-                    self.scheduler.finish(seq)
-                    seq.sink(exc)
+            self.update.fail([s for s, _ in plan.prefills] + plan.decodes, exc)
+
+    def _run(self, plan: StepPlan) -> None:
+        for group in plan.prefill_groups:
+            self._prefill(group)
+        decodes = [s for s in plan.decodes if not s.finished]
+        if decodes:
+            self.last_num_drafts = plan.num_drafts
+            if not (self.overlap.eligible(decodes, plan.num_drafts) and self.overlap.run(decodes)):
+                self._round(decodes, plan.num_drafts)
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler
         for seq in [q for q in list(s.running) + list(s.waiting) if q.cancel.is_set()]:
-            self._finish(seq, seq.out.cancel())
+            self.update.finish(seq, seq.out.cancel())
 
-    def _finish(self, seq: Sequence, chunk: GenerationChunk) -> None:
-        """The sequence's last chunk: its blocks go back first, then the client hears of it."""
-        self.scheduler.finish(seq)
-        seq.emit(chunk)
-        self._log_request(seq)
-
-    def _emit(self, seq: Sequence, chunk: GenerationChunk) -> None:
-        if chunk.finish_reason is not None:
-            self._finish(seq, chunk)
-        else:
-            seq.emit(chunk)
-
-    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """The step's prompt chunks (engine/prefill.py: grouped into as few passes as padding allows)."""
-        prefill.run(self, chunks)
+    def _prefill(self, group: list[tuple[Sequence, int]]) -> None:
+        """One target pass over a group of prompt chunks (rows padded at their ends; each row's
+        bits are those of its chunk alone), then each sequence's bookkeeping."""
+        mark_first_scheduled(group)
+        if self.proposer is not None:
+            for seq, _ in group:
+                if not seq.drafting:
+                    self.proposer.start(seq)
+                    seq.drafting = True
+        seqs = [seq for seq, _ in group]
+        starts = [seq.num_cached for seq in seqs]
+        drafting = self.proposer is not None
+        out = self.runner.prefill(seqs, [n for _, n in group], self.runner.capture_layers, keep_all_rows=drafting)
+        self.update.prefilled(group, starts, out)
 
     def _round(self, seqs: list[Sequence], num_drafts: int) -> None:
         """One speculative round over every decoding sequence: drafts, one target pass, then per
         sequence verification, commit of the accepted rows, and output."""
         profile = num_drafts > 0 and env().eagle3_profile
         t0 = time.perf_counter()
-        counts = [min(num_drafts, s.remaining_tokens - 1) if s.proposer is not None else 0 for s in seqs]
-        drafts = self._propose(seqs, counts)
+        counts = [min(num_drafts, s.remaining_tokens - 1) if s.drafting else 0 for s in seqs]
+        drafts = self.runner.propose(seqs, counts) if any(counts) else [_NO_DRAFT] * len(seqs)
         grammar = constrained.RoundGrammar.of(self.grammars, seqs)  # None: no sequence is constrained
         if grammar is not None:
             drafts = grammar.cut_drafts(drafts)
-        width = 1 + max(len(d.token_ids) for d in drafts)
-        inputs = []
-        for seq, draft in zip(seqs, drafts):
-            row = [seq.last_token] + draft.token_ids
-            inputs.append(row + [row[-1]] * (width - len(row)))  # padding: computed, never read
+        inputs = RoundInputs.of(seqs, drafts)
         if profile:
             _sync(self.device)
             t_drafted = time.perf_counter()
-        capture = self.proposer.capture_layers if self.proposer is not None else ()
         t_launch = time.perf_counter()
-        out = self.runner.verify(seqs, inputs, capture)
+        out = self.runner.verify(seqs, inputs.rows, self.runner.capture_layers)
         t_launched = time.perf_counter()
-        # what each grammar allows, computed on the host while the verify pass runs; raw logits stay for logprobs
-        logits = grammar.mask(out.logits, drafts) if grammar is not None else out.logits
-        greedy_choices = None
-        if any(s.params.greedy and not s.params.has_penalties for s in seqs):
-            greedy_choices = logits.argmax(-1).tolist()  # one device sync for the whole batch
-        t_synced = time.perf_counter()
-        results = []
-        for b, (seq, draft) in enumerate(zip(seqs, drafts)):
-            n = len(draft.token_ids) + 1
-            plain_greedy = seq.params.greedy and not seq.params.has_penalties
-            choices = greedy_choices[b] if greedy_choices is not None else None
-            results.append(self._verify(draft, None if plain_greedy else logits[b, :n], seq, choices))
-        out.cache.commit([accepted + 1 for accepted, _ in results])
+        accepted, t_synced = self.update.verified(seqs, inputs, out, grammar)
         if profile:
             _sync(self.device)
-            log.info("[round] %d sequences: draft %.2f ms (k=%d), verify %.2f ms, accepted %s", len(seqs),
-                     (t_drafted - t0) * 1000, num_drafts, (time.perf_counter() - t_drafted) * 1000,
-                     [a for a, _ in results])
-        observed, chunks = [], []
-        for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
-            n = accepted + 1
-            position = seq.num_cached
-            chunks.append(self._commit_round(seq, draft.token_ids, accepted, token,
-                                             out.logits[b, :n] if seq.params.logprobs else None,
-                                             lambda i, b=b: features_at(out, b, i)))
-            if seq.proposer is not None:  # also after the last token: the drafter's state stays the committed one
-                observed.append((seq, PassRowStep(inputs[b][:n], position, token, out, b)))
-        if observed and self.batched_drafting:
-            self.proposer.observe_rows(observed)
-        else:
-            for seq, step in observed:
-                seq.proposer.observe(step)
-        for seq, chunk in zip(seqs, chunks):
-            self._emit(seq, chunk)
+            log.info("[round] %d sequences: draft %.2f ms (k=%d), verify and update %.2f ms, accepted %s",
+                     len(seqs), (t_drafted - t0) * 1000, num_drafts, (time.perf_counter() - t_drafted) * 1000,
+                     accepted)
         # where a round's time goes (bench --concurrency reports medians): drafting and building the
         # inputs, launching the target pass, waiting for the device, and the per-sequence host work after
         now = time.perf_counter()
-        self.round_timings.append((len(seqs), width, (t_launch - t0) * 1000, (t_launched - t_launch) * 1000,
-                                   (t_synced - t_launched) * 1000, (now - t_synced) * 1000))
-
-    def _commit_round(self, seq: Sequence, drafts: list[int], accepted: int, token: int,
-                      logits: torch.Tensor | None, features=None) -> GenerationChunk:
-        """One sequence's round kept: its first `accepted` drafts and `token` are committed (cache
-        length, stats, grammar, output, prefix cache); returns its chunk, not yet emitted.
-        logits [accepted + 1, V] for logprobs (None: not wanted); features(i): the pass's row i
-        for the prefix cache's drafter features (None: no drafter observes)."""
-        position = seq.num_cached
-        seq.num_cached += accepted + 1
-        stats = seq.stats
-        stats.rounds += 1
-        stats.drafted += len(drafts)
-        stats.accepted += accepted
-        tokens, grammar_done = constrained.commit(seq, drafts[:accepted] + [token])
-        chunk = seq.out.push(tokens, logits, grammar_done=grammar_done)
-        if self.prefix is not None:  # after the push: the committed tokens are in seq.token_ids now
-            self.prefix.on_commit(seq, position, features, decoding=True)
-        chunk.num_drafted = min(accepted, len(chunk.token_ids))  # a stop may cut the round short
-        chunk.num_rounds = 1
-        return chunk
-
-    def _propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
-        """Each sequence's drafts (counts[b] of them; 0 = none this round)."""
-        drafts = [Draft([]) for _ in seqs]
-        if self.batched_drafting:
-            rows = [b for b, k in enumerate(counts) if k > 0]
-            if rows:
-                picked = [seqs[b] for b in rows]
-                made = self.proposer.propose_rows(picked, [counts[b] for b in rows], [s.params for s in picked],
-                                                  [s.generator for s in picked])
-                for b, draft in zip(rows, made):
-                    drafts[b] = draft
-            return drafts
-        for b, (seq, k) in enumerate(zip(seqs, counts)):
-            if k > 0:
-                drafts[b] = seq.proposer.propose(k, seq.params, seq.generator)
-        return drafts
-
-    def _verify(self, draft: Draft, logits: torch.Tensor, seq: Sequence,
-                greedy_choices: list[int] | None) -> tuple[int, int]:
-        """logits [k+1, V] from one target pass over [last token] + k drafts -> (accepted, next token).
-
-        Penalties for position i are computed on the committed sequence plus drafts[:i].
-        """
-        drafts, params, history = draft.token_ids, seq.params, seq.history
-
-        def penalised(i: int) -> torch.Tensor:
-            if not params.has_penalties or i == 0:
-                return apply_penalties(logits[i], params, history)
-            history.add(drafts[:i])
-            try:
-                return apply_penalties(logits[i], params, history)
-            finally:
-                history.remove(drafts[:i])
-
-        if params.greedy and not params.has_penalties:
-            return verify_greedy(drafts, lambda i: greedy_choices[i])
-        if params.greedy:
-            return verify_greedy(drafts, lambda i: int(torch.argmax(penalised(i))))
-        return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), seq.generator)
-
-    @torch.inference_mode()
-    def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
-        if seq.constraint is not None:
-            logits = constrained.mask_one(self.grammars, seq, logits)
-        return sample(apply_penalties(logits, seq.params, seq.history), seq.params, seq.generator)
+        self.round_timings.append((len(seqs), len(inputs.rows[0]), (t_launch - t0) * 1000,
+                                   (t_launched - t_launch) * 1000, (t_synced - t_launched) * 1000,
+                                   (now - t_synced) * 1000))
 
     # ---- warm-up (engine/warmup.py) -----------------------------------------------------------------
     def prewarm(self) -> float:
@@ -567,18 +418,6 @@ class Engine:
     def capture_graphs(self) -> float:
         """Capture verify passes (batch buckets x T = 1..k+1) as CUDA graphs. Returns seconds taken."""
         return warmup.capture_graphs(self)
-
-    def _log_request(self, seq: Sequence) -> None:
-        stats = seq.stats
-        spec = ""
-        if stats.drafted:
-            spec = (f", {stats.method}: accepted {stats.accepted}/{stats.drafted} "
-                    f"({100 * stats.accepted / stats.drafted:.0f}%), "
-                    f"{(stats.generated_tokens - 1) / max(stats.rounds, 1):.2f} tokens/round")
-        log.debug("request %d: prompt=%d tokens, generated=%d, ttft=%.1fms, prefill=%.1f tok/s, "
-                  "decode=%.1f tok/s, preempted %d times, finish=%s%s", seq.id, stats.prompt_tokens,
-                  stats.generated_tokens, stats.ttft_ms, stats.prefill_tok_per_s, stats.decode_tok_per_s,
-                  seq.num_preemptions, seq.out.finish_reason.value if seq.out.finish_reason else None, spec)
 
 
 def load_engine(model: str, **kwargs) -> Engine:

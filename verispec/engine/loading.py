@@ -14,6 +14,8 @@ from verispec.loading.tokenizer import Tokenizer
 
 
 def check_proposer_options(config: EngineConfig) -> None:
+    if config.num_draft_tokens is not None and config.num_draft_tokens < 1:
+        raise VerispecError(f"--num-draft-tokens must be >= 1, got {config.num_draft_tokens}")
     if not config.mtp:
         return
     from verispec.spec.gemma4_assistant import check_assistant_options
@@ -21,10 +23,8 @@ def check_proposer_options(config: EngineConfig) -> None:
 
     if config.eagle3:
         raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
-    if config.mtp_depth < 1:
-        raise VerispecError(f"--mtp-depth must be >= 1, got {config.mtp_depth}")
     MtpHidden.parse(config.mtp_hidden)
-    check_assistant_options(config.num_mtp_tokens, config.assistant_window)
+    check_assistant_options(config.assistant_window)
 
 
 def load_parts(config: EngineConfig) -> tuple:

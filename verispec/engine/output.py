@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from verispec.engine.detok import IncrementalDetokenizer, StopMatcher
-from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import TokenHistory, token_logprobs
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import TokenHistory, token_logprobs
 from verispec.engine.types import FinishReason, GenerationChunk, TokenLogprob
 from verispec.loading.tokenizer import Tokenizer
 

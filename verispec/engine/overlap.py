@@ -21,10 +21,14 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from verispec.engine.runner import ModelRunner
+from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
+from verispec.engine.update import StepUpdate
 
 
 @dataclass
@@ -34,85 +38,97 @@ class _InFlight:
     launch_ms: float
 
 
-def eligible(engine, seqs: list[Sequence], num_drafts: int) -> bool:
-    """Whether this decode step can run overlapped (see the module docstring)."""
-    if not engine.overlap_decode or num_drafts or engine.runner.pools.recurrent_layers:
-        return False
-    if engine.prefix is not None and engine.prefix.keep_features:
-        return False
-    scheduler = engine.scheduler
-    if scheduler.waiting or len(scheduler.running) != len(seqs) or not engine._inbox.empty():
-        return False  # a sequence waits or is mid-prompt: its prefill needs the scheduler every step
-    for seq in seqs:
-        p = seq.params
-        if (not p.greedy or p.has_penalties or p.logprobs or seq.constraint is not None
-                or seq.proposer is not None or seq.remaining_tokens < 2):
+class OverlappedDecode:
+    """The overlapped decode loop over the engine's public pieces. `new_work()` says whether a
+    request arrived (the scheduler must run again); `timings` receives each step's round timing."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, update: StepUpdate, enabled: bool,
+                 new_work: Callable[[], bool], timings: collections.deque):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.update = update
+        self.enabled = enabled and not runner.pools.recurrent_layers
+        self.new_work = new_work
+        self.timings = timings
+
+    def eligible(self, seqs: list[Sequence], num_drafts: int) -> bool:
+        """Whether this decode step can run overlapped (see the module docstring)."""
+        if not self.enabled or num_drafts:
             return False
-    return True
-
-
-def run(engine, seqs: list[Sequence]) -> bool:
-    """Decode `seqs` step after step, one step queued ahead of the host, until something needs the
-    scheduler (a finish, a new or cancelled request, a block shortage, a remaining-token limit).
-    Returns False, having done nothing, when not even one step could be launched."""
-    runner = engine.runner
-    on_cuda = engine.device.type == "cuda"
-    inflight: collections.deque[_InFlight] = collections.deque()
-    inputs: list[list[int]] | torch.Tensor = [[s.last_token] for s in seqs]
-    launching = True
-    done = 0
-    while True:
-        if launching and _can_launch(engine, seqs, ahead=len(inflight)):
-            t0 = time.perf_counter()
-            out = runner.verify(seqs, inputs, (), ahead=len(inflight))
-            tokens = out.logits[:, 0].argmax(-1)  # [B] on the device: the next step's input
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=on_cuda)
-            host.copy_(tokens, non_blocking=on_cuda)
-            ready = None
-            if on_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000))
-            inputs = tokens[:, None]
-            if len(inflight) < 2:
-                continue  # keep a step queued behind the one the host waits for
-        else:
-            launching = False
-        if not inflight:
-            return done > 0
-        done += 1
-        step = inflight.popleft()
-        t_wait = time.perf_counter()
-        if step.ready is not None:
-            step.ready.synchronize()
-        t_synced = time.perf_counter()
-        if _commit(engine, seqs, step.tokens.tolist()) or _interrupted(engine, seqs):
-            launching = False
-        engine.round_timings.append((len(seqs), 1, 0.0, step.launch_ms, (t_synced - t_wait) * 1000,
-                                     (time.perf_counter() - t_synced) * 1000))
-
-
-def _can_launch(engine, seqs: list[Sequence], ahead: int) -> bool:
-    """Room for one more step with `ahead` unhandled steps before it: every sequence has tokens
-    left for it and blocks for its position."""
-    for seq in seqs:
-        if seq.remaining_tokens <= ahead or not engine.scheduler.reserve(seq, seq.num_cached + ahead + 1):
+        prefix = self.scheduler.prefix
+        if prefix is not None and prefix.keep_features:
             return False
-    return True
+        scheduler = self.scheduler
+        if scheduler.waiting or len(scheduler.running) != len(seqs) or self.new_work():
+            return False  # a sequence waits or is mid-prompt: its prefill needs the scheduler every step
+        for seq in seqs:
+            p = seq.params
+            if (not p.greedy or p.has_penalties or p.logprobs or seq.constraint is not None
+                    or seq.drafting or seq.remaining_tokens < 2):
+                return False
+        return True
 
+    def run(self, seqs: list[Sequence]) -> bool:
+        """Decode `seqs` step after step, one step queued ahead of the host, until something needs
+        the scheduler (a finish, a new or cancelled request, a block shortage, a remaining-token
+        limit). Returns False, having done nothing, when not even one step could be launched."""
+        runner = self.runner
+        on_cuda = runner.device.type == "cuda"
+        inflight: collections.deque[_InFlight] = collections.deque()
+        inputs: list[list[int]] | torch.Tensor = [[s.last_token] for s in seqs]
+        launching = True
+        done = 0
+        while True:
+            if launching and self._can_launch(seqs, ahead=len(inflight)):
+                t0 = time.perf_counter()
+                out = runner.verify(seqs, inputs, (), ahead=len(inflight))
+                tokens = out.logits[:, 0].argmax(-1)  # [B] on the device: the next step's input
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=on_cuda)
+                host.copy_(tokens, non_blocking=on_cuda)
+                ready = None
+                if on_cuda:
+                    ready = torch.cuda.Event()
+                    ready.record()
+                inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000))
+                inputs = tokens[:, None]
+                if len(inflight) < 2:
+                    continue  # keep a step queued behind the one the host waits for
+            else:
+                launching = False
+            if not inflight:
+                return done > 0
+            done += 1
+            step = inflight.popleft()
+            t_wait = time.perf_counter()
+            if step.ready is not None:
+                step.ready.synchronize()
+            t_synced = time.perf_counter()
+            if self._commit(seqs, step.tokens.tolist()) or self._interrupted(seqs):
+                launching = False
+            self.timings.append((len(seqs), 1, 0.0, step.launch_ms, (t_synced - t_wait) * 1000,
+                                 (time.perf_counter() - t_synced) * 1000))
 
-def _interrupted(engine, seqs: list[Sequence]) -> bool:
-    return not engine._inbox.empty() or any(s.cancel.is_set() for s in seqs)
+    def _can_launch(self, seqs: list[Sequence], ahead: int) -> bool:
+        """Room for one more step with `ahead` unhandled steps before it: every sequence has tokens
+        left for it and blocks for its position (new blocks zeroed before the launch)."""
+        for seq in seqs:
+            if seq.remaining_tokens <= ahead or not self.scheduler.reserve(seq, seq.num_cached + ahead + 1):
+                self.runner.apply(self.scheduler.take_cache_ops())
+                return False
+        self.runner.apply(self.scheduler.take_cache_ops())
+        return True
 
+    def _interrupted(self, seqs: list[Sequence]) -> bool:
+        return self.new_work() or any(s.cancel.is_set() for s in seqs)
 
-def _commit(engine, seqs: list[Sequence], tokens: list[int]) -> bool:
-    """One step's host work: each live sequence keeps its token and emits its chunk (what
-    Engine._round does for a one-token round). Returns whether a sequence finished."""
-    finished = False
-    for seq, token in zip(seqs, tokens):
-        if seq.finished:
-            continue  # finished at an earlier step: this row was computed in flight, and is dropped
-        chunk = engine._commit_round(seq, [], 0, token, None)
-        engine._emit(seq, chunk)
-        finished = finished or chunk.finish_reason is not None
-    return finished
+    def _commit(self, seqs: list[Sequence], tokens: list[int]) -> bool:
+        """One step's host work: each live sequence keeps its token and emits its chunk (what a
+        one-token round does). Returns whether a sequence finished."""
+        finished = False
+        for seq, token in zip(seqs, tokens):
+            if seq.finished:
+                continue  # finished at an earlier step: this row was computed in flight, and is dropped
+            chunk = self.update.commit(seq, [], 0, token, None)
+            self.update.emit(seq, chunk)
+            finished = finished or chunk.finish_reason is not None
+        return finished

@@ -38,7 +38,7 @@ import torch
 from verispec import log
 from verispec.config import EngineConfig
 from verispec.engine.limits import RequestLimits
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 
 CANCEL_POLL_S = 0.05  # how often the parent looks for requests whose client left

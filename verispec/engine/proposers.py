@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from verispec import log
-from verispec.config import EngineConfig, env
+from verispec.config import EngineConfig
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.spec.proposer import Proposer
 
 DEFAULT_EAGLE3_BLOCK = 2  # drafts per round: the seed system's measured sweet spot
+DEFAULT_MTP_DRAFTS = 1  # a Qwen MTP head: one draft + the bonus token (mlx-lm's "depth-2" loop)
 
 
 def build_proposer(config: EngineConfig, model: CausalLM, model_dir: Path, tokenizer: Tokenizer
@@ -22,7 +23,7 @@ def build_proposer(config: EngineConfig, model: CausalLM, model_dir: Path, token
 
         drafter = load_eagle3(config.eagle3, model)
         proposer = Eagle3Proposer(drafter, model.vocab_size)
-        num_drafts = config.draft_block or env().eagle3_block or DEFAULT_EAGLE3_BLOCK
+        num_drafts = config.num_draft_tokens or DEFAULT_EAGLE3_BLOCK
         log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
                   config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
     elif config.mtp and _is_gemma4(model):
@@ -40,7 +41,7 @@ def build_proposer(config: EngineConfig, model: CausalLM, model_dir: Path, token
         if head is not None:
             proposer = MtpProposer(head, MtpHidden.parse(config.mtp_hidden),
                                    num_real_tokens=min(tokenizer.vocab_size, model.vocab_size))
-            num_drafts = config.num_mtp_tokens or config.mtp_depth
+            num_drafts = config.num_draft_tokens or DEFAULT_MTP_DRAFTS
             log.debug("MTP head: %d drafts per round, %s hidden", num_drafts, config.mtp_hidden)
     return proposer, num_drafts
 

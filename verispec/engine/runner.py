@@ -1,6 +1,7 @@
-"""The model runner: turns a step's sequences into tensors and runs the target over the paged cache.
+"""The model runner: executes a step's plan on the device - the scheduler's cache operations, the
+target's passes over the paged cache, and the proposer's drafting passes.
 
-Two kinds of pass: prompt chunks of one or several sequences ([B, T]: each row a sequence's next
+Two kinds of target pass: prompt chunks of one or several sequences ([B, T]: each row a sequence's next
 n_b prompt tokens, T = max n_b), and a verify pass over every decoding sequence at once ([B, T]:
 each row is a sequence's last token followed by its drafts, T = 1 without speculation). Rows
 shorter than T are padded; padded tokens write into their own
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.cache.paged import BatchCache, PagedPools
+from verispec.cache.paged import BatchCache, PagedPools, block_table_rows
+from verispec.engine.scheduler import CacheOp, ClearState, CopyBlock, Released, RestoreState, ZeroBlocks
 from verispec.engine.sequence import Sequence
 from verispec.models.base import CausalLM
+from verispec.spec.proposer import Draft, Proposer, TargetCache, TargetStep
 
 
 @dataclass
@@ -28,7 +31,8 @@ class PassOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pools: PagedPools, num_real_tokens: int, use_kernel: bool):
+    def __init__(self, model: CausalLM, pools: PagedPools, num_real_tokens: int, use_kernel: bool,
+                 proposer: Proposer | None = None):
         self.model = model
         self.pools = pools
         self.num_real_tokens = num_real_tokens
@@ -36,28 +40,61 @@ class ModelRunner:
         p = next(model.parameters())
         self.device = p.device
         self.graphs = None  # BatchGraphs (CUDA), set by the engine at prewarm
+        self.proposer = proposer
+        if proposer is not None:
+            proposer.bind(TargetCache(pools, self.block_tables, use_kernel))
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The target layers whose residual streams the proposer reads (captured in every pass)."""
+        return self.proposer.capture_layers if self.proposer is not None else ()
+
+    # ---- the scheduler's cache operations -------------------------------------------------------------
+    def apply(self, ops: list[CacheOp]) -> None:
+        """Make the device follow the scheduler's bookkeeping, in order (a drafter's own K/V pools,
+        indexed by the same blocks, follow the target's)."""
+        drafter_pools = self.proposer.pools if self.proposer is not None else None
+        for op in ops:
+            if isinstance(op, ZeroBlocks):
+                self.pools.zero_blocks(op.blocks)
+                if drafter_pools is not None:
+                    drafter_pools.zero_blocks(op.blocks)
+            elif isinstance(op, CopyBlock):
+                self.pools.copy_block(op.src, op.dst)
+                if drafter_pools is not None:
+                    drafter_pools.copy_block(op.src, op.dst)
+            elif isinstance(op, RestoreState):
+                self.pools.copy_state(op.snapshot_slot, op.state_slot)
+            elif isinstance(op, ClearState):
+                self.pools.clear_state(op.state_slot)
+            elif isinstance(op, Released):
+                if self.proposer is not None:
+                    self.proposer.release(op.seq)
+            else:  # pragma: no cover - a new op kind must be handled here
+                raise TypeError(f"unknown cache operation {op!r}")
+
+    # ---- drafting ----------------------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
+        """Each sequence's drafts (counts[b] of them; 0 = none this round), drafted in one call for
+        every sequence that gets some."""
+        drafts = [Draft([]) for _ in seqs]
+        rows = [b for b, k in enumerate(counts) if k > 0]
+        if rows:
+            picked = [seqs[b] for b in rows]
+            made = self.proposer.propose(picked, [counts[b] for b in rows], [s.params for s in picked],
+                                         [s.generator for s in picked])
+            for b, draft in zip(rows, made):
+                drafts[b] = draft
+        return drafts
+
+    def observe(self, rows: list[tuple[Sequence, TargetStep]]) -> None:
+        if rows:
+            self.proposer.observe(rows)
 
     def block_tables(self, seqs: list[Sequence], num_columns: int | None = None) -> torch.Tensor:
         """[B, N] block ids, 0-padded (0 = scratch)."""
         width = num_columns or max(1, max(len(s.block_table) for s in seqs))
-        return self.table_rows(seqs, width).to(self.device, non_blocking=True)
-
-    @staticmethod
-    def table_rows(seqs: list[Sequence], width: int, pad_rows: int = 0) -> torch.Tensor:
-        """Host [B + pad_rows, width] block tables for a captured graph's static buffer. Each
-        sequence keeps its row as a tensor, rebuilt only when its table grew (every block_size
-        tokens), so a step costs one stack, not B x width Python ints."""
-        rows = []
-        for s in seqs:
-            cached = s.table_row
-            if cached is None or cached[0] != len(s.block_table) or cached[1].shape[0] != width:
-                row = torch.zeros(width, dtype=torch.long)
-                row[:len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-                cached = s.table_row = (len(s.block_table), row)
-            rows.append(cached[1])
-        if pad_rows:
-            rows.extend([torch.zeros(width, dtype=torch.long)] * pad_rows)
-        return torch.stack(rows)
+        return block_table_rows(seqs, width).to(self.device, non_blocking=True)
 
     def state_slots(self, seqs: list[Sequence]) -> torch.Tensor | None:
         if not self.pools.recurrent_layers:
@@ -129,32 +166,3 @@ class ModelRunner:
         if self.num_real_tokens < logits.shape[-1]:
             logits[..., self.num_real_tokens:] = float("-inf")
         return logits
-
-
-class TargetView:
-    """One sequence's rows in the target's paged cache, for drafters that read the target's K/V
-    (the Gemma 4 assistant): `length` is the committed row count (rows past it hold the last verify
-    pass's rejected K/V), `batch_cache` a one-sequence cache view for a read-only pass."""
-
-    def __init__(self, runner: ModelRunner, seq: Sequence):
-        self.runner = runner
-        self.seq = seq
-
-    @property
-    def length(self) -> int:
-        return self.seq.num_cached
-
-    @property
-    def pools(self) -> PagedPools:
-        return self.runner.pools
-
-    def rows_from(self, position: int) -> torch.Tensor:
-        """Pool rows of this sequence's positions from `position` to the end of its blocks."""
-        size = self.runner.pools.block_size
-        positions = range(position, len(self.seq.block_table) * size)
-        return torch.tensor([self.seq.block_table[p // size] * size + p % size for p in positions],
-                            dtype=torch.long, device=self.runner.device)
-
-    def batch_cache(self, positions: torch.Tensor, num_keys: int) -> BatchCache:
-        """positions [1, T] of the queries; keys 0..num_keys-1."""
-        return self.runner.batch_cache([self.seq], positions, num_keys)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 from verispec import log
 from verispec.cache.paged import BlockAllocator, SlotAllocator
@@ -42,37 +42,110 @@ def default_token_budget(num_params: int, device_type: str, prefill_chunk: int) 
     return max(base, min(MAX_STEP_TOKENS, by_compute))
 
 
+# What the scheduler did to the cache's bookkeeping that the device must follow, in order: the
+# runner applies these to the target's pools (and a drafter's own) before the step's passes.
+@dataclass(frozen=True)
+class ZeroBlocks:
+    blocks: list[int]  # newly handed out: stale rows must not leak into masked attention
+
+
+@dataclass(frozen=True)
+class CopyBlock:
+    src: int  # a shared prefix-cache block ...
+    dst: int  # ... made private, because its last rows are rewritten
+
+
+@dataclass(frozen=True)
+class RestoreState:
+    snapshot_slot: int  # a prefix hit's recurrent-state snapshot ...
+    state_slot: int  # ... becomes an admitted sequence's starting state
+
+
+@dataclass(frozen=True)
+class ClearState:
+    state_slot: int  # an admitted sequence with no snapshot starts from zeros
+
+
+@dataclass(frozen=True)
+class Released:
+    seq: Sequence  # blocks went back (finished or preempted): its drafter state goes too
+
+
+CacheOp = Union[ZeroBlocks, CopyBlock, RestoreState, ClearState, Released]
+
+
 @dataclass
 class StepPlan:
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens of its chunk)
+    """One step: prompt chunks in passes (each pass a list of (sequence, chunk tokens)), the
+    decoding sequences with the drafts each gets, and the cache operations to apply first."""
+
+    prefill_groups: list[list[tuple[Sequence, int]]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     num_drafts: int = 0  # drafts per decoding sequence this step
+    cache_ops: list[CacheOp] = field(default_factory=list)
+
+    @property
+    def prefills(self) -> list[tuple[Sequence, int]]:
+        return [chunk for group in self.prefill_groups for chunk in group]
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefill_groups and not self.decodes
+
+
+# A pass groups prompt chunks while its padded size (B x its longest chunk) stays within this
+# factor of its real tokens, plus a few tokens a row: a prompt's short tail does not ride in a
+# pass of long chunks (padding is compute spent on nothing), tails group with tails.
+PADDING_ALLOWANCE = 1.25
+PADDING_SLACK = 16
+
+
+def prefill_groups(chunks: list[tuple[Sequence, int]], batched: bool = True) -> list[list[tuple[Sequence, int]]]:
+    """The step's (sequence, chunk tokens) in passes: longest first, each group as long as its
+    padding stays within the allowance (a group keeps the plan's order inside). Grouped, chunks
+    share one pass's per-layer host overhead: eight clients' prompts need not wait for eight
+    forwards. batched=False: one pass per chunk."""
+    if not batched:
+        return [[chunk] for chunk in chunks]
+    order = sorted(range(len(chunks)), key=lambda i: -chunks[i][1])
+    out: list[list[int]] = []
+    for i in order:
+        n = chunks[i][1]
+        if out:
+            group = out[-1]
+            longest = chunks[group[0]][1]
+            real = sum(chunks[j][1] for j in group) + n
+            rows = len(group) + 1
+            if rows * longest <= PADDING_ALLOWANCE * real + PADDING_SLACK * rows:
+                group.append(i)
+                continue
+        out.append([i])
+    return [[chunks[i] for i in sorted(group)] for group in out]
 
 
 class Scheduler:
+    """Owns the block and state-slot allocators and the prefix cache; what it does to them that
+    the device must follow comes out as cache operations (in a step's plan, or `take_cache_ops`)."""
+
     def __init__(self, blocks: BlockAllocator, slots: SlotAllocator | None, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefill_chunk: int, on_free: Callable[[Sequence], None],
-                 on_allocate: Callable[[list[int]], None] = lambda blocks: None,
-                 prefix: PrefixCache | None = None,
-                 on_copy: Callable[[int, int], None] = lambda src, dst: None,
-                 on_admit: Callable[[Sequence], None] = lambda seq: None):
+                 max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
+                 batch_prefill: bool = True):
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
-        self.on_free = on_free  # called when a sequence's resources go back (finish or preemption)
-        self.on_allocate = on_allocate  # called with newly handed-out block ids
         self.prefix = prefix
-        self.on_copy = on_copy  # block src -> dst (a shared block made private)
-        self.on_admit = on_admit  # a sequence got its blocks and state slot (restore or clear its state)
+        self.batch_prefill = batch_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._ops: list[CacheOp] = []
+
+    def take_cache_ops(self) -> list[CacheOp]:
+        """The cache operations recorded since the last call (the device has not seen them yet)."""
+        ops, self._ops = self._ops, []
+        return ops
 
     @property
     def has_work(self) -> bool:
@@ -90,7 +163,7 @@ class Scheduler:
         if need > self.blocks.num_free:
             return False
         new_blocks = self.blocks.allocate(need)
-        self.on_allocate(new_blocks)
+        self._ops.append(ZeroBlocks(new_blocks))
         seq.block_table.extend(new_blocks)
         return True
 
@@ -111,7 +184,8 @@ class Scheduler:
         seq.num_cached = 0
         seq.num_registered = 0
         seq.prefix_hit = None
-        self.on_free(seq)
+        seq.drafting = False
+        self._ops.append(Released(seq))
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -135,6 +209,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self, drafts_for_batch: Callable[[int], int]) -> StepPlan:
         plan = StepPlan()
+        chunks: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.running if not s.in_prefill]
         plan.num_drafts = drafts_for_batch(len(decoding)) if decoding else 0
         width = plan.num_drafts + 1
@@ -149,7 +224,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(plan.decodes) * width
         for seq in [s for s in self.running if s.in_prefill]:
             if seq.status is SequenceStatus.RUNNING:  # not preempted meanwhile
-                budget -= self._plan_chunk(plan, seq, budget)
+                budget -= self._plan_chunk(plan, chunks, seq, budget)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if self.slots is not None and self.slots.num_free == 0:
@@ -157,7 +232,7 @@ class Scheduler:
             if self.prefix is not None and self.prefix.being_computed(seq, self.running):
                 break  # admitted once that block is registered: a hit instead of computing it twice
             self._take_prefix(seq)
-            used = self._plan_chunk(plan, seq, budget, admitting=True)
+            used = self._plan_chunk(plan, chunks, seq, budget, admitting=True)
             if not used:
                 self.release(seq)  # gives back the shared prefix blocks too
                 break  # not enough free blocks for its first chunk: wait for some to free up
@@ -168,9 +243,21 @@ class Scheduler:
             self.running.append(seq)
             if self.prefix is not None:
                 self.prefix.record(seq)
-            self.on_admit(seq)
+            self._start_state(seq)
             budget -= used
+        plan.prefill_groups = prefill_groups(chunks, self.batch_prefill)
+        plan.cache_ops = self.take_cache_ops()
         return plan
+
+    def _start_state(self, seq: Sequence) -> None:
+        """An admitted sequence's recurrent state: the prefix hit's snapshot, else zeros."""
+        if seq.state_slot is None:
+            return
+        hit = seq.prefix_hit
+        if hit is not None and hit.snapshot_slot is not None:
+            self._ops.append(RestoreState(hit.snapshot_slot, seq.state_slot))
+        else:
+            self._ops.append(ClearState(seq.state_slot))
 
     def _take_prefix(self, seq: Sequence) -> None:
         """A sequence about to be admitted takes the cached blocks its tokens start with."""
@@ -183,7 +270,7 @@ class Scheduler:
             # prompt's last token): that block becomes a private copy
             if self.blocks.num_free > 0:
                 [copy] = self.blocks.allocate(1)
-                self.on_copy(hit.blocks[-1], copy)
+                self._ops.append(CopyBlock(hit.blocks[-1], copy))
                 self.blocks.free([hit.blocks[-1]])
                 hit.blocks[-1] = copy
             elif whole and len(hit.blocks) > 1:  # no block to copy into: stop the hit a block short
@@ -202,10 +289,11 @@ class Scheduler:
         seq.num_registered = len(hit.blocks)
         seq.prefix_hit = hit
 
-    def _plan_chunk(self, plan: StepPlan, seq: Sequence, budget: int, admitting: bool = False) -> int:
+    def _plan_chunk(self, plan: StepPlan, chunks: list[tuple[Sequence, int]], seq: Sequence, budget: int,
+                    admitting: bool = False) -> int:
         """Schedule the next prompt chunk of `seq` within `budget` tokens; returns tokens used."""
         remaining = seq.prefill_target - seq.num_cached
-        if not admitting and not plan.decodes and not plan.prefills:
+        if not admitting and not plan.decodes and not chunks:
             budget = max(budget, 1)  # a lone prefill always makes progress
         num = min(remaining, self.prefill_chunk, budget)
         if num <= 0:
@@ -220,8 +308,8 @@ class Scheduler:
         while not self._grow(seq, seq.num_cached + num):
             # when nothing else can run, a sequence mid-prompt takes blocks from newer ones (else all
             # could stall half-prefilled); otherwise it waits for blocks to free up, as admission does
-            if admitting or self.running[-1] is seq or not plan.empty:
+            if admitting or self.running[-1] is seq or plan.decodes or chunks:
                 return 0
             self._preempt_newest()
-        plan.prefills.append((seq, num))
+        chunks.append((seq, num))
         return num

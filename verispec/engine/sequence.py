@@ -15,7 +15,7 @@ from typing import Callable
 
 from verispec.cache.prefix import ROOT_HASH, chain_hashes
 from verispec.engine.output import OutputBuilder
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import GenerationChunk, GenerationStats
 
 _ids = itertools.count(1)
@@ -44,7 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_size = block_size  # the paged cache's (block hashes are per block)
         self.block_table: list[int] = []
-        self.table_row = None  # (table length, host tensor row) cached for graph inputs (ModelRunner.table_rows)
+        self.table_row = None  # (table length, host tensor row) cached for graph inputs (cache.paged.block_table_rows)
         self.state_slot: int | None = None  # recurrent-state slot (hybrid models)
         self.num_cached = 0
         # prefix cache (verispec/cache/prefix.py): hashes of full blocks of token_ids (grown on
@@ -54,7 +54,7 @@ class Sequence:
         self.num_registered = 0
         self.prefix_hit = None
         self.decode_snapshot: bytes | None = None
-        self.proposer = None  # this sequence's proposer (its own drafter state), when speculating
+        self.drafting = False  # the engine's proposer holds state for it (started, not yet released)
         self.constraint = None  # its grammar's matcher (grammar/constraint.py), when constrained
         self.num_preemptions = 0
         self.arrival = time.perf_counter()

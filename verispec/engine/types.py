@@ -4,18 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from verispec.sampling.sampler import TokenLogprob  # noqa: F401 - part of a chunk
+
 
 class FinishReason(str, Enum):
     STOP = "stop"  # eos token, stop token id or stop string
     LENGTH = "length"  # max_tokens or the context's end
     CANCELLED = "cancelled"  # the client went away
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # [(token_id, logprob)], best first
 
 
 @dataclass

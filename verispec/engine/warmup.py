@@ -9,7 +9,7 @@ import torch
 
 from verispec import log
 from verispec.cache.paged import BatchCache
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.kernels import decode_attention as split_k
 
 PREWARM_PROMPT_TOKENS = 100
@@ -61,10 +61,8 @@ def capture_graphs(engine) -> float:
     table_width = engine.blocks.blocks_for(engine.max_model_len + engine.num_drafts + 1)
     engine.runner.graphs = BatchGraphs(engine.runner, engine.num_drafts + 1, engine.config.max_num_seqs, capture,
                                        table_width)
-    if engine.batched_drafting:
-        engine.proposer.capture_batch_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
-    elif engine.proposer is not None:
-        engine.proposer.capture_graphs(engine.num_drafts + 1, engine.max_model_len + engine.num_drafts + 1)
+    if engine.proposer is not None:
+        engine.proposer.capture_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
     seconds = time.perf_counter() - t0
     log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens in %.2fs",
               engine.runner.graphs.batch_sizes, engine.num_drafts + 1, seconds)
@@ -116,7 +114,7 @@ def warm_lengths(max_model_len: int) -> list[list[int]]:
 
 def warm_prompt_lengths(engine) -> None:
     """Each length alone (one-sequence passes), then each group together: prompt chunks of
-    several sequences share a padded pass (engine/prefill.py), whose shapes compile again."""
+    several sequences share a padded pass (engine/scheduler.py `prefill_groups`), whose shapes compile again."""
     vocab = engine.num_real_tokens
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     def prompts(lengths: list[int], salt: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.engine.types import GenerationChunk, merge_chunks
 
 DISCONNECT_POLL_S = 0.2

@@ -5,7 +5,7 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from verispec.engine.params import MAX_TOP_LOGPROBS, SamplingParams
+from verispec.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.server.errors import invalid_request, model_not_found
 from verispec.server.input_checks import (check_chat_template_kwargs, check_prompt_chars, check_seed,

@@ -1,50 +1,207 @@
-"""The chained drafter: what EAGLE3 and the MTP head share.
+"""The chained drafter: what EAGLE3 and the MTP head share, drafting for every sequence at once.
 
-Both are a small model with its own one-layer cache (row i = position i) that
-- observes each committed target step: one pass over the step's tokens shifted by one (plus the
-  next token) paired with the target's features at those positions, keeping the rows and the
-  last row's output and logits;
-- proposes k drafts by chaining: choose a token from the last logits, run one row for it fed the
-  last output, repeat; the in-round rows are dropped at the next observe.
-Subclasses give the pass (`_last_row`), the target features (`_features`) and the choice of a
-token from their logits (`_choose`).
-
-On CUDA the passes run as CUDA graphs (`capture_graphs`): eagerly one is ~100 PyTorch ops of
-Python and launch overhead, more than a whole captured target step of a small model (measured on
-the demo model: EAGLE3 with one draft at 291 tok/s against 2054 tok/s plain). Captured, a pass
-costs its kernels.
+Both are a small model with its own one-layer cache whose rows live in paged pools indexed by
+the *target's* block tables (drafter row p sits at position p, as the target's does), so a
+drafter needs no allocator of its own and a sequence's drafter rows come and go with its blocks.
+Per sequence it keeps only the last committed row's output and logits. One round: k chained
+passes over [B, 1] (a token chosen per row from the last logits, fed back with the last output),
+then, after verification, one observe pass over every sequence's accepted rows ([B, n_max],
+padded: the step's tokens shifted by one, plus the next token, paired with the target's features
+at those positions). On CUDA both kinds of pass replay CUDA graphs captured per (batch bucket,
+T), as the target's verify passes do: eagerly a pass is ~100 PyTorch ops of Python and launch
+overhead, more than a whole captured target step of a small model.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from verispec import log
-from verispec.cache.kv import KVCache, LayerCacheSpec
-from verispec.engine.params import SamplingParams
-from verispec.kernels import decode_attention as split_k
+from verispec.cache.kv import LayerCacheSpec
+from verispec.cache.paged import BatchCache, PagedPools, block_table_rows
+from verispec.kernels.cuda_graph import GraphedCall
 from verispec.models.base import fuse_small_ops
-from verispec.spec.batched import BatchedDrafting
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.sampling.params import SamplingParams
+from verispec.spec.proposer import Draft, Proposer, TargetCache, TargetStep, drafts_per_row
 
 
-class ChainedDrafter(BatchedDrafting, Proposer):
+@dataclass
+class _RowState:
+    """A sequence's last committed drafter row: row `row` of an observe pass's outputs (kept whole,
+    one copy per pass, so the next round can take them as they are when the batch is the same)."""
+
+    outs: torch.Tensor  # [R, 1, F] the pass's outputs of each row's last committed position
+    logits: torch.Tensor  # [R, V'] their logits (the first draft's distribution)
+    row: int
+    next_position: int  # the position of the token the first draft follows
+
+    @property
+    def last_out(self) -> torch.Tensor:  # [1, F]
+        return self.outs[self.row]
+
+    @property
+    def last_logits(self) -> torch.Tensor:  # [V']
+        return self.logits[self.row]
+
+
+class ChainedDrafter(Proposer):
+    """Subclasses give the drafter module and its cache specs, `_rows` (one pass, returning each
+    row's output and logits at a given index), `_greedy_tokens` (every row's greedy draft, on the
+    device), `_features` / `_batch_features` (the target features a pass pairs with its tokens)
+    and `_choose` (one sampled draft and its distribution)."""
+
     def __init__(self, drafter: torch.nn.Module, cache_specs: list[LayerCacheSpec], feature_size: int):
         self.drafter = drafter
+        self.cache_specs = cache_specs
         self.feature_size = feature_size
         p = next(drafter.parameters())
-        self.device = p.device
-        self.cache = KVCache(cache_specs, 256, p.dtype, p.device)
-        self.committed = 0  # rows holding target features (in-round draft rows come after)
-        self.last_out: torch.Tensor | None = None  # [1, 1, F] output of the last committed row
-        self.last_logits: torch.Tensor | None = None  # [V] (or the draft vocabulary)
-        self.next_position = 0
-        self._graphs: dict = {}  # tokens per pass -> GraphedCall (CUDA, after capture_graphs)
+        self.device, self.dtype = p.device, p.dtype
+        self.pools: PagedPools | None = None  # bound to the target's block geometry (bind)
+        self._target: TargetCache | None = None
+        self._states: dict[int, _RowState] = {}
+        self._graphs: DrafterGraphs | None = None
 
-    # ---- what a drafter provides ------------------------------------------------------------
-    def _last_row(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over ids, positions [1, T], features [1, T, F], writing T pending cache rows:
-        the last row's output [1, 1, F] (fed to the next chained row) and logits."""
+    def bind(self, target: TargetCache) -> None:
+        """Paged pools for the drafter's layers, indexed by the target's block tables."""
+        self.pools = PagedPools(self.cache_specs, target.num_blocks, target.block_size, 1, self.dtype, self.device)
+        self._target = target
+        self._states = {}
+        self._graphs = None
+
+    def capture_graphs(self, batch_sizes: list[int], max_tokens: int, table_width: int) -> None:
+        """CUDA: observe and chained passes (T = 1..max_tokens) as graphs per batch bucket, with the
+        drafter's projections merged and small ops compiled as the target's are."""
+        if self.device.type != "cuda" or self._graphs is not None:
+            return
+        fuse_small_ops(self.drafter)
+        self._graphs = DrafterGraphs(self, batch_sizes, max_tokens, table_width, self.feature_size)
+
+    def start(self, seq) -> None:
+        self._states.pop(seq.id, None)
+
+    def release(self, seq) -> None:
+        self._states.pop(seq.id, None)
+
+    # ---- passes ---------------------------------------------------------------------------------
+    def _batch_pass(self, seqs, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                    last: torch.Tensor, num_keys: int, rows: tuple[list[int], list[int]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions [B, T]; features [B, T, F]; last [B]: the index whose output and logits
+        each row returns -> (out [B, 1, F], logits [B, V']). rows: each row's first position and
+        real length when rows are contiguous runs padded at their ends (an observe pass): an
+        eager pass then attends per sequence, causally, as a prompt chunk does (no masked call)."""
+        graphs = self._graphs
+        if graphs is not None:
+            step = graphs.get(len(seqs), ids.shape[1])
+            if step is not None:
+                return step(seqs, ids, features, positions, last)
+        starts, lengths = rows if rows is not None else (None, None)
+        cache = BatchCache(self.pools, self._target.tables(seqs), positions, None, num_keys, self._target.use_kernel,
+                           row_starts=starts, row_lengths=lengths)
+        return self._rows(ids, features, positions, cache, last)
+
+    @torch.inference_mode()
+    def observe(self, rows: list[tuple[object, TargetStep]]) -> None:
+        """Each sequence's committed step: the drafter runs over step.token_ids[1:] + [next_token]
+        paired with the target features at the step's positions (one pass for all sequences)."""
+        seqs = [seq for seq, _ in rows]
+        steps = [step for _, step in rows]
+        n_max = max(len(s.token_ids) for s in steps)
+        device = self.device
+        ids, positions = [], []
+        for step in steps:
+            n = len(step.token_ids)
+            row_ids = step.token_ids[1:] + [step.next_token]
+            ids.append(row_ids + [row_ids[-1]] * (n_max - n))
+            positions.append([step.start_position + j for j in range(n_max)])
+        features = self._pass_features(steps, n_max)
+        if features is None:
+            feats = []
+            for step in steps:
+                f = self._features(step)  # [n, F]
+                if len(f) < n_max:
+                    f = torch.cat([f, f[-1:].expand(n_max - len(f), -1)])
+                feats.append(f)
+            features = torch.stack(feats)
+        # one host-to-device copy for ids, positions and row indices
+        packed = torch.tensor([i + p + [len(step.token_ids) - 1] for i, p, step in zip(ids, positions, steps)],
+                              dtype=torch.long).to(device, non_blocking=True)
+        ids_t, pos_t, last = packed[:, :n_max], packed[:, n_max:2 * n_max], packed[:, -1]
+        num_keys = max(s.start_position + n_max for s in steps)
+        if self._graphs is not None:
+            self._graphs.new_round()
+        spans = ([step.start_position for step in steps], [len(step.token_ids) for step in steps])
+        out, logits = self._batch_pass(seqs, ids_t, features.to(self.pools.dtype), pos_t, last, num_keys, spans)
+        out, logits = out.clone(), logits.clone()  # graph outputs are reused by the next replay
+        for b, (seq, step) in enumerate(rows):
+            self._states[seq.id] = _RowState(out, logits, b, step.start_position + len(step.token_ids))
+
+    def _pass_features(self, steps: list, n_max: int) -> torch.Tensor | None:
+        """[B, n_max, F] features of steps that are the rows of one verify pass in order (PassRowStep),
+        read from the pass's tensors at once; None when they are not (prefill chunks). Rows past a
+        step's own length hold the pass's other rows: finite, never attended to by a real row, and
+        the drafter rows they write sit past the committed ones, rewritten before anything reads them."""
+        sources = [getattr(step, "source", None) for step in steps]
+        out = sources[0][0] if sources[0] is not None else None
+        if out is None or len(out.hidden) != len(steps) or any(
+                s is None or s[0] is not out or s[1] != b for b, s in enumerate(sources)):
+            return None
+        return self._batch_features(out, n_max)
+
+    def _batch_features(self, out, n_max: int) -> torch.Tensor | None:
+        """Every row of pass `out`, positions :n_max -> [B, n_max, F]; None: this drafter has no
+        batched form (each step's features are taken one by one)."""
+        return None
+
+    @torch.inference_mode()
+    def propose(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
+        """Up to num_drafts[b] drafts for each sequence, chained for all of them at once."""
+        k = max(num_drafts)
+        states = [self._states[s.id] for s in seqs]
+        first = states[0]
+        if (len(first.logits) == len(states) and
+                all(st.logits is first.logits and st.row == b for b, st in enumerate(states))):
+            logits, out = first.logits, first.outs  # the last observe pass's rows, in this order
+        else:
+            logits = torch.stack([st.last_logits for st in states])
+            out = torch.stack([st.last_out for st in states])  # [B, 1, F]
+        base = [st.next_position for st in states]
+        base_t = torch.tensor(base, dtype=torch.long).to(self.device, non_blocking=True)[:, None]  # [B, 1]
+        if self._graphs is not None:
+            self._graphs.new_round()
+        chosen: list[torch.Tensor] = []
+        probs: list[list[torch.Tensor | None]] = []
+        zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        for i in range(k):
+            # a row past its own count draws nothing: its generator must advance as it would alone
+            active = [i < n for n in num_drafts]
+            tokens, q = self._choose_rows(logits, params, generators, active)
+            chosen.append(tokens)
+            probs.append(q)
+            if i + 1 == k:
+                break
+            out, logits = self._batch_pass(seqs, tokens[:, None], out, base_t + i, zero, max(base) + i + 1)
+        return drafts_per_row(chosen, probs, num_drafts)
+
+    def _choose_rows(self, logits: torch.Tensor, params: list, generators: list, active: list[bool]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """logits [B, V'] -> (target token ids [B] on the device, per row the distribution it was
+        sampled from [V], or None when greedy). Inactive sampling rows keep the greedy token."""
+        tokens = self._greedy_tokens(logits)
+        probs: list[torch.Tensor | None] = [None] * logits.shape[0]
+        for b, p in enumerate(params):
+            if not p.greedy and active[b]:
+                token, q = self._choose(logits[b], p, generators[b])
+                tokens[b] = token
+                probs[b] = q
+        return tokens, probs
+
+    # ---- what a drafter provides ------------------------------------------------------------------
+    def _rows(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
+              last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def _features(self, step: TargetStep) -> torch.Tensor:
@@ -52,93 +209,68 @@ class ChainedDrafter(BatchedDrafting, Proposer):
         raise NotImplementedError
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
-        """The drafter's logits -> (target token id, the distribution it was sampled from over the
-        target vocabulary [V], or None when greedy)."""
+        """The drafter's logits [V'] -> (target token id, the distribution it was sampled from over
+        the target vocabulary [V], or None when greedy)."""
         raise NotImplementedError
 
-    # ---- the proposer protocol ------------------------------------------------------------------
-    def fork(self) -> "ChainedDrafter":
-        """Same drafter, its own cache; runs eagerly (captured graphs hold the original's cache)."""
-        other = super().fork()
-        other.cache = KVCache(self.cache.specs, 256, self.cache.dtype, self.cache.device)
-        other._graphs = {}
-        other.committed, other.last_out, other.last_logits, other.next_position = 0, None, None, 0
-        return other
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.cache.reset()
-        self.committed = 0
+class DrafterGraphs:
+    """A batched drafter's passes captured per (batch bucket, T) over its paged pools: static
+    token ids, features, positions, block tables and row indices; padded rows use the scratch block."""
 
-    @torch.inference_mode()
-    def observe(self, step: TargetStep) -> None:
-        """Run the drafter over step.token_ids[1:] + [next_token], paired with the target
-        features of step.token_ids (token at p+1 with feature at p), at positions p...; keep the
-        rows, and the last row's output and logits (only the last: prefill chunks are long)."""
-        self.cache.rollback(self.cache.length - self.committed)  # drop last round's draft rows
-        n = len(step.token_ids)
-        self._reserve(self.committed + n + 64)
-        ids = torch.tensor([step.token_ids[1:] + [step.next_token]], dtype=torch.long, device=self.device)
-        positions = torch.arange(step.start_position, step.start_position + n, device=self.device)[None]
-        self.last_out, self.last_logits = self._pass(ids, self._features(step)[None], positions)
-        self.cache.commit(n)
-        self.committed = self.cache.length
-        self.next_position = step.start_position + n
+    def __init__(self, drafter: ChainedDrafter, batch_sizes: list[int], max_tokens: int, table_width: int,
+                 feature_size: int):
+        self.drafter = drafter
+        self.batch_sizes = batch_sizes
+        self.calls: dict[tuple[int, int], GraphedCall] = {}
+        pools = drafter.pools
+        device, dtype = pools.device, pools.dtype
 
-    @torch.inference_mode()
-    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        logits, out = self.last_logits, self.last_out
-        self._reserve(self.cache.length + num_drafts + 1)
-        for i in range(num_drafts):
-            token, q = self._choose(logits, params, generator)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            if i + 1 == num_drafts:
-                break
-            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            positions = torch.tensor([[self.next_position + i]], device=self.device)
-            out, logits = self._pass(ids, out, positions)
-            self.cache.commit(1)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        def step(ids, features, positions, tables, last):
+            cache = BatchCache(pools, tables, positions, None, 0, use_kernel=True)
+            return drafter._rows(ids, features, positions, cache, last)
 
-    # ---- CUDA graphs ------------------------------------------------------------------------------
-    def capture_graphs(self, max_tokens: int, capacity: int) -> None:
-        """Passes of 1..max_tokens (at most the split-K kernel's 8) tokens as CUDA graphs, the
-        drafter's projections merged and small ops compiled as the target's are; its cache is then
-        allocated once for `capacity` positions (graphs hold its addresses), read in place."""
-        if self.device.type != "cuda" or self._graphs:
-            return
-        from verispec.engine.cuda_graphs import GraphedCall
+        self._last_tables = None
+        pool = None
+        for b in sorted(batch_sizes, reverse=True):  # largest first, so the shared pool fits the rest
+            for t in range(max_tokens, 0, -1):
+                example = [torch.zeros(b, t, dtype=torch.long, device=device),
+                           torch.zeros(b, t, feature_size, dtype=dtype, device=device),
+                           torch.arange(t, device=device)[None].repeat(b, 1),
+                           torch.zeros(b, table_width, dtype=torch.long, device=device),
+                           torch.zeros(b, dtype=torch.long, device=device)]
+                call = GraphedCall(step, example, pool)
+                pool = call.pool()
+                self.calls[(b, t)] = call
 
-        fuse_small_ops(self.drafter)
-        p = next(self.drafter.parameters())
-        self.cache = KVCache(self.cache.specs, capacity, p.dtype, p.device)
-        self.cache.use_decode_kernel = True
-        graphs, pool = {}, None
-        for t in range(min(max_tokens, split_k.MAX_QUERY_TOKENS), 0, -1):  # largest first: one shared pool
-            example = [torch.zeros(1, t, dtype=torch.long, device=p.device),
-                       torch.zeros(1, t, self.feature_size, dtype=p.dtype, device=p.device),
-                       torch.arange(capacity - t, capacity, device=p.device)[None]]  # rows no sequence reaches
-            graphs[t] = GraphedCall(self._last_row, example, pool)
-            pool = graphs[t].pool()
-        self._graphs = graphs
-        self.cache.reset()
-        log.debug("%s: captured CUDA graphs for drafter passes of 1..%d tokens", type(self).__name__, len(graphs))
+    def new_round(self) -> None:
+        """Forget the cached tables: blocks may have changed since (a preempted sequence gets new ones)."""
+        self._last_tables = None
 
-    def _pass(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter pass, replayed when a graph of its size was captured."""
-        graph = self._graphs.get(ids.shape[1])
-        if graph is None:
-            return self._last_row(ids, features, positions)
-        out = graph(ids, features, positions)
-        self.cache.pending = ids.shape[1]  # the replayed pass wrote its rows
-        return out
+    def _tables(self, seqs, width: int, pad: int) -> torch.Tensor:
+        """Host block tables for the graph's buffer; a round's chained passes reuse the first's
+        (within one propose_rows call, see new_round)."""
+        key = (width, pad, tuple((s.id, len(s.block_table)) for s in seqs))
+        if self._last_tables is None or self._last_tables[0] != key:
+            self._last_tables = (key, block_table_rows(seqs, width, pad))
+        return self._last_tables[1]
 
-    def _reserve(self, rows: int) -> None:
-        """Room for `rows` cache rows; a graphed cache is never reallocated (graphs hold its
-        addresses) and was sized for the whole context at capture."""
-        if not self._graphs:
-            self.cache.ensure_capacity(rows)
+    def get(self, batch: int, num_tokens: int):
+        bucket = next((b for b in self.batch_sizes if b >= batch), None)
+        call = self.calls.get((bucket, num_tokens)) if bucket is not None else None
+        if call is None:
+            return None
+
+        def replay(seqs, ids, features, positions, last):
+            pad = bucket - len(seqs)
+            tables = self._tables(seqs, call.inputs[3].shape[1], pad)
+            if pad:
+                t = ids.shape[1]
+                ids = torch.cat([ids, ids.new_zeros(pad, t)])
+                features = torch.cat([features, features.new_zeros(pad, t, features.shape[2])])
+                positions = torch.cat([positions, torch.arange(t, device=positions.device)[None].repeat(pad, 1)])
+                last = torch.cat([last, last.new_zeros(pad)])
+            out, logits = call(ids, features, positions, tables, last)
+            return out[:len(seqs)], logits[:len(seqs)]
+
+        return replay

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.engine.params import SamplingParams
-from verispec.engine.sampler import processed_probs
+from verispec.sampling.params import SamplingParams
+from verispec.sampling.sampler import processed_probs
 
 
 def choose_draft(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

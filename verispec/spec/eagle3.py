@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from verispec.cache.kv import KVCache, LayerCacheSpec
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.weights import iter_tensors
 from verispec.models.base import CausalLM
@@ -209,16 +209,9 @@ class Eagle3Proposer(ChainedDrafter):
         self.target_vocab_size = target_vocab_size
         self.draft_to_target = torch.arange(drafter.cfg.draft_vocab_size, device=self.device) + drafter.d2t
 
-    def _last_row(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter pass (writes T pending rows): the last row's fed-back hidden [1, 1, H] and
-        draft logits [Vd]."""
-        fed_back, logits = self.drafter(ids, g, positions, self.cache)
-        return fed_back[:, -1:], logits[0, -1]
-
     def _rows(self, ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, cache, last: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batched pass (spec/batched.py): ids, positions [B, T], g [B, T, H], last [B] -> each
+        """One pass: ids, positions [B, T], g [B, T, H], last [B] -> each
         row's fed-back hidden at index last [B, 1, H] and draft logits there [B, Vd]."""
         fed_back, logits = self.drafter(ids, g, positions, cache)
         rows = torch.arange(ids.shape[0], device=ids.device)

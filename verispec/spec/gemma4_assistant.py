@@ -38,7 +38,7 @@ from verispec import log
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
 from verispec.config import EngineConfig
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import ModelNotFoundError, VerispecError
 from verispec.loading.resolve import HUB_ID, resolve_model
 from verispec.loading.weights import checkpoint_files, iter_tensors
@@ -47,7 +47,7 @@ from verispec.models.gemma4 import Gemma4ForCausalLM, Gemma4Settings, Gemma4Text
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.spec.drafting import choose_draft
-from verispec.spec.proposer import Draft, Proposer, TargetStep, drafts_per_row
+from verispec.spec.proposer import Draft, Proposer, TargetCache, drafts_per_row
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 DEFAULT_NUM_MTP_TOKENS = 2  # drafts per round: SwiftLM's default (depth 4 measured worse there)
@@ -274,7 +274,9 @@ def find_assistant(model_arg: str, model_dir: Path, explicit: str | None) -> Pat
 
 # ---- the proposer ----------------------------------------------------------------------------------
 class AssistantProposer(Proposer):
-    """Drafts with a Gemma 4 assistant reading the target's KV cache (attach_target_cache)."""
+    """Drafts with a Gemma 4 assistant reading the target's KV cache: one assistant pass per
+    chained step for every sequence, each row reading its own sequence's committed target rows
+    (the last verify pass's rejected K/V sit past them). It keeps no K/V of its own."""
 
     method = "assistant"
 
@@ -285,57 +287,16 @@ class AssistantProposer(Proposer):
         self.window = window  # attend to at most the last `window` target positions (None: all)
         self.num_real_tokens = num_real_tokens  # vocabulary rows past this are padding, never drafted
         self.device = next(drafter.parameters()).device
-        self.target_cache = None  # engine.runner.TargetView of this sequence
-        self.hidden: torch.Tensor | None = None  # [1, 1, H_target] post-norm hidden at the last committed row
-        self.next_token = 0
-        self.next_position = 0  # the position of next_token: the round's constant RoPE position
-
-    def attach_target_cache(self, cache) -> None:  # engine.runner.TargetView
-        self.target_cache = cache
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.hidden = None
-
-    def observe(self, step: TargetStep) -> None:
-        self.hidden = step.hidden[-1:][None].clone()  # a CUDA-graph output view is overwritten later
-        self.next_token = step.next_token
-        self.next_position = step.start_position + len(step.token_ids)
-
-    @torch.inference_mode()
-    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        cache = self.target_cache
-        if cache is None or self.hidden is None:
-            raise RuntimeError("AssistantProposer.propose before attach_target_cache / observe")
-        last_row = self._last_row(cache)
-        rope_positions = torch.tensor([[self.next_position]], device=self.device)
-        last_rows = torch.tensor([[last_row]], device=self.device)
-        target_rows = cache.batch_cache(last_rows, last_row + 1)  # the committed rows, read in place
-        token = torch.tensor([[self.next_token]], dtype=torch.long, device=self.device)
-        hidden = self.hidden
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for _ in range(num_drafts):
-            inputs = torch.cat((self.target.embed(token), hidden), dim=-1)
-            hidden, logits = self.drafter(inputs, rope_positions, last_rows, last_row + 1, target_rows, self.window)
-            token, q = self._choose(logits[0, -1], params, generator)
-            tokens.append(token)
-            if q is not None:
-                probs.append(q)
-            token = token.view(1, 1)
-        ids = torch.cat(tokens).tolist() if tokens else []  # one device sync per round
-        return Draft(ids, torch.stack(probs) if probs else None)
-
-    # ---- the engine's batched protocol: one instance drafts for every sequence at once ----------
-    batched = True
-
-    def bind(self, num_blocks: int, block_size: int, tables_fn, use_kernel: bool, target_pools=None) -> None:
-        """The target's paged pools and block tables (the assistant keeps no K/V of its own)."""
-        self._target_pools, self._tables_fn, self._use_kernel = target_pools, tables_fn, use_kernel
+        self._target: TargetCache | None = None
         self._states: dict[int, _AssistantRow] = {}
 
-    def capture_batch_graphs(self, batch_sizes: list[int], max_tokens: int, table_width: int) -> None:
+    def bind(self, target: TargetCache) -> None:
+        self._target = target
+        self._states = {}
+
+    def capture_graphs(self, batch_sizes: list[int], max_tokens: int, table_width: int) -> None:
         """Not captured: its passes read the target's rows up to a per-row bound and run eagerly."""
-        log.debug("Gemma 4 assistant: batched drafting runs eagerly (no CUDA graphs)")
+        log.debug("Gemma 4 assistant: drafting runs eagerly (no CUDA graphs)")
 
     def start(self, seq) -> None:
         self._states.pop(seq.id, None)
@@ -343,23 +304,22 @@ class AssistantProposer(Proposer):
     def release(self, seq) -> None:
         self._states.pop(seq.id, None)
 
-    def observe_rows(self, rows: list) -> None:
+    def observe(self, rows: list) -> None:
         for seq, step in rows:
+            # a copy: a CUDA-graph output view is overwritten by the next replay
             self._states[seq.id] = _AssistantRow(step.hidden[-1:].clone(), step.next_token,
                                                  step.start_position + len(step.token_ids))
 
     @torch.inference_mode()
-    def propose_rows(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
-        """Up to num_drafts[b] drafts per sequence: one assistant pass per chained step for all of
-        them, each row reading its own sequence's committed target rows (the last verify pass's
-        rejected K/V sit past them)."""
+    def propose(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
         device, k = self.device, max(num_drafts)
         states = [self._states[s.id] for s in seqs]
-        last = [min(seq.num_cached, st.next_position) - 1 for seq, st in zip(seqs, states)]
+        last = self._last_rows(seqs)
         rope_positions = torch.tensor([[st.next_position] for st in states], device=device)
         last_rows = torch.tensor([[row] for row in last], device=device)
         num_keys = max(last) + 1
-        target_rows = BatchCache(self._target_pools, self._tables_fn(seqs), last_rows, None, num_keys, self._use_kernel)
+        target_rows = BatchCache(self._target.pools, self._target.tables(seqs), last_rows, None, num_keys,
+                                 self._target.use_kernel)
         token = torch.tensor([[st.next_token] for st in states], dtype=torch.long, device=device)
         hidden = torch.stack([st.hidden for st in states])  # [B, 1, H_target]
         chosen, probs = [], []
@@ -380,9 +340,9 @@ class AssistantProposer(Proposer):
             token = tokens[:, None]
         return drafts_per_row(chosen, probs, num_drafts)
 
-    def _last_row(self, cache) -> int:
-        """The last committed row: the last verify pass's rejected K/V sit at cache.length onward."""
-        return min(cache.length, self.next_position) - 1
+    def _last_rows(self, seqs) -> list[int]:
+        """Each sequence's last committed row: the last verify pass's rejected K/V sit at num_cached on."""
+        return [min(seq.num_cached, self._states[seq.id].next_position) - 1 for seq in seqs]
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, generator
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -399,10 +359,9 @@ class _AssistantRow:
 
 
 # ---- engine wiring --------------------------------------------------------------------------------
-def check_assistant_options(num_mtp_tokens: int | None, assistant_window: int | None) -> None:
-    for flag, value in (("--num-mtp-tokens", num_mtp_tokens), ("--assistant-window", assistant_window)):
-        if value is not None and value < 1:
-            raise VerispecError(f"{flag} must be >= 1, got {value}")
+def check_assistant_options(assistant_window: int | None) -> None:
+    if assistant_window is not None and assistant_window < 1:
+        raise VerispecError(f"--assistant-window must be >= 1, got {assistant_window}")
 
 
 def refuse_assistant_options(config: EngineConfig, target: CausalLM) -> None:
@@ -421,7 +380,7 @@ def assistant_proposer(config: EngineConfig, target: Gemma4ForCausalLM, model_di
     if where is None:
         return None, 0
     drafter = load_assistant(where, target)
-    num_drafts = config.num_mtp_tokens or DEFAULT_NUM_MTP_TOKENS
+    num_drafts = config.num_draft_tokens or DEFAULT_NUM_MTP_TOKENS
     log.debug("Gemma 4 assistant %s: %d layers reading target layers %s, %d drafts per round, window %s",
               where, len(drafter.model.layers), drafter.cfg.settings.kv_sources, num_drafts,
               config.assistant_window or "all")

@@ -32,7 +32,7 @@ from torch import nn
 
 from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import as_stored
 from verispec.loading.weights import checkpoint_files
@@ -272,16 +272,9 @@ class MtpProposer(ChainedDrafter):
         self.hidden = MtpHidden(hidden)
         self.num_real_tokens = num_real_tokens  # vocabulary rows past this are padding, never drafted
 
-    def _last_row(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head pass (writes T pending rows): the last row's output after mtp.norm [1, 1, H]
-        and its logits [V]."""
-        out = self.head(ids, hidden, positions, self.cache)
-        return out[:, -1:], self.head.logits(out[0, -1])
-
     def _rows(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache, last: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batched pass (spec/batched.py): ids, positions [B, T], hidden [B, T, H], last [B] ->
+        """One pass: ids, positions [B, T], hidden [B, T, H], last [B] ->
         each row's output after mtp.norm at index last [B, 1, H] and its logits [B, V]."""
         out = self.head(ids, hidden, positions, cache)
         rows = torch.arange(ids.shape[0], device=ids.device)

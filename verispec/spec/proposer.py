@@ -1,18 +1,21 @@
-"""The proposer protocol: every drafter (EAGLE3, MTP head, Gemma 4 assistant, test doubles).
+"""The proposer protocol: one batched interface for every drafter (EAGLE3, the MTP head, the
+Gemma 4 assistant, test doubles).
 
-The spec loop (engine) is written once against this. After each target pass it calls
-`observe` with what the target committed; then `propose` returns up to k drafts that continue
-from `TargetStep.next_token`.
+The engine's round is written once against it. A sequence starts drafting when its prefill
+begins (`start`) and stops when its blocks go back (`release`); after every target pass the
+proposer `observe`s what each sequence committed; then `propose` returns up to k drafts per
+sequence continuing from each step's `next_token`, for all the round's sequences at once.
 """
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
-from verispec.engine.params import SamplingParams
+from verispec.cache.paged import PagedPools
+from verispec.sampling.params import SamplingParams
 
 
 @dataclass
@@ -67,39 +70,64 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+class DraftingSequence(Protocol):
+    """What a proposer reads of an engine sequence."""
+
+    id: int
+    prompt_ids: list[int]
+    num_cached: int  # committed positions in the target's cache
+    block_table: list[int]  # the sequence's blocks in the target's (and a drafter's own) paged pools
+
+
+@dataclass(frozen=True)
+class TargetCache:
+    """The target's paged cache as a drafter sees it: its pools (read by the Gemma 4 assistant),
+    their geometry (a drafter's own rows are indexed by the same blocks), and the device block
+    tables of a list of sequences ([B, N], 0-padded)."""
+
+    pools: PagedPools
+    tables: Callable[[list], torch.Tensor]
+    use_kernel: bool  # the split-K attention kernel reads the pools in place (CUDA)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pools.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.pools.block_size
+
+
 class Proposer(ABC):
     method: str = "spec"
     capture_layers: tuple[int, ...] = ()  # target layers whose incoming residual stream it reads
+    # the drafter's own K/V rows, indexed by the target's block tables (None: it keeps none); the
+    # engine zeroes and copies their blocks with the target's
+    pools: PagedPools | None = None
 
-    def attach_target_cache(self, cache) -> None:
-        """The target's cache for this sequence (the engine calls this before `reset`): an object
-        with `length` (committed rows) and `batch_cache(positions, num_keys)` (a read view, see
-        engine.runner.TargetView). Drafters that read the target's K/V (the Gemma 4 assistant)
-        keep it: when `propose` runs, its rows below `length` are exactly the committed ones."""
+    def bind(self, target: TargetCache) -> None:
+        """Called once, when the engine has sized the target's cache, before any sequence starts."""
 
-    def fork(self) -> "Proposer":
-        """A proposer for another sequence: the same drafter weights, its own state. The engine
-        gives each running sequence one (the proposer itself serves one of them, with its captured
-        graphs). State is whatever reset/observe set, so a shallow copy is a fresh proposer;
-        proposers holding buffers (a drafter cache) override this."""
-        return copy.copy(self)
+    def capture_graphs(self, batch_sizes: list[int], max_tokens: int, table_width: int) -> None:
+        """CUDA only, once at prewarm after the target's graphs: capture the drafter's passes (batch
+        buckets x 1..max_tokens tokens) so a round's drafting costs kernels, not Python."""
 
-    def capture_graphs(self, max_tokens: int, capacity: int) -> None:
-        """CUDA only, called once at prewarm after the target's graphs: capture the drafter's own
-        steps (passes of 1..max_tokens tokens, positions below `capacity`) as CUDA graphs, so a
-        round's drafting costs kernels, not Python. Drafters that do not are run eagerly."""
+    def start(self, seq: DraftingSequence) -> None:
+        """A sequence starts (or restarts after a preemption): no state from before."""
+
+    def release(self, seq: DraftingSequence) -> None:
+        """A sequence's blocks went back (finished or preempted): drop its state."""
 
     @abstractmethod
-    def reset(self, prompt_ids: list[int]) -> None:
-        """A new sequence starts (before the prefill's observe)."""
+    def observe(self, rows: list[tuple[DraftingSequence, TargetStep]]) -> None:
+        """Each sequence's committed target step (a prompt chunk or a verify pass's accepted rows);
+        its next draft continues after `step.next_token`."""
 
     @abstractmethod
-    def observe(self, step: TargetStep) -> None:
-        """The target committed `step.token_ids`; the next draft continues after `step.next_token`."""
-
-    @abstractmethod
-    def propose(self, num_drafts: int, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        """Up to `num_drafts` tokens continuing after the last observed next_token."""
+    def propose(self, seqs: list[DraftingSequence], num_drafts: list[int], params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[Draft]:
+        """Up to num_drafts[b] (>= 1) drafts for each sequence, continuing after its last observed
+        next_token. A sampling row draws from generators[b] exactly as it would alone."""
 
 
 def drafts_per_row(chosen: list[torch.Tensor], probs: list[list[torch.Tensor | None]],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.spec.proposer import Proposer

@@ -145,7 +145,7 @@ def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         b, t = q.shape[:2]
         varlen = {}
         if b > 1:
-            # several sequences' prompt chunks (engine/prefill.py) as one variable-length call, a
+            # several sequences' prompt chunks (engine/scheduler.py `prefill_groups`) as one variable-length call, a
             # sequence per row: fla autotunes and compiles its cumsum kernel per batch size, which
             # stalled the first batched prefills 0.3-1.2 s each on the H200; at B = 1 it never varies
             q, k, v, g, beta = (x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta))

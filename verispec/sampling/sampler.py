@@ -7,11 +7,19 @@ sampling (the spec issue) compares between drafter and target.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
-from verispec.engine.params import SamplingParams
-from verispec.engine.types import TokenLogprob
+from verispec.sampling.params import SamplingParams
+
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # [(token_id, logprob)], best first
 
 
 class TokenHistory:

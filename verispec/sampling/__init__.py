@@ -1,0 +1,2 @@
+"""What a request asks for (SamplingParams) and how logits become tokens: shared by the engine and
+the drafters, so neither imports the other for it."""
