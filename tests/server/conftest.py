@@ -59,5 +59,5 @@ def scripted_engine(tiny_model_dir) -> ScriptedEngine:
 
 @pytest.fixture(scope="session")
 def scripted_server(scripted_engine):
-    with live_server(create_app(scripted_engine, "scripted")) as srv:
+    with live_server(create_app(scripted_engine, "scripted", merge_chunks=False)) as srv:
         yield srv

@@ -32,7 +32,7 @@ class PacedEngine(ScriptedEngine):
         self.script: list[Piece] = [Piece("hello")]
         self.delay_s = 0.0
         self.proposer = FakeProposer(method) if method != "ar" else None
-        self.method = method  # what the server reads (Engine.method)
+        self.method = method  # what describe() reports (EngineDouble)
         self.num_drafts = num_drafts if method != "ar" else 0
         self.device = torch.device("cpu")
         self.dtype = torch.float32

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import socket
 import threading
@@ -11,8 +12,10 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
+from verispec.engine.client import EngineClient, EngineDescription
 from verispec.engine.types import FinishReason, GenerationChunk, GenerationStats
 from verispec.loading.tokenizer import Tokenizer
 
@@ -150,26 +153,114 @@ class GenerationSpy:
         return self.finished[count - 1]
 
 
-class ScriptedEngine:
-    """An engine double that plays back chosen text pieces, one chunk per piece.
+def engine_client_gaps(engine) -> list[str]:
+    """What `engine` lacks of the EngineClient protocol: members that are missing, and methods whose
+    parameters (names, kinds, which have defaults) differ from the protocol's. [] when it has it all."""
+    gaps = []
+    for name, member in vars(EngineClient).items():
+        if name.startswith("_"):
+            continue
+        if not hasattr(engine, name):
+            gaps.append(f"{name}: missing")
+        elif not isinstance(member, property):
+            expected = _parameters(member)[1:]  # without self: the engine's is a bound method
+            actual = _parameters(getattr(engine, name))
+            if actual != expected:
+                gaps.append(f"{name}: parameters {actual}, the protocol's {expected}")
+    return gaps
 
-    It has the same surface the server uses (tokenizer, limits, checks, generate, prewarm), so
-    tests can make the output split at exactly the awkward places they want.
-    """
 
-    model_name = "scripted"
+def _parameters(fn) -> list[tuple]:
+    return [(p.name, p.kind.name, p.default is inspect.Parameter.empty)
+            for p in inspect.signature(fn).parameters.values()]
+
+
+class AnyGrammar:
+    """A double's grammar library: accepts every grammar (the real one is llguidance's)."""
+
+    def check(self, spec) -> None:
+        pass
+
+
+class EngineDouble:
+    """The whole EngineClient surface (verispec/engine/client.py) for engine doubles: a subclass
+    writes `generate` (its chunks in order, the last with a finish_reason) and `submit` plays it on
+    a thread of its own, as the real engine's worker hands chunks to sinks. Serve a double with
+    create_app(..., merge_chunks=False) to keep the chunk boundaries it scripts."""
+
+    model_name = "double"
     max_model_len = 1024
+    default_seed: int | None = None
+    grammars = AnyGrammar()
+    # what describe() reports (the chat page's header)
+    method = "ar"
+    num_drafts = 0
+    device = torch.device("cpu")
+    dtype: torch.dtype | None = None
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.pieces: list[str] = ["hello"]
-        self.prewarmed = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(self.method, self.num_drafts, str(self.device), None,
+                                 str(self.dtype).removeprefix("torch.") if self.dtype is not None else None)
 
     def check_prompt_ids(self, prompt_ids: list[int]) -> None:
         pass
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params) -> int:
         return params.max_tokens or 64
+
+    def generate(self, prompt_ids, params, cancel=None) -> Iterator[GenerationChunk]:
+        raise NotImplementedError
+
+    def submit(self, prompt_ids, params, sink, cancel=None) -> threading.Thread:
+        self.check_prompt_ids(prompt_ids)
+        self.resolve_max_tokens(len(prompt_ids), params)
+        cancel = cancel or threading.Event()
+
+        def play() -> None:
+            try:
+                for chunk in self.generate(prompt_ids, params, cancel):
+                    sink(chunk)
+                    if chunk.finish_reason is not None:
+                        return
+                sink(RuntimeError(f"{type(self).__name__}.generate ended without a finish_reason"))
+            except BaseException as exc:  # noqa: BLE001 - the request's error, as the engine hands it on
+                sink(exc)
+
+        thread = threading.Thread(target=play, name="engine-double", daemon=True)
+        thread.start()
+        return thread
+
+    def load_stats(self) -> dict:
+        return {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0, "preemptions": 0,
+                "num_drafts": 0, "prefix_cache": None}
+
+    def prewarm(self) -> float:
+        return 0.0
+
+    def shutdown(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedEngine(EngineDouble):
+    """An engine double that plays back chosen text pieces, one chunk per piece, so tests can make
+    the output split at exactly the awkward places they want (served with merge_chunks=False)."""
+
+    model_name = "scripted"
+
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__(tokenizer)
+        self.pieces: list[str] = ["hello"]
+        self.prewarmed = False
 
     def generate(self, prompt_ids, params, cancel=None):
         for i, piece in enumerate(self.pieces):

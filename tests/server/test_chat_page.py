@@ -24,7 +24,7 @@ def paced_engine(tiny_model_dir) -> PacedEngine:
 
 @pytest.fixture(scope="module")
 def paced_server(paced_engine):
-    with live_server(create_app(paced_engine, "paced")) as srv:
+    with live_server(create_app(paced_engine, "paced", merge_chunks=False)) as srv:
         yield srv
 
 
@@ -68,7 +68,7 @@ def test_info_describes_model_method_and_device(http, paced_server):
 
 
 def test_api_key_guards_info_but_not_the_page(paced_engine):
-    with live_server(create_app(paced_engine, "paced", api_key="sekret")) as srv:
+    with live_server(create_app(paced_engine, "paced", api_key="sekret", merge_chunks=False)) as srv:
         assert httpx.get(srv.url + "/").status_code == 200
         assert httpx.get(srv.url + "/static/chat.js").status_code == 200
         assert httpx.get(srv.url + "/v1/verispec/info").status_code == 401

@@ -33,7 +33,7 @@ def paced_engine(tiny_model_dir) -> PacedEngine:
 
 @pytest.fixture(scope="module")
 def paced_server(paced_engine):
-    with live_server(create_app(paced_engine, "paced")) as srv:
+    with live_server(create_app(paced_engine, "paced", merge_chunks=False)) as srv:
         yield srv
 
 
@@ -231,7 +231,7 @@ def test_system_prompt_settings_and_new_chat(web, paced_engine, paced_server):
 def test_api_key_is_asked_once_per_tab(web, paced_engine):
     paced_engine.delay_s = 0.0
     paced_engine.script = [Piece("secret answer", 2, 1)]
-    with live_server(create_app(paced_engine, "guarded", api_key="sekret")) as srv:
+    with live_server(create_app(paced_engine, "guarded", api_key="sekret", merge_chunks=False)) as srv:
         web.get(srv.url + "/")
         web.execute_script("localStorage.clear(); sessionStorage.clear();")
         web.get(srv.url + "/")

@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.server.server_helpers import live_server, openai_client
+from tests.server.server_helpers import engine_client_gaps, live_server, openai_client
 from verispec.config import EngineConfig
+from verispec.engine.client import EngineClient
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
 from verispec.engine.process import EngineProcess, EngineProcessError
@@ -180,9 +181,20 @@ def test_the_child_names_the_device_so_the_server_never_starts_cuda(engine_proce
 
     from verispec.server.chat_page import describe_server
 
-    assert engine_process.device_name is None  # a CPU engine names no GPU
+    assert engine_process.describe().device_name is None  # a CPU engine names no GPU
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: pytest.fail("the server asked CUDA"))
-    gpu_engine = SimpleNamespace(method="mtp", device=torch.device("cuda", 0), dtype=torch.bfloat16,
-                                 device_name="NVIDIA H200", num_drafts=3, max_model_len=4096)
-    state = SimpleNamespace(engine=gpu_engine, served_model_name="m", system_fingerprint="fp")
+    monkeypatch.setattr(engine_process, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(engine_process, "device_name", "NVIDIA H200")
+    assert engine_process.describe().device == "cuda:0"
+    state = SimpleNamespace(engine=engine_process, served_model_name="m", system_fingerprint="fp")
     assert describe_server(state)["device_name"] == "NVIDIA H200"
+
+
+def test_the_proxy_is_an_engine_client(engine_process):
+    """Everything the server uses of an engine (engine/client.py), with the same parameters."""
+    assert isinstance(engine_process, EngineClient)
+    assert engine_client_gaps(engine_process) == []
+    info = engine_process.describe()
+    assert (info.method, info.num_drafts, info.device, info.dtype) == ("ar", 0, "cpu", "float32")
+    assert "up to 8 sequences at once, context 256 tokens" in info.cache
+    assert engine_process.default_seed is None and engine_process.load_stats()["running"] == 0

@@ -30,6 +30,7 @@ from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAl
 from verispec.config import EngineConfig, env
 from verispec.engine import constrained, cpu_threads, warmup
 from verispec.engine.cache_sizing import size_cache
+from verispec.engine.client import ServedEngine
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.limits import RequestLimits
 from verispec.engine.output import OutputBuilder
@@ -69,7 +70,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Engine:
+class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.py
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  model_dir: Path | None = None, proposer: Proposer | None = None, num_drafts: int = 0):
         self.model = model

@@ -37,6 +37,7 @@ import torch
 
 from verispec import log
 from verispec.config import EngineConfig
+from verispec.engine.client import ServedEngine
 from verispec.engine.limits import RequestLimits
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
@@ -71,6 +72,12 @@ class EngineInfo:
 
 
 # ---- the child ------------------------------------------------------------------------------------
+# What the parent may call on the child's engine (EngineProcess._call), by name.
+_CALLS: dict[str, Callable] = {"load_stats": lambda engine: engine.load_stats(),
+                               "prefix_cache_stats": lambda engine: engine.prefix_cache_stats(),
+                               "prewarm": lambda engine: engine.prewarm()}
+
+
 def _child_main(config: EngineConfig, conn) -> None:
     from verispec.engine.engine import Engine
 
@@ -110,7 +117,7 @@ def _child_main(config: EngineConfig, conn) -> None:
             elif kind == "call":
                 _, token, name = message
                 try:
-                    outbox.put(("reply", token, getattr(engine, name)(), None))
+                    outbox.put(("reply", token, _CALLS[name](engine), None))
                 except Exception as exc:  # noqa: BLE001 - raised in the parent
                     outbox.put(("reply", token, None, _picklable(exc)))
             elif kind == "stop":
@@ -171,9 +178,11 @@ def _send_outbox(outbox: queue.SimpleQueue, conn) -> None:
 
 
 # ---- the parent -----------------------------------------------------------------------------------
-class EngineProcess:
-    """An Engine in a child process, with what the server uses of one: submit, the request
-    checks, tokenizer, names, config, cache budget, draft schedule, load_stats, prewarm, shutdown."""
+class EngineProcess(ServedEngine):
+    """An Engine in a child process, with what the server uses of one (engine/client.py's
+    EngineClient): submit, the request checks, tokenizer, names, grammar checks, describe(),
+    load_stats, prewarm, shutdown, close; and the public attributes describe() reads (config, cache
+    budget, draft schedule, method, device)."""
 
     def __init__(self, config: EngineConfig):
         from verispec.grammar.constraint import GrammarCompiler
@@ -342,6 +351,10 @@ class EngineProcess:
 
     def prewarm(self) -> float:
         return self._call("prewarm")
+
+    def gpu_name(self) -> str | None:
+        """The child's answer: asking CUDA here would start a CUDA context in the server's process."""
+        return self.device_name
 
     @property
     def pid(self) -> int | None:

@@ -8,6 +8,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from verispec import log
+from verispec.engine.client import EngineClient
 from verispec.server.auth import ApiKeyMiddleware
 from verispec.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from verispec.server.bridge import EngineBridge
@@ -21,10 +22,12 @@ from verispec.server.schema import request_field_names
 from verispec.server.state import ServerState
 
 
-def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """An OpenAI-compatible app serving `engine` as model `served_model_name` (default: engine.model_name)."""
-    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine),
+def create_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, merge_chunks: bool = True) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` as model `served_model_name` (default: engine.model_name).
+    merge_chunks=False streams every engine chunk as its own delta even when they pile up (tests
+    whose engine double scripts the chunk boundaries)."""
+    state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine, merge_chunks),
                         max_prompt_chars(engine.tokenizer, engine.max_model_len))
 
     @asynccontextmanager
@@ -49,7 +52,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 SWITCH_INTERVAL_S = 0.001
 
 
-def run_server(engine, host: str, port: int, api_key: str | None, served_model_name: str | None,
+def run_server(engine: EngineClient, host: str, port: int, api_key: str | None, served_model_name: str | None,
                prewarm: bool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """Prewarm (so the first request pays no warm-up and /health means ready), then serve until stopped."""
     # The engine's worker and the event loop share the GIL; a 1 ms switch interval (Python's default
@@ -59,16 +62,11 @@ def run_server(engine, host: str, port: int, api_key: str | None, served_model_n
         seconds = engine.prewarm()
         log.info("prewarm took %.2fs", seconds)
     app = create_app(engine, served_model_name, api_key, max_request_bytes)
-    budget = getattr(engine, "budget", None)  # test doubles have no paged cache
-    if budget is not None:
-            log.info("KV cache: %d tokens in %d blocks of %d (%.2f GiB); up to %d sequences at once, context %d "
-                 "tokens%s", budget.num_tokens, budget.num_blocks - 1, budget.block_size, budget.bytes_total / 2**30,
-                 engine.config.max_num_seqs, engine.max_model_len,
-                 f"; drafts per round by batch size {engine.draft_schedule.describe()}" if engine.num_drafts else "")
+    cache = engine.describe().cache
+    if cache is not None:
+        log.info("KV cache: %s", cache)
     log.info("serving %s at http://%s:%d/v1", served_model_name or engine.model_name, host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
-        close = getattr(engine, "close", None)  # an engine in its own process (engine/process.py) stops
-        if close is not None:
-            close()
+        engine.close()  # an engine in its own process (engine/process.py) stops it

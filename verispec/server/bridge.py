@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
 
+from verispec.engine.client import EngineClient
 from verispec.sampling.params import SamplingParams
 from verispec.engine.types import GenerationChunk, merge_chunks
 
@@ -49,10 +50,9 @@ class _ChoiceCancel(threading.Event):
 
 
 class EngineBridge:
-    def __init__(self, engine, max_in_flight: int = 64):
+    def __init__(self, engine: EngineClient, merge_chunks: bool = True):
         self.engine = engine
-        # engines without submit() (test doubles): one pool thread per choice in flight
-        self._executor = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="verispec-request")
+        self.merge_chunks = merge_chunks  # see generate_choices
         self._running: set[threading.Event] = set()  # cancel events of queued/running generations
         self._prepare_executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS,
                                                     thread_name_prefix="verispec-prepare")
@@ -77,7 +77,7 @@ class EngineBridge:
 
         A choice's chunks that pile up while the consumer is busy are merged into one (a stream
         under load sends fewer, larger deltas instead of falling behind: each delta costs the event
-        loop and the GIL about the same whatever its size)."""
+        loop and the GIL about the same whatever its size), unless merge_chunks is off."""
         cancel = cancel or threading.Event()
         loop = asyncio.get_running_loop()
         pending: collections.deque = collections.deque()
@@ -95,7 +95,8 @@ class EngineBridge:
 
         self._running.add(cancel)
         try:
-            coalesce = all([self._start(i, prompt_ids, p, cancel, put) for i, p in enumerate(params)])
+            for i, p in enumerate(params):
+                self._start(i, prompt_ids, p, cancel, put)
             num_running = len(params)
             while num_running:
                 if not pending:
@@ -108,7 +109,7 @@ class EngineBridge:
                 if isinstance(item, _Failed):
                     raise item.exc
                 index, chunk = item
-                while (coalesce and chunk.finish_reason is None and pending and isinstance(pending[0], tuple)
+                while (self.merge_chunks and chunk.finish_reason is None and pending and isinstance(pending[0], tuple)
                        and pending[0][0] == index):
                     chunk = merge_chunks(chunk, pending.popleft()[1])
                 yield index, chunk
@@ -118,48 +119,27 @@ class EngineBridge:
             self._running.discard(cancel)
 
     def _start(self, index: int, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event,
-               put) -> bool:
-        """Start one choice: the engine's scheduler takes it (its worker calls `put` with each chunk),
-        or, for an engine with only `generate` (test doubles, which script their chunk boundaries),
-        a pool thread iterates it. Returns whether its chunks may be merged."""
-        submit = getattr(self.engine, "submit", None)
-        if submit is not None:
-            if cancel.is_set():
-                put(_FINISHED)
-                return True
+               put) -> None:
+        """Start one choice: the engine's scheduler takes it, its worker calls `put` with each chunk."""
+        if cancel.is_set():
+            put(_FINISHED)
+            return
 
-            def sink(item) -> None:
-                if isinstance(item, BaseException):
-                    put(_Failed(item))
-                    return
-                put((index, item))
-                if item.finish_reason is not None:
-                    put(_FINISHED)
-
-            submit(prompt_ids, params, sink, _ChoiceCancel(cancel))  # a request the engine refuses raises here
-            return True
-
-        def work() -> None:
-            try:
-                if not cancel.is_set():
-                    for chunk in self.engine.generate(prompt_ids, params, _ChoiceCancel(cancel)):
-                        put((index, chunk))
-            except BaseException as exc:  # handed to the request's task, which decides the response
-                put(_Failed(exc))
-            finally:
+        def sink(item) -> None:
+            if isinstance(item, BaseException):
+                put(_Failed(item))
+                return
+            put((index, item))
+            if item.finish_reason is not None:
                 put(_FINISHED)
 
-        asyncio.get_running_loop().run_in_executor(self._executor, work)
-        return False
+        self.engine.submit(prompt_ids, params, sink, _ChoiceCancel(cancel))  # a request the engine refuses raises here
 
     def shutdown(self) -> None:
         for cancel in list(self._running):
             cancel.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
         self._prepare_executor.shutdown(wait=False, cancel_futures=True)
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.engine.shutdown()
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from importlib import resources
 
-import torch
 from fastapi import APIRouter
 from fastapi.responses import Response
 
@@ -58,28 +57,18 @@ def build_page_router(state: ServerState) -> APIRouter:
 
 def describe_server(state: ServerState) -> dict:
     """Model, speculation method and device, for the page's header (and any curious client)."""
-    engine = state.engine
-    method = getattr(engine, "method", "ar")  # test doubles have none
-    device = getattr(engine, "device", None)
-    dtype = getattr(engine, "dtype", None)
+    info = state.engine.describe()
     return {
         "model": state.served_model_name,
-        "method": method,
-        "method_label": METHOD_LABELS.get(method, method),
-        "num_drafts": int(getattr(engine, "num_drafts", 0) or 0),
-        "device": str(device) if device is not None else "unknown",
-        # an engine in its own process names its GPU (asking torch here would start CUDA in the server)
-        "device_name": getattr(engine, "device_name", None) or _device_name(device),
-        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
-        "max_model_len": getattr(engine, "max_model_len", None),
+        "method": info.method,
+        "method_label": METHOD_LABELS.get(info.method, info.method),
+        "num_drafts": info.num_drafts,
+        "device": info.device,
+        "device_name": info.device_name,
+        "dtype": info.dtype,
+        "max_model_len": state.engine.max_model_len,
         "version": state.system_fingerprint,
     }
-
-
-def _device_name(device) -> str | None:
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return None
 
 
 def _suffix(name: str) -> str:

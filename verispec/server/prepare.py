@@ -3,19 +3,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Callable
 
+from verispec.engine.client import EngineClient
 from verispec.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
+from verispec.grammar.spec import GrammarSpec
 from verispec.server.errors import invalid_request, model_not_found
 from verispec.server.input_checks import (check_chat_template_kwargs, check_prompt_chars, check_seed,
                                          check_token_ids)
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 from verispec.server.tools.request import (ToolPlan, plan_response_format, plan_tools, special_token_marker,
                                            template_messages)
-
-if TYPE_CHECKING:
-    from verispec.engine.engine import Engine
 
 # Request fields that map one-to-one onto SamplingParams (None means "the engine's default").
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -59,7 +58,7 @@ def check_model(requested: str | None, served_name: str) -> None:
         raise model_not_found(requested, served_name)
 
 
-def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: int) -> PreparedRequest:
+def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, max_prompt_chars: int) -> PreparedRequest:
     """Blocking (renders the template and tokenizes): the server runs it off the event loop."""
     tokenizer = engine.tokenizer
     num_choices = _check_common(req, engine)
@@ -69,9 +68,8 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: i
         raise invalid_request("'messages' must be a non-empty list of {role, content} objects",
                               param="messages")
     check_chat_template_kwargs(req.chat_template_kwargs, tokenizer)
-    template = getattr(tokenizer.hf, "chat_template", None) if hasattr(tokenizer, "hf") else None
-    compiler = getattr(engine, "grammars", None)  # test doubles have none
-    check = compiler.check if compiler is not None else None
+    template = getattr(tokenizer.hf, "chat_template", None)
+    check = engine.grammars.check
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template, special_token_marker(tokenizer),
                       check)
     grammar = _output_grammar(req, plan, check)
@@ -97,7 +95,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, max_prompt_chars: i
                            num_choices, _default_seed(engine, num_choices), tool_plan=plan)
 
 
-def _output_grammar(req: ChatCompletionRequest, plan: ToolPlan | None, check):
+def _output_grammar(req: ChatCompletionRequest, plan: ToolPlan | None, check: Callable[[GrammarSpec], None]):
     """The grammar the output must follow (response_format, or a forced tool call), checked by the
     engine's grammar library so an unsupported schema feature is a 400 before anything runs."""
     grammar = plan_response_format(req.response_format)
@@ -106,12 +104,12 @@ def _output_grammar(req: ChatCompletionRequest, plan: ToolPlan | None, check):
                               "\"required\" or a named function): one output cannot follow both",
                               param="response_format")
     grammar = grammar or (plan.grammar if plan is not None else None)
-    if grammar is not None and check is not None:
+    if grammar is not None:
         check(grammar)
     return grammar
 
 
-def prepare_completion(req: CompletionRequest, engine: Engine, max_prompt_chars: int) -> PreparedRequest:
+def prepare_completion(req: CompletionRequest, engine: EngineClient, max_prompt_chars: int) -> PreparedRequest:
     """Blocking (tokenizes): the server runs it off the event loop."""
     tokenizer = engine.tokenizer
     num_choices = _check_common(req, engine)
@@ -141,7 +139,7 @@ def prepare_completion(req: CompletionRequest, engine: Engine, max_prompt_chars:
                            default_seed=_default_seed(engine, num_choices))
 
 
-def _check_fits(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> None:
+def _check_fits(engine: EngineClient, prompt_ids: list[int], params: SamplingParams) -> None:
     """The engine's own checks, run before any response starts (a stream cannot change its status)."""
     engine.check_prompt_ids(prompt_ids)
     engine.resolve_max_tokens(len(prompt_ids), params)
@@ -157,7 +155,7 @@ def _renamed_params(names: dict[str, str]):
         raise
 
 
-def _check_common(req: GenerationRequest, engine: Engine) -> int:
+def _check_common(req: GenerationRequest, engine: EngineClient) -> int:
     """Checks both endpoints share; returns the number of choices."""
     num_choices = 1 if req.n is None else req.n
     if not 1 <= num_choices <= MAX_CHOICES:
@@ -171,20 +169,15 @@ def _check_common(req: GenerationRequest, engine: Engine) -> int:
         raise invalid_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(req.stop)}",
                               param="stop")
     if req.stop_token_ids:
-        check_token_ids(req.stop_token_ids, _vocab_size(engine), "stop_token_ids")
+        check_token_ids(req.stop_token_ids, engine.vocab_size, "stop_token_ids")
     return num_choices
 
 
-def _default_seed(engine: Engine, num_choices: int) -> int | None:
+def _default_seed(engine: EngineClient, num_choices: int) -> int | None:
     """The server's --seed (None without one), checked like a request's: choice i uses it + i."""
-    seed = getattr(getattr(engine, "config", None), "seed", None)  # test doubles have no config
+    seed = engine.default_seed
     check_seed(seed, num_choices)
     return seed
-
-
-def _vocab_size(engine: Engine) -> int:
-    vocab_size = getattr(engine, "vocab_size", None)  # test doubles have only a tokenizer
-    return vocab_size if vocab_size is not None else engine.tokenizer.vocab_size
 
 
 def _template_message(index: int, message: ChatMessage) -> dict:

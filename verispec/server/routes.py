@@ -53,9 +53,7 @@ def build_router(state: ServerState) -> APIRouter:
                 responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                                  "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
-        load_stats = getattr(state.engine, "load_stats", None)  # test doubles have no scheduler
-        if load_stats is not None:
-            state.metrics.observe_engine(load_stats())
+        state.metrics.observe_engine(state.engine.load_stats())
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router

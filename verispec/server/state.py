@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
 
+from verispec.engine.client import EngineClient
 from verispec.server.bridge import EngineBridge
 from verispec.server.metrics import ServerMetrics
 
@@ -19,7 +20,7 @@ def _version() -> str:
 
 @dataclass
 class ServerState:
-    engine: object  # verispec.engine.engine.Engine, or a test double with the same surface
+    engine: EngineClient  # Engine, EngineProcess, or a test double: engine/client.py
     served_model_name: str
     bridge: EngineBridge
     max_prompt_chars: int  # longer prompts are refused before tokenizing (input_checks.max_prompt_chars)
