@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 
 from test_batch_identity import KeyedReplay  # noqa: E402
-from verispec.demo.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+from tools.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from verispec.engine.engine import Engine, load_engine  # noqa: E402
 from verispec.engine.params import SamplingParams  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.demo.tiny import build_tiny_gemma4, build_tiny_gemma4_assistant, build_tokenizer
+from tools.tiny import build_tiny_gemma4, build_tiny_gemma4_assistant, build_tokenizer
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant

@@ -19,7 +19,7 @@ def main() -> None:
 
     from tests.gguf.files import write_gguf
     from verispec.config import EngineConfig
-    from verispec.demo.tiny import build_tokenizer
+    from tools.tiny import build_tokenizer
     from verispec.engine.engine import Engine
     from verispec.engine.params import SamplingParams
     from verispec.loading.model_loader import load_model

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_spec_identity import SHAPE, Replay, divergence  # noqa: E402
 
 from verispec.cli import main as main_cli  # noqa: E402
-from verispec.demo.tiny import build_tiny_model, build_tokenizer, corpus_text  # noqa: E402
+from tools.tiny import build_tiny_model, build_tokenizer, corpus_text  # noqa: E402
 from verispec.engine.engine import Engine, load_engine  # noqa: E402
 from verispec.engine.params import SamplingParams  # noqa: E402
 

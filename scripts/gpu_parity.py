@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.demo.tiny import build_tiny_model, build_tokenizer
+from tools.tiny import build_tiny_model, build_tokenizer
 from verispec.engine.engine import load_engine
 from verispec.engine.params import SamplingParams
 

@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     config = SHAPES[args.shape]
     model = random_model(config, "cuda", torch.bfloat16)
-    from verispec.demo.tiny import build_tokenizer
+    from tools.tiny import build_tokenizer
     import tempfile
     tok_dir = tempfile.mkdtemp()
     build_tokenizer(tok_dir)

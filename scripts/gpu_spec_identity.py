@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from verispec.cli import main as main_cli
-from verispec.demo.tiny import build_tiny_model, build_tokenizer, corpus_text, write_random_eagle3
+from tools.tiny import build_tiny_model, build_tokenizer, corpus_text, write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
 from verispec.engine.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3

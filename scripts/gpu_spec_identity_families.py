@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from verispec.config import EngineConfig
-from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, build_tokenizer,
+from tools.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, build_tokenizer,
                                 corpus_text, random_mtp_head, write_mtp_sidecar, write_random_eagle3)  # noqa: E501
 from verispec.engine.engine import Engine
 from verispec.engine.params import SamplingParams

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verispec.bench.http import served  # noqa: E402
 from verispec.bench.options import BenchOptions  # noqa: E402
 from verispec.cli import main as main_cli  # noqa: E402
-from verispec.demo.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+from tools.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from verispec.engine.engine import load_engine  # noqa: E402
 from verispec.engine.params import SamplingParams  # noqa: E402
 

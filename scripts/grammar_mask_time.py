@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def load_tokenizer(name: str) -> Tokenizer:
     if name == "tiny":
         import tempfile
 
-        from verispec.demo.tiny import build_tokenizer
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ lives beside verispec/
+        from tools.tiny import build_tokenizer
 
         directory = tempfile.mkdtemp()
         build_tokenizer(directory)

@@ -32,7 +32,7 @@ FORMATS = (("mlx-8bit", 64), ("mlx-6bit", 64), ("mlx-4bit", 32), ("mlx-4bit", 64
 
 
 def heldout_text(max_chars: int) -> str:
-    from verispec.demo.build import is_heldout, stdlib_files
+    from tools.demo_build.corpus import is_heldout, stdlib_files
 
     parts, total = [], 0
     for rel, path in stdlib_files():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def tiny_mtp_model(root: Path) -> Path:
-    from verispec.demo.tiny import build_tiny_qwen3_5, random_mtp_head, write_mtp_sidecar
+    from tools.tiny import build_tiny_qwen3_5, random_mtp_head, write_mtp_sidecar
 
     model = root / "tiny-qwen3_5"
     build_tiny_qwen3_5(model, seed=21)

@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "server")]
 from browser import chromium, find_browser  # noqa: E402
 from paced_engine import PacedEngine, Piece, rounds_of  # noqa: E402
 from server_helpers import live_server  # noqa: E402
-from verispec.demo.tiny import build_tiny_model  # noqa: E402
+from tools.tiny import build_tiny_model  # noqa: E402
 from verispec.loading.tokenizer import Tokenizer  # noqa: E402
 from verispec.server.app import create_app  # noqa: E402
 

@@ -1,10 +1,9 @@
-"""Compile the fragment-order 4-bit kernel (quant_frag.py) and the split-K attention kernel
-(decode_attention.py) for sm_90 on a machine without a GPU, and read what ptxas made of them: the
-SASS (Triton's bundled nvdisasm) and the registers, stack and shared memory (cuobjdump). The kernels'
-arithmetic is checked on the GPU; this lets CPU CI check that they compile, with the launcher's
-specializations, into the instructions and register budget their speed depends on
-(tests/kernels/test_quant_frag_sass.py, test_decode_attention_sass.py), and scripts/frag_sass.py
-print them.
+"""Compile the fragment-order 4-bit kernel (quant_frag.py), the split-K attention kernel
+(decode_attention.py) and the MLP's streaming kernel (stream_chain.py) for sm_90 on a machine without
+a GPU, and read what ptxas made of them: the SASS (Triton's bundled nvdisasm) and the registers,
+stack and shared memory (cuobjdump). The kernels' arithmetic is checked on the GPU; this lets CPU CI
+check that they compile, with the launcher's specializations, into the instructions and register
+budget their speed depends on (tests/kernels/test_*_sass.py), and scripts/frag_sass.py print them.
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ import torch
 from verispec.kernels import quant_frag as qf
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass
@@ -74,6 +74,35 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
     return compile_gluon(fn, signature, constexprs, divisible, num_warps, num_stages=num_stages, gluon=False)
 
 
+# Qwen3-8B's MLP and attention output products: (out_features, in_features)
+STREAM_SHAPES = {"o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+@dataclasses.dataclass
+class _Product:
+    """What stream_chain.constexprs reads of a weight: its shape and group size."""
+    out_features: int
+    in_features: int
+    group_size: int = 64
+
+
+def compile_stream_chain(products: list[str], plan: list[tuple[int, int]], slots: int, warps: int,
+                         programs: int = 132, half: bool = False, **options) -> CompiledFrag:
+    """`stream_chain._stream_kernel` for a chain of STREAM_SHAPES products (e.g. o, gate_up, down),
+    plan: each product's (row tiles, blocks a warp a step); options: stream_chain.constexprs'."""
+    from verispec.kernels import stream_chain as sc
+    layout = sc.tma_layout()
+    act = "*fp16" if half else "*bf16"
+    signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW")}
+    signature.update({"M": "i32", "COUNTER": "*i64", "XS": "*fp32", "EPS": "fp32"})
+    for i, (rt, kb) in enumerate(list(plan) + [plan[-1]] * (3 - len(plan)), 1):
+        signature[f"wd{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {sc.WORD_ROWS}],{layout!r}>"
+        signature[f"td{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {sc.TERM_COLS}],{layout!r}>"
+    fws = [_Product(*STREAM_SHAPES[name]) for name in products]
+    constexprs = sc.constexprs(fws, [tuple(step) for step in plan], slots, programs, warps, half=half, **options)
+    return compile_gluon(sc._stream_kernel, signature, constexprs, ("X", "A", "H", "Y"), warps)
+
+
 def compile_gluon(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], num_warps: int,
                   num_stages: int | None = None, gluon: bool = True) -> CompiledFrag:
     """A Gluon (or, gluon False, plain Triton) kernel compiled for sm_90 (signature: the runtime
@@ -120,11 +149,13 @@ def opcode_counts(sass: str) -> collections.Counter:
 def compile_frags(cases: list[dict]) -> list[CompiledFrag]:
     """`compile_frag(**case)` for each case (dtype as its name, e.g. "bfloat16"; tiles as
     [blocks, warps, depth, row_tiles]; or, with "kernel": "split_attention",
-    `compile_split_attention(**case)`), in a fresh Python process without TRITON_INTERPRET (the
-    test suite runs the other kernels in Triton's interpreter)."""
+    `compile_split_attention(**case)`; with "kernel": "stream_chain", `compile_stream_chain(**case)`),
+    in a fresh Python process without TRITON_INTERPRET (the test suite runs the other kernels in
+    Triton's interpreter), importing this checkout's verispec and tools."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "verispec.kernels.offline_sass"], input=json.dumps(cases),
-                          capture_output=True, text=True, env=env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "tools.sass.offline_sass"], input=json.dumps(cases),
+                          capture_output=True, text=True, env=env, cwd=_ROOT)
     if done.returncode:
         raise RuntimeError(f"offline_sass: compiling {len(cases)} cases failed: {done.stderr[-2000:]}")
     return [CompiledFrag(**result) for result in json.loads(done.stdout)]
@@ -133,8 +164,12 @@ def compile_frags(cases: list[dict]) -> list[CompiledFrag]:
 def _main() -> None:
     results = []
     for case in json.loads(sys.stdin.read()):
-        if case.pop("kernel", "frag") == "split_attention":
+        kernel = case.pop("kernel", "frag")
+        if kernel == "split_attention":
             results.append(dataclasses.asdict(compile_split_attention(**case)))
+            continue
+        if kernel == "stream_chain":
+            results.append(dataclasses.asdict(compile_stream_chain(**case)))
             continue
         case = dict(case, tiles=qf.FragTiles(*case["tiles"]), dtype=getattr(torch, case.get("dtype", "bfloat16")))
         results.append(dataclasses.asdict(compile_frag(**case)))

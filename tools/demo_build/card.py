@@ -1,4 +1,4 @@
-"""The demo model's card (README.md), written from the build record (`verispec/demo/build.py`)."""
+"""The demo model's card (README.md), written from the build record (`tools/demo_build/build.py`)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from verispec.demo.build import DemoOptions
+    from tools.demo_build.build import DemoOptions
 
 
 def row_device_type(row: dict) -> str:

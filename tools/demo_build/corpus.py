@@ -1,4 +1,4 @@
-"""The demo model's corpus (`verispec/demo/build.py`'s first stage): the Python standard library's
+"""The demo model's corpus (`tools/demo_build/build.py`'s first stage): the Python standard library's
 own source, every .py file under `sysconfig.get_paths()["stdlib"]` in sorted order minus
 site-packages, data tables, Python 2 test data and files over 400 KB; files whose
 crc32(path) % 50 == 0 held out; beside the raw files, chat examples made from the functions in
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from verispec.demo.build import DemoOptions
+    from tools.demo_build.build import DemoOptions
 
 HOLDOUT_EVERY = 50  # files with crc32(path) % 50 == 0 are held out
 MAX_FILE_BYTES = 400_000

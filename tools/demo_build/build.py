@@ -30,9 +30,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from verispec.demo.card import model_card, row_device_type
-from verispec.demo.corpus import build_corpus, load_corpus, say, training_documents
-from verispec.demo.pretrain import (encode_stream, gdn_kernel_note, model_config, perplexity, pretrain,
+from tools.demo_build.card import model_card, row_device_type
+from tools.demo_build.corpus import build_corpus, load_corpus, say, training_documents
+from tools.demo_build.pretrain import (encode_stream, gdn_kernel_note, model_config, perplexity, pretrain,
                                     train_tokenizer)
 
 STAGES = ("corpus", "tokenizer", "pretrain", "mtp", "eagle3", "select", "card")

@@ -1,13 +1,14 @@
-"""Tiny tokenizers and random-weight checkpoints, built locally (there is no model hub here).
+"""Tiny tokenizers and random-weight checkpoints, built locally (no model hub needed).
 
-Tests build their fixtures with these, and `make serve` uses `build_tiny_model` for the default
-model until the trained demo model lands. Everything is saved through transformers'
+Tests build their fixtures with these, as do scripts/make_tiny_model.py (`make model`) and the
+demo build's tokenizer (tools/demo_build). Everything is saved through transformers'
 `save_pretrained`, so the files are genuine Hugging Face checkpoints.
 """
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
+
+from verispec.bench.vocabulary import corpus_text  # noqa: F401  (re-exported: the tests' prompt text)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -20,19 +21,6 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
-
-
-def corpus_text(max_chars: int = 400_000) -> str:
-    """Deterministic training text from the Python standard library (on every machine)."""
-    import argparse, collections, json, textwrap, string, functools  # noqa: E401
-
-    parts = []
-    for mod in (argparse, collections, json, textwrap, string, functools):
-        try:
-            parts.append(inspect.getsource(mod))
-        except (OSError, TypeError):
-            continue
-    return "\n".join(parts)[:max_chars]
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):

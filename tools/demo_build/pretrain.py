@@ -1,4 +1,4 @@
-"""The demo model's tokenizer and pretraining (stages of `verispec/demo/build.py`): byte-level BPE
+"""The demo model's tokenizer and pretraining (stages of `tools/demo_build/build.py`): byte-level BPE
 with the ChatML specials, a Qwen3.5 hybrid config of a preset size, the next-token pretraining loop
 (resumable, held-out early stopping) and held-out perplexity."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from verispec.demo.corpus import say
-from verispec.demo.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_TOKENS
+from tools.demo_build.corpus import say
+from tools.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_TOKENS
 
 if TYPE_CHECKING:
-    from verispec.demo.build import DemoSize
+    from tools.demo_build.build import DemoSize
 
 
 # ---- tokenizer -------------------------------------------------------------------------------
