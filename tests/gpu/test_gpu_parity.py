@@ -21,9 +21,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEVICE = "cuda"
 NEW_TOKENS = 64
 PROMPTS = 4
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 CASES = {
-    "llama": dict(num_key_value_heads=2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama": dict(num_key_value_heads=2, rope_scaling=LLAMA3_ROPE),
     "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(num_key_value_heads=2, head_dim=64),
     "mistral": dict(num_key_value_heads=2, sliding_window=32),

@@ -29,8 +29,8 @@ def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDA
     graph = torch.cuda.CUDAGraph()
     # thread_local: only this thread's unsafe calls can spoil the capture. In the default
     # ("global") mode a sync or cudaMalloc from any other thread invalidates it - e.g. another
-    # engine's worker finishing its last step while this one captures (a long
-    # scripts/gpu_spec_identity.py run failed so, cudaErrorStreamCaptureInvalidated)
+    # engine's worker finishing its last step while this one captures (a long GPU identity
+    # run, many engines one after another, failed so: cudaErrorStreamCaptureInvalidated)
     try:
         with _no_garbage_collection(), torch.inference_mode(), \
                 torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -49,7 +49,7 @@ def _no_garbage_collection():
     captures: the capture is invalidated ("operation failed due to a previous error during
     capture", after torch's "operation not permitted when stream is capturing (function reset)"
     warnings). torch stopped collecting before captures (torch.compiler.config.force_cudagraph_gc),
-    so the engines of scripts/gpu_spec_identity.py met it now and then. Collection resumes after."""
+    so a GPU identity run's many engines (tests/gpu) met it now and then. Collection resumes after."""
     enabled = gc.isenabled()
     gc.disable()
     try:
