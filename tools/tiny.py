@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verispec.bench.vocabulary import corpus_text  # noqa: F401  (re-exported: the tests' prompt text)
-
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
@@ -21,6 +19,14 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
+
+
+def corpus_text(max_chars: int = 400_000) -> str:
+    """The tests' prompt text: the bench's standard-library text (imported when asked: verispec.bench
+    loads torch, and the demo build's --help should not wait for it)."""
+    from verispec.bench.vocabulary import corpus_text as stdlib_text
+
+    return stdlib_text(max_chars)
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
