@@ -11,25 +11,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from verispec.bench.build import load_target  # noqa: E402
-from verispec.config import EngineConfig  # noqa: E402
-from verispec.engine.engine import Engine  # noqa: E402
-from verispec.sampling.params import SamplingParams  # noqa: E402
-
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain what a CPU cache is in two sentences.", "List three fruits.",
            "How do I reverse a list in Python?"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per speed run")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's verispec
+    import torch
+
+    from verispec.bench.build import load_target
+    from verispec.config import EngineConfig
+    from verispec.engine.engine import Engine
+    from verispec.sampling.params import SamplingParams
+
     device = torch.device(args.device)
     answers: dict[str, list[list[int]]] = {}
     print("| dtype | plain decode tok/s | greedy tokens equal to float32's (5 prompts x 60) |")

@@ -1,5 +1,5 @@
 """Offline (no GPU needed): compile the fragment-order 4-bit kernel (kernels/quant_frag.py) for
-sm_90 with the launcher's specializations (verispec/kernels/offline_sass.py) and print its
+sm_90 with the launcher's specializations (tools/sass/offline_sass.py) and print its
 registers, its instruction mix and where its global loads sit relative to its mmas (a load issued
 right before its use cannot hide its latency).
 
@@ -11,13 +11,13 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from verispec.kernels import offline_sass, quant_frag as qf  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's verispec and tools
 
 
 def load_mma_order(sass: str) -> str:
     """Runs of loads, mmas, branches and shared-memory traffic, in program order (KINDxCOUNT@INDEX)."""
+    from tools.sass import offline_sass
+
     runs: list[list] = []
     for i, op in enumerate(offline_sass.instructions(sass)):
         kind = op.split(" ")[0].split(".")[0]
@@ -31,7 +31,7 @@ def load_mma_order(sass: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--tiles", default="1x8x1x1", help="BLOCKSxWARPSxDEPTHxROWTILES")
@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--silu-gate", action="store_true")
     parser.add_argument("--sass", default=None, help="write the whole SASS here")
     args = parser.parse_args()
+    from tools.sass import offline_sass
+    from verispec.kernels import quant_frag as qf
+
     tiles = qf.FragTiles(*(int(v) for v in args.tiles.split("x")))
     compiled = offline_sass.compile_frag(args.n, args.k, tiles, silu_gate=args.silu_gate, rows=args.rows)
     counts = offline_sass.opcode_counts(compiled.sass)

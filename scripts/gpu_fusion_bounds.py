@@ -1,8 +1,9 @@
-"""On the lent GPU: `verispec bench` with one of the step's kernels changed or left out, to bound
-what a fusion would gain before it is built (the outputs of the `no-*` runs are wrong: only
-their speed means anything).
+"""On a GPU: `verispec bench` with one of the step's kernels changed or left out, to bound what a
+fusion would gain before it is built (the outputs of the `no-*` runs are wrong: only their speed
+means anything). The README's products-only bound comes from here, e.g.
 
-  python3 scripts/gpu_fusion_bounds.py PATCH -- BENCH ARGS...
+  python3 scripts/gpu_fusion_bounds.py products-only -- --shape qwen3-8b --quant mlx-4bit \
+      --methods ar --contexts 512 --gen-tokens 128 --repeats 3
 
 PATCH (several joined by +):
   base                      as shipped
@@ -27,6 +28,7 @@ PATCH (several joined by +):
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -104,10 +106,16 @@ def apply(patch: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 3 or sys.argv[2] != "--":
-        raise SystemExit(__doc__)
-    apply(sys.argv[1])
-    return cli.main(["bench", *sys.argv[3:]])
+    argv = sys.argv[1:]
+    own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
+    parser = argparse.ArgumentParser(usage="%(prog)s PATCH -- BENCH ARGS...", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("patch", help="one patch, or several joined by +")
+    args = parser.parse_args(own)
+    if bench_args is None:
+        parser.error("verispec bench's arguments follow --")
+    apply(args.patch)
+    return cli.main(["bench", *bench_args])
 
 
 if __name__ == "__main__":

@@ -8,8 +8,19 @@
 # Needs llguidance on the GPU image (pip install llguidance==1.9.1, or carry a wheel in .whl/; xgrammar
 # for the masks stage). Results (bench.json / bench.md per run) under $OUT; the tables last.
 set -uo pipefail
+usage() {  # the comment block above, as the usage text
+    echo "usage: [STAGES=json,maxlength,masks] bash scripts/gpu_grammar_measure.sh"
+    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+}
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 STAGES=${STAGES:-json,maxlength,masks}
-source "$(dirname "$0")/gpu_common.sh"
+if ls .whl/*.whl >/dev/null 2>&1; then  # the carried wheels (docs/gpu.md)
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
 python3 -c "import llguidance" || { echo "llguidance is not installed: pip install llguidance==1.9.1"; exit 1; }
 common=(--shape qwen3-8b --contexts 512 --gen-tokens 128 --repeats 3 --concurrency 1,8)
 if has json; then

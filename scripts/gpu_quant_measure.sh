@@ -11,6 +11,11 @@
 #   large - Gemma 4 26B-A4B (MoE: quantized experts), Gemma 4 31B dense and Qwen3.6-27B hybrid:
 #           bf16 against 8-bit and 4-bit, plain decode
 set -uo pipefail
+usage() {  # the comment block above, as the usage text
+    echo "usage: [STAGES='qwen large'] [QWEN_ROWS=...] [LARGE=...] [QUANTS=...] bash scripts/gpu_quant_measure.sh"
+    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+}
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"qwen large"}
 LARGE=${LARGE:-"gemma4-26b-a4b gemma4-31b qwen3.6-27b"}  # the large stage's shapes

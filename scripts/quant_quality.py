@@ -19,20 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from verispec.cli import main as cli_main  # noqa: E402
-from verispec.loading.model_loader import load_model  # noqa: E402
-from verispec.loading.tokenizer import Tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FORMATS = (("mlx-8bit", 64), ("mlx-6bit", 64), ("mlx-4bit", 32), ("mlx-4bit", 64), ("mlx-4bit", 128),
            ("mlx-3bit", 64), ("fp8", None), ("nvfp4", None))
 
 
 def heldout_text(max_chars: int) -> str:
-    from verispec.demo.build import is_heldout, stdlib_files
+    from tools.demo_build.corpus import is_heldout, stdlib_files
 
     parts, total = [], 0
     for rel, path in stdlib_files():
@@ -46,6 +40,10 @@ def heldout_text(max_chars: int) -> str:
 
 
 def perplexity(model_dir: Path, windows: list[list[int]]) -> float:
+    import torch
+
+    from verispec.loading.model_loader import load_model
+
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -63,13 +61,17 @@ def weight_mib(model_dir: Path) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model", default=None, help="model directory (default: the embedded demo model)")
     parser.add_argument("--text", default=None, help="a text file to measure on (default: held-out stdlib files)")
     parser.add_argument("--windows", type=int, default=16, help="windows of --seq-len tokens (default 16)")
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
-    model_dir = Path(args.model) if args.model else Path(__file__).resolve().parents[1] / "verispec/demo/model"
+    sys.path.insert(0, str(ROOT))  # this checkout's verispec and tools
+    from verispec.cli import main as cli_main
+    from verispec.loading.tokenizer import Tokenizer
+
+    model_dir = Path(args.model) if args.model else ROOT / "verispec/demo/model"
     tokenizer = Tokenizer.from_dir(model_dir)
     need = args.windows * args.seq_len
     text = Path(args.text).read_text() if args.text else heldout_text(max_chars=need * 8)

@@ -14,15 +14,16 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
+from pathlib import Path
 
-from verispec.bench.options import BenchOptions, Method
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's verispec
+
+from verispec.bench.options import BenchOptions, Method  # noqa: E402
 
 
 def main() -> None:
-    from verispec.bench.concurrency import run_batch
-    from verispec.bench.offline import _capture_graphs, _engine, _prompt, setup_target
-
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("-m", "--model", default=None, help="a checkpoint instead of a shape (e.g. verispec/demo/model)")
     p.add_argument("--device", default=None)
@@ -34,6 +35,9 @@ def main() -> None:
                    help="speculation in the rounds (mtp: the checkpoint's MTP head)")
     p.add_argument("--draft-block", type=int, default=3)
     args = p.parse_args()
+    from verispec.bench.concurrency import run_batch
+    from verispec.bench.offline import _capture_graphs, _engine, _prompt, setup_target
+
     opts = BenchOptions(shape=None if args.model else args.shape, model=args.model, device=args.device, contexts=(args.context,), gen_tokens=args.gen_tokens,
                         concurrency=(args.concurrency,), repeats=1, draft_block=args.draft_block)
     setup = setup_target(opts)

@@ -15,13 +15,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "server")]
 
-from browser import chromium, find_browser  # noqa: E402
-from paced_engine import PacedEngine, Piece, rounds_of  # noqa: E402
-from server_helpers import live_server  # noqa: E402
-from verispec.demo.tiny import build_tiny_model  # noqa: E402
-from verispec.loading.tokenizer import Tokenizer  # noqa: E402
-from verispec.server.app import create_app  # noqa: E402
-
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
 REASONING = "The user wants a function. An iterative loop is O(n) and avoids recursion limits."
 ANSWER = ("Here is an **iterative** version, which runs in O(n) time and O(1) memory:\n\n"
@@ -31,17 +24,26 @@ ANSWER = ("Here is an **iterative** version, which runs in O(n) time and O(1) me
           "- For very large *n*, the fast-doubling method needs only O(log n) steps.")
 
 
-def script() -> list[Piece]:
+def script() -> list:
+    from paced_engine import Piece, rounds_of
+
     thinking = [Piece("<think>", 1, 0)] + rounds_of(REASONING, [2, 3, 1, 0, 3])[0:] + [Piece("</think>", 1, 0)]
     return thinking + rounds_of(ANSWER, [3, 2, 3, 0, 1, 3, 2])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "docs" / "chat.png"))
     parser.add_argument("--width", type=int, default=1000)
     parser.add_argument("--height", type=int, default=760)
     args = parser.parse_args()
+    from browser import chromium, find_browser
+    from paced_engine import PacedEngine
+    from server_helpers import live_server
+    from tools.tiny import build_tiny_model
+    from verispec.loading.tokenizer import Tokenizer
+    from verispec.server.app import create_app
+
     found = find_browser()
     if isinstance(found, str):
         sys.exit(f"screenshot_chat.py: {found}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from verispec.demo.build import PRESETS, STAGES, DemoBuild, DemoOptions, tiny_options  # noqa: E402
+from tools.demo_build.build import PRESETS, STAGES, DemoBuild, DemoOptions, tiny_options  # noqa: E402
 
 SIZE_FLAGS = ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "seq_len", "batch_size", "lr",
               "draft_vocab_size")

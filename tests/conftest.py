@@ -38,7 +38,7 @@ def _interpreter_loop_bounds_fix() -> None:
 
 _interpreter_loop_bounds_fix()
 
-from verispec.demo.tiny import build_tiny_model, build_tokenizer
+from tools.tiny import build_tiny_model, build_tokenizer
 
 # Saving a fixture checkpoint draws a "Writing model shards" bar on stderr where a test may be
 # capturing a CLI's output (CI's stderr is not a terminal, but tqdm draws anyway).

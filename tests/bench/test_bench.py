@@ -262,7 +262,7 @@ def test_offline_bench_needs_no_server_packages(tmp_path):
 def test_moe_bytes_count_only_routed_experts(tmp_path):
     """A MoE decode step reads top_k of E experts per layer, everything else in full."""
     from verispec.bench.roofline import inactive_expert_bytes, weight_bytes
-    from verispec.demo.tiny import build_tiny_gemma4
+    from tools.tiny import build_tiny_gemma4
     from verispec.loading.model_loader import load_model
 
     build_tiny_gemma4(tmp_path / "moe", moe=True)

@@ -131,7 +131,7 @@ def unqueued(engine: Engine, ids: list[int], params: SamplingParams):
 def test_overlap_only_where_the_next_input_is_the_device_argmax(tiny_models, tmp_path, tokenizer_dir, monkeypatch):
     """Sampling, penalties, logprobs and grammars need the host between steps; recurrent layers
     keep host-ordered snapshots: those steps run one at a time."""
-    from verispec.demo.tiny import build_tiny_qwen3_5
+    from tools.tiny import build_tiny_qwen3_5
 
     monkeypatch.setattr(Engine, "_ensure_worker", lambda self: None)
     engine = engine_for(tiny_models, "qwen3", overlapped=True)

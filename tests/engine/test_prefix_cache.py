@@ -16,7 +16,7 @@ import torch
 
 from verispec.cache.paged import BlockAllocator
 from verispec.cache.prefix import chain_hashes
-from verispec.demo.tiny import (build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5,
+from tools.tiny import (build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5,
                                 random_mtp_head, write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams

@@ -152,7 +152,7 @@ def test_unsupported_inputs_are_refused_by_name(tmp_path):
 def test_speculation_on_a_gguf_target(gguf_files, tmp_path):
     """An EAGLE3 drafter on a GGUF target keeps plain greedy output (float64); `--mtp` on a model
     without an MTP head decodes plainly (the head lookup never needs a config.json)."""
-    from verispec.demo.tiny import write_random_eagle3
+    from tools.tiny import write_random_eagle3
 
     case = gguf_files.get("llama", "Q4_1")
     plain = load_engine(str(case.path), dtype="float64", device="cpu", prefill_step_size=16)

@@ -1,4 +1,4 @@
-"""The split-K attention kernel compiled for sm_90 on the CPU (verispec/kernels/offline_sass.py), as
+"""The split-K attention kernel compiled for sm_90 on the CPU (tools/sass/offline_sass.py), as
 `decode_attention` launches it for Qwen3-8B under programmatic launch: its results are checked on the
 GPU (test_decode_attention.py), this checks what its prefetch rests on.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.kernels import offline_sass
+from tools.sass import offline_sass
 
 pytest.importorskip("triton")
 

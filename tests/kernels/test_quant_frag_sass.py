@@ -1,4 +1,4 @@
-"""The fragment-order 4-bit kernel compiled for sm_90 on the CPU (verispec/kernels/offline_sass.py),
+"""The fragment-order 4-bit kernel compiled for sm_90 on the CPU (tools/sass/offline_sass.py),
 as `frag_gemv` launches it for each of Qwen3-8B's layers at one row (decode) and four (verify):
 its arithmetic is checked on the GPU (test_quant_frag.py), this checks what its speed rests on.
 
@@ -15,7 +15,8 @@ import dataclasses
 
 import pytest
 
-from verispec.kernels import offline_sass, quant_frag as qf
+from tools.sass import offline_sass
+from verispec.kernels import quant_frag as qf
 
 pytest.importorskip("triton.experimental.gluon")
 

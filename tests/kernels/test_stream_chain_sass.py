@@ -1,38 +1,29 @@
 """The persistent streaming kernel of verispec/kernels/stream_chain.py (a producer warp copying 4-bit
 weights by TMA into a shared-memory ring, consumer warps multiplying from it with quant_frag's
-`block_sums`), compiled for sm_90 on the CPU: its arithmetic and speed are measured on the GPU
-(docs/benchmarks.md, "Twentieth session"); this keeps it compiling as quant_frag changes, and
-checks what its design rests on: the weights move by TMA (no global loads of words), the
-consumer's loop has no spills, and the ring fits in an H200 multiprocessor's shared memory.
+`block_sums`), compiled for sm_90 on the CPU (tools/sass/offline_sass.py): its arithmetic is checked
+on the GPU; this keeps it compiling as quant_frag changes, and checks what its design rests on: the
+weights move by TMA (no global loads of words), the consumer's loop has no spills, and the ring fits
+in an H200 multiprocessor's shared memory.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tools.sass import offline_sass
 
 pytest.importorskip("triton.experimental.gluon")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_stream_chain.py"
 H200_SHARED_PER_BLOCK = 232448  # bytes a program may take (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
 
 def test_stream_kernel_compiles_for_sm90():
-    # a fresh process without TRITON_INTERPRET (the suite interprets the other kernels)
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--chain", "layer", "--slots", "2",
-                           "--mode", "1", "--parts", "2", "--warps", "4", "--plans", "gate_up=2x2,down=1x4,o=1x4",
-                           "--norm", "--sass"], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["norm"] and result["parts"] == 2
-    assert result["spill_bytes"] == 0
-    assert result["shared"] <= H200_SHARED_PER_BLOCK
-    ops = result["opcodes"]
+    # o -> add + RMSNorm -> gate_up -> down, two consumer partitions of 4 warps, 2 slots a ring
+    case = dict(kernel="stream_chain", products=["o", "gate_up", "down"], plan=[[1, 4], [2, 2], [1, 4]], slots=2,
+                warps=4, mode=1, parts=2, norm=True)
+    [result] = offline_sass.compile_frags([case])
+    assert result.stack == 0, "the kernel spills"
+    assert result.shared <= H200_SHARED_PER_BLOCK
+    ops = offline_sass.opcode_counts(result.sass)
     assert ops.get("UTMALDG.2D", 0) + ops.get("UTMALDG.3D", 0) > 0, "the weights are not copied by TMA"
     assert ops.get("HMMA.16816.F32.BF16", 0) > 0
     assert ops.get("LDS.128", 0) > 0, "the consumers do not read the words from shared memory"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.demo.tiny import build_tiny_gemma3, build_tiny_qwen3_5
+from tools.tiny import build_tiny_gemma3, build_tiny_qwen3_5
 from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.kernels import qk_prep, rms_norm

@@ -24,7 +24,7 @@ import torch
 from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditionalGeneration
 
-from verispec.demo.tiny import GEMMA3_TINY_TEXT, build_tiny_gemma3
+from tools.tiny import GEMMA3_TINY_TEXT, build_tiny_gemma3
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError

@@ -27,7 +27,7 @@ from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 from transformers import Gemma4ForConditionalGeneration as HFGemma4ForConditionalGeneration
 
 from verispec.cache.kv import KVCache
-from verispec.demo.tiny import GEMMA4_TINY_TEXT, build_tiny_gemma4
+from tools.tiny import GEMMA4_TINY_TEXT, build_tiny_gemma4
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError

@@ -24,7 +24,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delt
 
 from verispec.cache.paged import BatchCache
 from verispec.cache.kv import KVCache, LayerCacheSpec, RecurrentLayerSpec
-from verispec.demo.tiny import build_tiny_qwen3_5, write_random_eagle3
+from tools.tiny import build_tiny_qwen3_5, write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
 from verispec.loading.model_loader import load_model
 from verispec.models.layers import gated_delta_net

@@ -1,7 +1,7 @@
 """torch's built-in int4 product (kernels/int4_builtin.py): the (scale, zero) mapping of both of
 our layouts onto tinygemm's w = (q - 8)*s + zero, checked on the CPU variant of the kernel
 against the exact float64 reference; the layer's conversion and what it releases; the engine's
-choice. The CUDA packing (nibble order) is checked on the GPU by scripts/gpu_int4_builtin.py."""
+choice. The CUDA packing (nibble order) is checked on the GPU by tests/gpu/test_gpu_int4_builtin.py."""
 from __future__ import annotations
 
 import pytest

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.demo.tiny import build_tiny_gemma4
+from tools.tiny import build_tiny_gemma4
 from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verispec.cli import main
-from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
+from tools.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
                                 write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import load_engine
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant

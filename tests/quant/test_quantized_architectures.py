@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec.cli import main
-from verispec.demo.tiny import build_tiny_gemma4, build_tiny_qwen3_5
+from tools.tiny import build_tiny_gemma4, build_tiny_qwen3_5
 from verispec.loading.model_loader import load_model
 
 from tests.quant.conftest import PROMPT, quantized_modules

@@ -18,7 +18,7 @@ from verispec.server.app import create_app
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from verispec.demo.tiny import build_tiny_model
+    from tools.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-qwen3")
     build_tiny_model(path, "qwen3")

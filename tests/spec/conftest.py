@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.demo.tiny import write_random_eagle3
+from tools.tiny import write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from tests.spec.conftest import ReplayProposer, eagle3_proposer, greedy, spec_engine
-from verispec.demo.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
+from tools.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
                                 write_mtp_sidecar)
 from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams

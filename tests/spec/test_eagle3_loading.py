@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.spec.conftest import eagle3_proposer, greedy, spec_engine
-from verispec.demo.tiny import write_random_eagle3
+from tools.tiny import write_random_eagle3
 from verispec.errors import VerispecError
 from verispec.spec.eagle3 import load_eagle3
 

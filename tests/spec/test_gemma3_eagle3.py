@@ -17,7 +17,7 @@ import torch
 from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditionalGeneration
 
-from verispec.demo.tiny import build_tiny_gemma3, write_random_eagle3
+from tools.tiny import build_tiny_gemma3, write_random_eagle3
 from verispec.engine.engine import load_engine
 from verispec.loading.model_loader import load_model
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3

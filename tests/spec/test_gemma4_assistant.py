@@ -21,7 +21,7 @@ import torch
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM as HFGemma4ForCausalLM
 
 from verispec.cli import main as cli_main
-from verispec.demo.tiny import build_tiny_gemma4, build_tiny_gemma4_assistant
+from tools.tiny import build_tiny_gemma4, build_tiny_gemma4_assistant
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError

@@ -22,7 +22,7 @@ from transformers import Gemma4ForConditionalGeneration as HFGemma4ForConditiona
 
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
-from verispec.demo.tiny import build_tiny_gemma4, write_random_eagle3
+from tools.tiny import build_tiny_gemma4, write_random_eagle3
 from verispec.engine.engine import load_engine
 from verispec.loading.model_loader import load_model
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3

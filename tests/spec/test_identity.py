@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from verispec.demo.tiny import corpus_text
+from tools.tiny import corpus_text
 
 from tests.spec.conftest import (ReplayProposer, eagle3_proposer, greedy, spec_engine, train_drafter)
 

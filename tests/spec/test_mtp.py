@@ -26,7 +26,7 @@ from tests.spec.test_sampling import chi_square
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
 from verispec.cli import main as cli_main
-from verispec.demo.tiny import build_tiny_qwen3_5, corpus_text, random_mtp_head, write_mtp_sidecar
+from tools.tiny import build_tiny_qwen3_5, corpus_text, random_mtp_head, write_mtp_sidecar
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.demo.pretrain import pretrain
-from verispec.demo.tiny import build_tiny_model, build_tiny_qwen3_5
+from tools.demo_build.pretrain import pretrain
+from tools.tiny import build_tiny_model, build_tiny_qwen3_5
 
 SNIPPETS = [
     "def add(a, b):\n    return a + b\n",

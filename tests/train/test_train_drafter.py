@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from verispec.cli import main as cli_main
-from verispec.demo.tiny import write_random_eagle3
+from tools.tiny import write_random_eagle3
 from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.train import DrafterTrainOptions, Method, train_drafter

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verispec.cache.kv import KVCache
-from verispec.demo.tiny import build_tiny_qwen3_5
+from tools.tiny import build_tiny_qwen3_5
 from verispec.loading.model_loader import load_model
 from verispec.spec.mtp import MtpHidden
 from verispec.train.attention import unroll_mask

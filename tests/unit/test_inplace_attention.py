@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.demo.tiny import build_tiny_qwen3_5
+from tools.tiny import build_tiny_qwen3_5
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.kernels.decode_attention import decode_attention_reference

@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import re
 
 from verispec.bench.build import StubTokenizer
-from verispec.demo.tiny import corpus_text
 
 MAX_TOKEN_BYTES = 12
+
+
+def corpus_text(max_chars: int = 400_000) -> str:
+    """Deterministic text: Python standard library source (the same on every machine)."""
+    import argparse, collections, json, textwrap, string, functools  # noqa: E401
+
+    parts = []
+    for mod in (argparse, collections, json, textwrap, string, functools):
+        try:
+            parts.append(inspect.getsource(mod))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(parts)[:max_chars]
 
 
 # GPT-2's pre-tokenizer split (letters, digits, punctuation runs, whitespace, each with one leading

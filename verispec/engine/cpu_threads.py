@@ -7,7 +7,7 @@ hundred iterations: each region then wakes its helpers through the kernel, tens 
 and a decode step of a small model runs hundreds of regions of a few microseconds each. The model
 is loaded and the engine built on the caller's thread (one pool), and the engine computes on its
 worker thread (a second pool): on a 2-core machine SmolLM2-135M decoded at half speed, 21-24
-instead of 40-48 tok/s (`python scripts/cpu_thread_pools.py`, docs/benchmarks.md).
+instead of 40-48 tok/s (docs/benchmarks.md).
 
 `release_thread_pool()` frees the calling thread's pool (OpenMP 5's `omp_pause_resource_all`,
 soft pause: the pool is rebuilt if that thread computes again). The engine calls it after it is

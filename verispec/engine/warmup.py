@@ -93,7 +93,7 @@ def prewarm(engine) -> float:
 # their integer arguments' divisibility by 16 (lengths, and strides derived from them), and the
 # Gated DeltaNet chunk kernels also on the number of 64-token chunks: on the H200 the demo model's
 # first chunk took 0.6-5 s at each prompt length whose class the process had not compiled yet
-# (scripts/gpu_prefill_stall.py: ptxas runs inside the prefill). 16 consecutive lengths cover every
+# (ptxas runs inside the prefill). 16 consecutive lengths cover every
 # residue mod 16, at one and at two chunks. Short passes take kernels whose pass length is a
 # compile-time constant: the split-K attention (up to split_k.MAX_QUERY_TOKENS tokens) and the
 # Gated DeltaNet per-position kernel (up to the cache's max_tracked_positions). The graphs compile

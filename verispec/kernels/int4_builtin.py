@@ -24,7 +24,7 @@ import torch
 SUPPORTED_GROUPS = (32, 64, 128, 256)
 # Widest pass given to tinygemm when the layer also has our kernel: on the H200 (Qwen3-8B layers,
 # one decode step's sum) tinygemm is 3.16x our Triton kernel at 1 row, 2.15x at 4, 0.79x at 16
-# (scripts/gpu_int4_builtin.py, docs/benchmarks.md)
+# (docs/benchmarks.md; its CUDA packing: tests/gpu/test_gpu_int4_builtin.py)
 MAX_ROWS = 8
 INNER_K_TILES = (8, 4, 2)  # the largest that divides K (in units of 16 columns) is used
 

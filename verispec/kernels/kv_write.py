@@ -2,7 +2,7 @@
 
 torch writes them with two `index_copy_` calls per layer, each a kernel of a few hundred bytes
 whose cost is its launch: in a 36-layer decode step that is 72 launches, about 5% of a 4-bit
-Qwen3-8B step on the H200 (scripts/gpu_step_kernels.py). This kernel copies both in one, reading
+Qwen3-8B step on the H200. This kernel copies both in one, reading
 k and v in whatever strides they come in ([B, Hkv, T, D] views, no reshape copy), and is
 capturable (the destination rows come from a device tensor).
 

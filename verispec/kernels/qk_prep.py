@@ -5,7 +5,7 @@ Why a kernel of our own: torch.compile fused `layers.fused.prepare_qk` into two 
 (queries, keys), and compiled a separate specialisation for one-token passes. The two forms
 summed a head's squares in different orders, so a plain decode step and a verify pass normed the
 same row to different bits; on Qwen3 (which norms q and k per head) speculative greedy then left
-plain greedy after some tens of tokens (scripts/gpu_identity_trace.py found the first differing
+plain greedy after some tens of tokens (a layer-by-layer trace found the first differing
 bits in a layer's attention output). Here one program takes one token's heads, with a layout
 that depends only on the model's head counts and head dim: a row's result does not depend on how
 many tokens or sequences share the pass, and prefill, decode and verify passes all run it.

@@ -507,7 +507,7 @@ _RELEASE = {"end": 0, "start": 1, "loop": 2}  # quant_gemv.PRODUCT_RELEASE -> th
 
 def tiles_for(n: int, k: int, m: int = 1) -> FragTiles:
     """The tiles for a weight [n, k] at m rows, measured on the H200 over one Qwen3-8B step's layers
-    at 1, 2, 4 and 8 rows (scripts/gpu_frag_gemv.py, docs/benchmarks.md): wide layers in 64-row
+    at 1, 2, 4 and 8 rows (docs/benchmarks.md): wide layers in 64-row
     programs (one activation load for 4 tiles: at 4 rows the activations' traffic would otherwise
     rival the weights') with two steps in flight, the vocabulary with two warps and two steps in
     flight, long ones (down) with eight warps and two steps in flight, the rest with eight warps

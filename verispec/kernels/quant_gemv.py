@@ -58,7 +58,7 @@ class GemvTiles:
     num_warps: int = 4
 
 
-# measured on the H200 over one Qwen3-8B step's layers (scripts/gpu_gemv_variants.py)
+# measured on the H200 over one Qwen3-8B step's layers (docs/benchmarks.md)
 TILES = {8: GemvTiles(r=8, tr=2), 4: GemvTiles(r=4, tr=4), 2: GemvTiles(r=4, tr=4)}
 
 
@@ -250,14 +250,14 @@ def pdl_enabled(device: torch.device) -> bool:
 # start, so the next kernel is launched, and a product's first weights are on their way, while it
 # runs (griddepcontrol.wait still waits for all of it). "wait" releases them at its end, "off"
 # launches plainly. H200, Qwen3-8B 4-bit decode: off 457.3, wait 463.1, early 469.5 tok/s
-# (docs/benchmarks.md, scripts/gpu_fusion_bounds.sh). Early release in the products themselves
-# measured slower (sixteenth session): their dependents took multiprocessors they needed.
+# (docs/benchmarks.md, scripts/gpu_fusion_bounds.py). Early release in the products themselves
+# measured slower: their dependents took multiprocessors they needed.
 SMALL_PDL = "early"
 
 # Where a 4-bit product (quant_frag) releases its dependents: "end" (at its exit, as launched
 # plainly), "start" (once its first loads are issued) or "loop" (once its K loop is done, before
 # the cross-warp sum and the store). H200, Qwen3-8B 4-bit decode, one run: end 473.0 (twice),
-# start 455.8, loop 453.3 / 453.7 tok/s (eighteenth session, scripts/gpu_fusion_bounds.sh): a
+# start 455.8, loop 453.3 / 453.7 tok/s (scripts/gpu_fusion_bounds.py): a
 # product's dependents, once resident, cost it more than their launch saves.
 PRODUCT_RELEASE = "end"
 

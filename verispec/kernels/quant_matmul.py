@@ -180,7 +180,7 @@ class TileConfig:
         return dataclasses.replace(self, unpack_words=words, half_dot=half)
 
 
-# the fastest measured on an H200 (scripts/gpu_quant_tiles.py, docs/benchmarks.md): whole-word
+# the fastest measured on an H200 (docs/benchmarks.md): whole-word
 # unpacking, W as the left operand, bf16 products for bf16 activations
 DEFAULT_TILES = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, unpack_words=True, w_first=True,
                            half_dot=True)
@@ -189,7 +189,7 @@ DEFAULT_TILES = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, u
 @functools.cache
 def _override() -> dict:
     """VERISPEC_QUANT_TILES='{"block_n": 128, ...}': TileConfig fields for every weight (a tuning
-    knob for scripts/gpu_quant_tiles.py's findings; unknown fields are an error)."""
+    knob; unknown fields are an error)."""
     raw = env().quant_tiles
     if not raw:
         return {}

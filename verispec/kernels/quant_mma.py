@@ -64,7 +64,7 @@ class MmaTiles:
     prefetch_x: bool = True  # the activations too are loaded a step ahead (more registers)
 
 
-# measured on the H200 over one Qwen3-8B step's layers (scripts/gpu_mma_gemv.py, docs/benchmarks.md):
+# measured on the H200 over one Qwen3-8B step's layers (docs/benchmarks.md):
 # wide layers (gate_up, lm_head) read best with 32-row programs, long ones (down) with 4 blocks
 HEAD_TILES = MmaTiles(row_tiles=2, blocks=1, prefetch_x=False)
 WIDE_TILES = MmaTiles(row_tiles=2, blocks=1)

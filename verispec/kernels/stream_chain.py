@@ -1,7 +1,6 @@
 """A chain of 4-bit products as one persistent kernel whose weights never stop streaming (Gluon,
 sm_90; the engine runs a gated MLP's gate_up -> down on it for decode and verify passes, see
-kernels/stream_mlp.py; measured by scripts/gpu_stream_chain.py, docs/benchmarks.md "Twentieth
-session" and "Twenty-first session").
+kernels/stream_mlp.py; measured in docs/benchmarks.md; compiled offline by tools/sass/offline_sass.py).
 
 One program a multiprocessor, warp specialized:
 - a producer warp copies each of its program's tile groups, step by step (the words and group
@@ -30,7 +29,7 @@ RMSNorm with the 1 / RMS moved past the product (rounded once less than the laun
 shares added in one fixed order, so rows stay independent). Where every consumer partition
 normalized every row into its own copy the norm cost ~2.4 us a row; one partition a row and a
 second barrier ~3.4 us at any width; in this form the whole layer only equals o and the norm
-launched before the streamed MLP, so the engine runs the MLP alone (twenty-first session). Groups
+launched before the streamed MLP, so the engine runs the MLP alone. Groups
 of 64 values only (one term row a block). MODE 1 computes the products; 0 only reads the words and terms from the slots (the copies'
 own pace) and 2 only computes (nothing copied, the slots' contents whatever they hold: the
 arithmetic's own pace).
@@ -201,7 +200,7 @@ if gluon is not None:
         terms = slots_t.index(slot).load(LT3)
         # the slot's reads (generic proxy) ordered before the producer's next TMA write to it (async
         # proxy): without this fence a program whose producer runs ahead into the next product had
-        # its slots overwritten while still being read (twenty-first session: wrong, varying results
+        # its slots overwritten while still being read (wrong, varying results
         # in up to 58 of 60 runs of a short product followed by a longer one; none with it)
         fence_async_shared()
         mbarrier.arrive(empty.index(slot))
@@ -459,21 +458,6 @@ def constexprs(fws, plan, slots: int, programs: int, warps: int, mode: int = 1, 
     return dict(args, PHASES=len(fws), S=slots, P=programs, MODE=mode, DECODE_ASM=qf.decode_pairs_asm(half),
                 SB=slot_blocks(plan, warps), PARTS=parts, CONSUMER_REGS=consumer_regs, PRODUCER_REGS_=PRODUCER_REGS,
                 NORM=norm)
-
-
-def compile_offline(fws, plan, slots: int, programs: int, warps: int, half: bool = False, **options):
-    """The kernel compiled for sm_90 without a GPU (offline_sass): registers, spills, shared memory."""
-    from verispec.kernels import offline_sass
-    layout = tma_layout()
-    act = "*fp16" if half else "*bf16"
-    signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW")}
-    signature.update({"M": "i32", "COUNTER": "*i64", "XS": "*fp32", "EPS": "fp32"})
-    for i, (rt, kb) in enumerate(list(plan) + [plan[-1]] * (3 - len(plan)), 1):
-        signature[f"wd{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {WORD_ROWS}],{layout!r}>"
-        signature[f"td{i}"] = f"tensordesc<i32[{rt}, {warps * kb}, {TERM_COLS}],{layout!r}>"
-    return offline_sass.compile_gluon(_stream_kernel, signature,
-                                      constexprs(fws, plan, slots, programs, warps, half=half, **options),
-                                      ("X", "A", "H", "Y"), warps)
 
 
 def descriptors(fws, plan, warps: int) -> list:

@@ -46,8 +46,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     prompt chunk; S == T for a prompt's first chunk), so no mask is needed, and on CUDA the call
     goes to the flash kernel (lower-right aligned when S > T): with a mask torch picks cuDNN's,
     which builds an execution plan for each new shape (13-50 ms, the first in a process 0.6-0.9 s
-    on the H200) and ran a 16K causal prompt in 14.3 ms against flash's 6.7
-    (scripts/gpu_sdpa_backends.py). Masked calls (sliding windows, verify passes over the
+    on the H200) and ran a 16K causal prompt in 14.3 ms against flash's 6.7 (docs/benchmarks.md).
+    Masked calls (sliding windows, verify passes over the
     gathered cache) stay on cuDNN: the memory-efficient kernel needs no plan but takes no grouped
     K/V heads, and with them expanded it ran 16 queries over 16K keys in 1.0 ms against cuDNN's 0.38."""
     gqa = q.shape[1] != k.shape[1]
