@@ -38,6 +38,36 @@ def _interpreter_loop_bounds_fix() -> None:
 
 _interpreter_loop_bounds_fix()
 
+
+def _interpreter_dot_row_by_row() -> None:
+    """The interpreter's tl.dot is numpy's matmul, which hands BLAS a kernel chosen by the operands'
+    shapes (and the CPU's instruction set): a one-row product and a four-row one sum in different
+    orders, so a row's bits would depend on its neighbours' count, which the GPU kernels are
+    tested not to do. np.einsum (no BLAS) sums each output element over k in one fixed order."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_verispec_fixed", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = a.data, b.data
+        if a_data.dtype != out.data.dtype or b_data.dtype != out.data.dtype:
+            return out  # fp8 operands (converted inside the original): keep its product
+        product = np.einsum("...ik,...kj->...ij", a_data, b_data, dtype=out.data.dtype, optimize=False)
+        return interpreter.TensorHandle(product + d.data, out.dtype)
+
+    create_dot._verispec_fixed = True
+    builder.create_dot = create_dot
+
+
+_interpreter_dot_row_by_row()
+
 from tools.tiny import build_tiny_model, build_tokenizer
 
 # Saving a fixture checkpoint draws a "Writing model shards" bar on stderr where a test may be
