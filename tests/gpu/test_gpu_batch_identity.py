@@ -13,7 +13,7 @@ import torch
 from tests.gpu.replay import KeyedReplay, first_divergence
 from tools.tiny import build_tiny_model
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

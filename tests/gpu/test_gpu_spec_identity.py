@@ -19,7 +19,7 @@ from tests.gpu.replay import KeyedReplay, first_divergence
 from tools.tiny import build_tiny_model, corpus_text, write_random_eagle3
 from verispec.cli import main as cli_main
 from verispec.engine.engine import Engine, load_engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -20,7 +20,7 @@ from tools.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_ti
                         random_mtp_head, write_mtp_sidecar, write_random_eagle3)
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
-from verispec.engine.params import SamplingParams
+from verispec.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -29,10 +29,10 @@ NEW_TOKENS = 128
 # family -> (case, EngineConfig fields), the proposer as `verispec serve` builds it; "replay" and
 # "eager" are the test's own
 CASES = {
-    "qwen3_5": [("mtp-1", lambda root: dict(mtp=True, mtp_depth=1)),
-                ("mtp-3", lambda root: dict(mtp=True, mtp_depth=3))],
-    "gemma4": [("eagle3", lambda root: dict(eagle3=str(root / "gemma4-eagle3"), draft_block=3)),
-               ("assistant", lambda root: dict(mtp=True, mtp_model=str(root / "gemma4-assistant"), num_mtp_tokens=2))],
+    "qwen3_5": [("mtp-1", lambda root: dict(mtp=True, num_draft_tokens=1)),
+                ("mtp-3", lambda root: dict(mtp=True, num_draft_tokens=3))],
+    "gemma4": [("eagle3", lambda root: dict(eagle3=str(root / "gemma4-eagle3"), num_draft_tokens=3)),
+               ("assistant", lambda root: dict(mtp=True, mtp_model=str(root / "gemma4-assistant"), num_draft_tokens=2))],
 }
 GEMMA4_BF16 = pytest.mark.xfail(reason="Gemma 4 bf16: the verify pass's GEMM shapes flip a near-tie of a random model",
                                 strict=False)

@@ -336,8 +336,8 @@ class DemoBuild:
                 break
             measured_now += 1
             method, _, depth = name.partition("-")
-            kw = ({} if method == "ar" else {"mtp": True, "mtp_depth": int(depth)} if method == "mtp" else
-                  {"eagle3": str(self.model_dir / "eagle3"), "draft_block": int(depth)})
+            kw = ({} if method == "ar" else {"mtp": True, "num_draft_tokens": int(depth)} if method == "mtp" else
+                  {"eagle3": str(self.model_dir / "eagle3"), "num_draft_tokens": int(depth)})
             engine = Engine.load(EngineConfig(model=str(self.model_dir), device=o.device, **kw))
             engine.prewarm()
             generated = drafted = accepted = rounds = 0
