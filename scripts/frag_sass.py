@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verispec.kernels import offline_sass, quant_frag as qf  # noqa: E402
+from verispec.kernels import offline_sass
+from verispec.quant.kernels import frag as qf  # noqa: E402
 
 
 def load_mma_order(sass: str) -> str:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_gemv_variants import LAYERS, Copies  # noqa: E402
 from gpu_mma_gemv import random_operands  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import frag_dequantize, quant_frag as qf, quant_matmul as qm, quant_mma  # noqa: E402
+from verispec.quant.kernels import frag_dequantize, frag as qf, matmul as qm, mma as quant_mma  # noqa: E402
 
 MS = (1, 2, 4, 8)
 

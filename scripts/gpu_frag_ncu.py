@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_mma_ncu import SHAPES, layer_operands  # noqa: E402
-from verispec.kernels import quant_frag as qf  # noqa: E402
+from verispec.quant.kernels import frag as qf  # noqa: E402
 
 
 def main() -> None:

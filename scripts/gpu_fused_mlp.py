@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
-from verispec.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402
+from verispec.quant.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import frag_dequantize, offline_sass  # noqa: E402
-from verispec.kernels import quant_frag as qf  # noqa: E402
-from verispec.kernels import quant_gemv  # noqa: E402
-from verispec.kernels.quant_gemv import gl, gluon  # noqa: E402
+from verispec.kernels import offline_sass
+from verispec.quant.kernels import frag_dequantize  # noqa: E402
+from verispec.quant.kernels import frag as qf  # noqa: E402
+from verispec.quant.kernels import gemv as quant_gemv  # noqa: E402
+from verispec.quant.kernels.gemv import gl, gluon  # noqa: E402
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -95,10 +96,10 @@ if gluon is not None:
         RT: gl.constexpr = _PASS_TILES
         # two passes of 4 gate/up tiles: units 64p + 32*pass + 8*rt + g
         y0 = qf.frag_sums(X, WG, TG, M, stride_xm, 2 * p, H, GROUP_G, ZERO_POINT, KBG, True, DECODE_ASM, LWG,
-                          LXG, LTG, DEPTH_G, RT, 0)
+                          LXG, LTG, DEPTH_G, RT)
         h0 = qf.silu_gated(y0, RT, DT).to(DT)
         y1 = qf.frag_sums(X, WG, TG, M, stride_xm, 2 * p + 1, H, GROUP_G, ZERO_POINT, KBG, False, DECODE_ASM, LWG,
-                          LXG, LTG, DEPTH_G, RT, 0)
+                          LXG, LTG, DEPTH_G, RT)
         h1 = qf.silu_gated(y1, RT, DT).to(DT)
         a = gl.reshape(gl.permute(gl.join(h0, h1), (2, 0, 1)), [64, MT])  # [block position, row]
         # block position 16t + 4c + 2h + j is what the mma sees at k = 16c + 8h + 2t + j (quant_frag)

@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verispec import cli  # noqa: E402
-from verispec.kernels import decode_attention, qk_prep, quant_frag, quant_gemv, rms_norm  # noqa: E402
+from verispec.kernels import decode_attention, qk_prep, rms_norm
+from verispec.quant.kernels import frag as quant_frag, gemv as quant_gemv  # noqa: E402
 
 
 def _layer_kind(n: int, k: int) -> str:

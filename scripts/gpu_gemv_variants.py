@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import int4_builtin, quant_gemv as qg, quant_matmul as qm  # noqa: E402
+from verispec.quant.kernels import int4_builtin, gemv as qg, matmul as qm  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 from verispec.quant.packing import unpack_rows  # noqa: E402
 

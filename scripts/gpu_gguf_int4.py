@@ -24,7 +24,7 @@ def main() -> None:
     from verispec.engine.params import SamplingParams
     from verispec.loading.model_loader import load_model
     from verispec.loading.tokenizer import Tokenizer
-    from verispec.models.layers.quant_linear import QuantizedLinear
+    from verispec.quant.layers.linear import QuantizedLinear
 
     root = Path(tempfile.mkdtemp())
     build_tokenizer(root / "tok")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_quant_tiles import LAYERS  # noqa: E402
 from gpu_timing import graph_time_us  # noqa: E402
-from verispec.kernels import int4_builtin, quant_matmul as qm  # noqa: E402
+from verispec.quant.kernels import int4_builtin, matmul as qm  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 from verispec.quant.packing import unpack_rows  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_gemv_variants import LAYERS, Copies  # noqa: E402
 from gpu_timing import cycle_time_us, graph_time_us  # noqa: E402
-from verispec.kernels import quant_frag as qf  # noqa: E402
+from verispec.quant.kernels import frag as qf  # noqa: E402
 
 
 @triton.jit

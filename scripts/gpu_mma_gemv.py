@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_gemv_variants import LAYERS, Copies  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import int4_builtin, quant_gemv as qg, quant_matmul as qm, quant_mma  # noqa: E402
+from verispec.quant.kernels import int4_builtin, gemv as qg, matmul as qm, mma as quant_mma  # noqa: E402
 from verispec.quant.packing import pack_rows  # noqa: E402
 
 MS = (1, 2, 4, 8)

@@ -69,7 +69,7 @@ GROUP = 64
 
 
 def operands():
-    from verispec.kernels import quant_gemv, quant_mma
+    from verispec.quant.kernels import gemv as quant_gemv, mma as quant_mma
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     s = argparse.Namespace(side=torch.cuda.Stream())
@@ -126,7 +126,7 @@ def background(s, stop: threading.Event, warm: threading.Event, sync: bool) -> N
 
 
 def run_case(name: str, mode: str, repeats: int) -> dict:
-    from verispec.kernels import quant_gemv
+    from verispec.quant.kernels import gemv as quant_gemv
     pre, product, thread_kind = CASES[name]
     s = operands()
     then = {"mma": s.mma, "mma_mma": lambda x: s.mma(s.mma(x)), "gemv8_mma": lambda x: s.mma(s.gemv8(x))}[product]
@@ -219,7 +219,7 @@ def engines_child(args) -> dict:
     import gpu_spec_identity as spec
     from verispec.engine import cuda_graphs
     from verispec.engine.engine import Engine
-    from verispec.kernels import quant_gemv, quant_mma
+    from verispec.quant.kernels import gemv as quant_gemv, mma as quant_mma
     quant_gemv.PDL = True  # before any kernel launches
     state = {"target": "", "config": "", "engine": "", "engines": 0, "graphs": 0, "failures": []}
 

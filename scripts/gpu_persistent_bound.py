@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_l2_prefetch import PREFETCH_L2_PTX  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import quant_frag as qf  # noqa: E402
-from verispec.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402,F401
-from verispec.kernels.quant_gemv import gl, gluon  # noqa: E402
+from verispec.quant.kernels import frag as qf  # noqa: E402
+from verispec.quant.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402,F401
+from verispec.quant.kernels.gemv import gl, gluon  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 
 
@@ -66,10 +66,10 @@ def _phase(X, WQ, T, Y, M, N: gl.constexpr, K: gl.constexpr, Y_COLS: gl.constexp
     pid = gl.program_id(0)
     if pid < TILES:
         qf.frag_tile(X, WQ, T, Y, M, N, K, Y_COLS, pid, K, GROUP, False, KB, False, DECODE_ASM, LW, LX, LT, D, SILU,
-                     RT, 0, words0, terms0)
+                     RT, words0, terms0)
     for t in range(pid + P, TILES, P):
         qf.frag_tile(X, WQ, T, Y, M, N, K, Y_COLS, t, K, GROUP, False, KB, False, DECODE_ASM, LW, LX, LT, D, SILU,
-                     RT, 0)
+                     RT)
 
 
 @gluon.jit

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verispec.kernels import quant_matmul  # noqa: E402
+from verispec.quant.kernels import matmul as quant_matmul  # noqa: E402
 from verispec.models.layers import quant_linear  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import graph_time_us  # noqa: E402
-from verispec.kernels import quant_matmul as qm  # noqa: E402
+from verispec.quant.kernels import matmul as qm  # noqa: E402
 from verispec.quant import mlx_affine  # noqa: E402
 
 # Qwen3-8B: merged qkv, o, merged gate_up, down (x 36 layers), lm_head (x 1)

@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verispec.kernels import quant_frag as qf  # noqa: E402
-from verispec.kernels.stream_chain import compile_offline, stream_chain  # noqa: E402
+from verispec.quant.kernels import frag as qf  # noqa: E402
+from verispec.quant.kernels.stream_chain import compile_offline, stream_chain  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 CHAINS = {"mlp": ("gate_up", "down"), "layer": ("o", "gate_up", "down")}
@@ -106,7 +106,7 @@ def main() -> None:
         return
 
     from gpu_persistent_bound import random_frag, synchronize_or_exit
-    from verispec.kernels.grid_sync import resident_per_multiprocessor
+    from verispec.quant.kernels.grid_sync import resident_per_multiprocessor
     from gpu_timing import cycle_time_us
     from triton.runtime.errors import OutOfResources
     from verispec.kernels.rms_norm import add_rms_norm
@@ -158,7 +158,7 @@ def main() -> None:
             [lambda s=s: launched(x, s, names, lambda name, x: qf.tiles_for(*SHAPES[name], x.shape[0]), norm)
              for s in sets], 10), 2)}
         if norm:  # what the engine runs today: o and the norm launched, then the MLP streamed (stream_mlp)
-            from verispec.kernels import stream_mlp
+            from verispec.quant.kernels import stream_mlp
 
             def engine_path(x, ws):
                 o = qf.frag_gemv(x, ws["o"], qf.tiles_for(*SHAPES["o"], x.shape[0]))

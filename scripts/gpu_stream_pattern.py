@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels.quant_gemv import gl, gluon  # noqa: E402
+from verispec.quant.kernels.gemv import gl, gluon  # noqa: E402
 
 LANES_ALONG_ROWS = {"rows8": 8, "rows2": 2, "row1": 1}
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
-from verispec.kernels import grid_sync, quant_frag as qf  # noqa: E402
-from verispec.kernels.stream_chain import stream_chain  # noqa: E402
+from verispec.quant.kernels import grid_sync, frag as qf  # noqa: E402
+from verispec.quant.kernels.stream_chain import stream_chain  # noqa: E402
 
 
 def main() -> None:

@@ -6,25 +6,25 @@ from __future__ import annotations
 import pytest
 
 from verispec.engine import cuda_graphs
-from verispec.kernels import quant_gemv
+from verispec.kernels import launch
 
 
 def test_a_failed_capture_is_made_again_without_pdl(monkeypatch):
     seen, warnings = [], []
 
     def capture_once(fn, inputs, pool):
-        seen.append((quant_gemv.PDL, pool))
+        seen.append((launch.PDL, pool))
         if len(seen) == 1:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         return "graph", fn(*inputs)
 
     monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
-    monkeypatch.setattr(quant_gemv, "PDL", True)
+    monkeypatch.setattr(launch, "PDL", True)
     monkeypatch.setattr(cuda_graphs.log, "warning", lambda msg, *args: warnings.append(msg % args))
     graph, out = cuda_graphs.capture(lambda a: (a + 1,), [1], pool="shared")
     assert (graph, out) == ("graph", (2,))
     assert seen == [(True, "shared"), (False, None)]
-    assert quant_gemv.PDL is True  # restored after the capture
+    assert launch.PDL is True  # restored after the capture
     assert len(warnings) == 1 and "pool of its own" in warnings[0]
     assert "previous error during capture" in warnings[0]
 
@@ -51,10 +51,10 @@ def test_a_second_failure_raises(monkeypatch):
         raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
-    monkeypatch.setattr(quant_gemv, "PDL", True)
+    monkeypatch.setattr(launch, "PDL", True)
     with pytest.raises(RuntimeError, match="out of memory"):
         cuda_graphs.capture(lambda a: (a,), [1])
-    assert quant_gemv.PDL is True
+    assert launch.PDL is True
 
 
 def test_a_failed_capture_stops_recording_into_its_pool(monkeypatch):

@@ -21,7 +21,7 @@ import torch
 
 from verispec import log
 from verispec.cache.kv import KVCache
-from verispec.kernels import quant_gemv
+from verispec.kernels import launch
 from verispec.models.base import CausalLM
 
 
@@ -79,7 +79,7 @@ def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAG
     except RuntimeError as exc:
         log.warning("CUDA graph capture failed (%s); capturing once more, into a pool of its own and without "
                     "programmatic dependent launch", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    with quant_gemv.launches_without_pdl():
+    with launch.launches_without_pdl():
         return _capture_once(fn, inputs, None)
 
 

@@ -1,9 +1,9 @@
-"""Compile the fragment-order 4-bit kernel (quant_frag.py) and the split-K attention kernel
+"""Compile the fragment-order 4-bit kernel (quant/kernels/frag.py) and the split-K attention kernel
 (decode_attention.py) for sm_90 on a machine without a GPU, and read what ptxas made of them: the
 SASS (Triton's bundled nvdisasm) and the registers, stack and shared memory (cuobjdump). The kernels'
 arithmetic is checked on the GPU; this lets CPU CI check that they compile, with the launcher's
 specializations, into the instructions and register budget their speed depends on
-(tests/kernels/test_quant_frag_sass.py, test_decode_attention_sass.py), and scripts/frag_sass.py
+(tests/quant/kernels/test_frag_sass.py, tests/kernels/test_decode_attention_sass.py), and scripts/frag_sass.py
 print them.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.kernels import quant_frag as qf
+from verispec.quant.kernels import frag as qf
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -40,7 +40,7 @@ def _tool(name: str) -> str:
 
 def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch.bfloat16, group: int = 64,
                  silu_gate: bool = False, rows: int = 1) -> CompiledFrag:
-    """`quant_frag._frag_kernel` for a weight [n, k] and `rows` activation rows, as `frag_gemv`
+    """`frag._frag_kernel` for a weight [n, k] and `rows` activation rows, as `frag_gemv`
     launches it with programmatic launch on: the launcher's specializations included (16-byte
     aligned pointers, N and the strides multiples of 16, M == 1 a constant). Not in a process
     with TRITON_INTERPRET set (Triton's own reductions are then interpreter functions, which a

@@ -1,7 +1,7 @@
-"""The persistent streaming kernel of verispec/kernels/stream_chain.py (a producer warp copying 4-bit
-weights by TMA into a shared-memory ring, consumer warps multiplying from it with quant_frag's
+"""The persistent streaming kernel of verispec/quant/kernels/stream_chain.py (a producer warp copying 4-bit
+weights by TMA into a shared-memory ring, consumer warps multiplying from it with frag.py's
 `block_sums`), compiled for sm_90 on the CPU: its arithmetic and speed are measured on the GPU
-(docs/benchmarks.md, "Twentieth session"); this keeps it compiling as quant_frag changes, and
+(docs/benchmarks.md); this keeps it compiling as frag.py changes, and
 checks what its design rests on: the weights move by TMA (no global loads of words), the
 consumer's loop has no spills, and the ring fits in an H200 multiprocessor's shared memory.
 """
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_stream_chain.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "gpu_stream_chain.py"
 H200_SHARED_PER_BLOCK = 232448  # bytes a program may take (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
 
