@@ -47,8 +47,8 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
 
-    from verispec.quant.kernels.grid_sync import grid_barrier
     from verispec.kernels.launch import wait_for_previous_grid
+    from verispec.quant.kernels.grid_sync import grid_barrier
 
 WORD_ROWS = 128  # int32 words of one 16-row tile's 64-value block
 TERM_COLS = 16  # int32 words of one group's terms (8 rows g x (s_g, s_g+8), (o_g, o_g+8))
