@@ -7,7 +7,7 @@ them (a CUDA graph cycling through copies of each weight, so it is read from mem
   python3 scripts/gpu_frag_gemv.py [--out DIR] [--tiles 1x8x1x1,1x4x1x4] [--skip-check] [--budget-s 400]
 
 A tile here is BLOCKSxWARPS[xDEPTH[xROWTILES]] (quant_frag.FragTiles); programmatic dependent launch as
-quant_gemv.PDL. The check compiles every tiling for every shape (~200 s on a fresh machine).
+launch.PDL. The check compiles every tiling for every shape (~200 s on a fresh machine).
 """
 from __future__ import annotations
 

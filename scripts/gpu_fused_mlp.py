@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_persistent_bound import random_frag, synchronize_or_exit  # noqa: E402
 from verispec.quant.kernels.grid_sync import grid_barrier, resident_per_multiprocessor  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
-from verispec.kernels import offline_sass
+from verispec.kernels import launch, offline_sass  # noqa: E402
 from verispec.quant.kernels import frag_dequantize  # noqa: E402
 from verispec.quant.kernels import frag as qf  # noqa: E402
 from verispec.quant.kernels import gemv as quant_gemv  # noqa: E402
@@ -302,7 +302,7 @@ def fused_mlp(x: torch.Tensor, gate_up: qf.FragWeights, down: qf.FragWeights,
     reason = reason or _resident_checked[key]
     if reason:
         raise ValueError(f"fused_mlp: {reason}")
-    _fused_mlp_kernel[(count,)](*args, **constexprs, num_warps=tiles.num_warps, launch_pdl=quant_gemv.PDL)
+    _fused_mlp_kernel[(count,)](*args, **constexprs, num_warps=tiles.num_warps, launch_pdl=launch.PDL)
     return y
 
 

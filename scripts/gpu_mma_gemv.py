@@ -9,7 +9,7 @@ read from memory, not L2).
 
 A tile is ROWTILESxBLOCKSxWARPS, with a trailing n for activations loaded in the step that uses
 them rather than one step ahead (quant_mma.MmaTiles.prefetch_x=False), then + for programmatic
-dependent launch (quant_gemv.PDL; without +, the tile is timed with it off).
+dependent launch (launch.PDL; without +, the tile is timed with it off).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_gemv_variants import LAYERS, Copies  # noqa: E402
 from gpu_timing import cycle_time_us  # noqa: E402
+from verispec.kernels import launch  # noqa: E402
 from verispec.quant.kernels import int4_builtin, gemv as qg, matmul as qm, mma as quant_mma  # noqa: E402
 from verispec.quant.packing import pack_rows  # noqa: E402
 
@@ -75,7 +76,7 @@ def check_correctness() -> list[dict]:
 
 def parse_tiles(text: str) -> list[tuple[quant_mma.MmaTiles, bool]]:
     """(tiles, programmatic dependent launch) per item: ROWTILESxBLOCKSxWARPS, then n (activations
-    in-step), then + (programmatic dependent launch, quant_gemv.PDL)."""
+    in-step), then + (programmatic dependent launch, launch.PDL)."""
     out = []
     for item in text.split(","):
         pdl = item.endswith("+")
@@ -87,11 +88,11 @@ def parse_tiles(text: str) -> list[tuple[quant_mma.MmaTiles, bool]]:
 
 def mma_call(tiles: quant_mma.MmaTiles, pdl: bool, group: int):
     def call(x, p, s, b):
-        previous, qg.PDL = qg.PDL, pdl  # read at launch (and so at capture)
+        previous, launch.PDL = launch.PDL, pdl  # read at launch (and so at capture)
         try:
             return quant_mma.mma_gemv(x, p, s, b, 4, group, tiles=tiles)
         finally:
-            qg.PDL = previous
+            launch.PDL = previous
     return call
 
 

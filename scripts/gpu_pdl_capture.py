@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) vs CUDA graph capture: which capture breaks, and after what.
 
-With quant_gemv.PDL on (it switches quant_mma's kernel too), a multi-engine gpu_spec_identity.py run once failed a capture
+With launch.PDL on (it switches quant_mma's kernel too), a multi-engine gpu_spec_identity.py run once failed a capture
 (cudaErrorStreamCaptureInvalidated). PASS/FAIL lines, and $OUT/pdl_capture.json when OUT is set:
 - synthetic: the real 4-bit mma_gemv launched with PDL inside torch.cuda.graph (thread_local and global
   modes) after each kind of predecessor node, replayed 3 times against an eager non-PDL result; each
@@ -69,6 +69,7 @@ GROUP = 64
 
 
 def operands():
+    from verispec.kernels import launch
     from verispec.quant.kernels import gemv as quant_gemv, mma as quant_mma
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -126,6 +127,7 @@ def background(s, stop: threading.Event, warm: threading.Event, sync: bool) -> N
 
 
 def run_case(name: str, mode: str, repeats: int) -> dict:
+    from verispec.kernels import launch
     from verispec.quant.kernels import gemv as quant_gemv
     pre, product, thread_kind = CASES[name]
     s = operands()
@@ -140,9 +142,9 @@ def run_case(name: str, mode: str, repeats: int) -> dict:
             s.x.fill_(3.0)
 
     spoil()
-    with quant_gemv.launches_without_pdl():
+    with launch.launches_without_pdl():
         reference = body().clone()  # eager, PDL off
-    quant_gemv.PDL = True
+    launch.PDL = True
     spoil()
     out = {"eager_pdl_equal": torch.equal(body(), reference), "runs": []}
     stop, warm = threading.Event(), threading.Event()
@@ -219,8 +221,9 @@ def engines_child(args) -> dict:
     import gpu_spec_identity as spec
     from verispec.engine import cuda_graphs
     from verispec.engine.engine import Engine
+    from verispec.kernels import launch
     from verispec.quant.kernels import gemv as quant_gemv, mma as quant_mma
-    quant_gemv.PDL = True  # before any kernel launches
+    launch.PDL = True  # before any kernel launches
     state = {"target": "", "config": "", "engine": "", "engines": 0, "graphs": 0, "failures": []}
 
     class OpRecorder(TorchDispatchMode):

@@ -189,8 +189,9 @@ def bind(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> Bo
         steps.append((int4_builtin.MAX_ROWS, Kernel.TINYGEMM, _tinygemm))
     elif copy is not None:
         steps += [(frag.MAX_ROWS, Kernel.FRAG, _frag), (FRAG_CHUNKED_MAX_ROWS, Kernel.FRAG, _frag_pieces)]
-    elif layer.released():
-        reasons.append(f"the fragment-order copy's terms are {layer.frag_terms.dtype}, the activations {dtype}")
+    elif layer.released():  # only a fragment-order copy in another dtype holds the weight
+        terms = layer.frag_terms.dtype if layer.frag_terms is not None else None
+        reasons.append(f"the fragment-order copy's terms are {terms}, the activations {dtype}")
     elif (reason := mma_reason(layer, device, dtype)) is None:
         steps.append((mma.MAX_ROWS, Kernel.MMA, _mma))
     elif (reason_gemv := gemv_reason(layer, device, dtype)) is None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.quant.kernels.frag import BLOCK, TILE_ROWS, FragWeights, fragment_positions
 from verispec.kernels.launch import triton
+from verispec.quant.kernels.frag import BLOCK, TILE_ROWS, FragWeights, fragment_positions
 
 try:  # the dequantizing kernel is plain Triton (it runs in the CPU interpreter too)
     import triton.language as tl

@@ -33,7 +33,7 @@ import functools
 import torch
 
 # gl, gluon and triton are None without Gluon
-from verispec.kernels.launch import gl, gluon, is_sm90, pdl_enabled, platform_reason, triton
+from verispec.kernels.launch import gl, gluon, pdl_enabled, platform_reason, triton
 
 if gluon is not None:
     from verispec.kernels.launch import wait_for_previous_grid

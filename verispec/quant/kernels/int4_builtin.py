@@ -13,7 +13,7 @@ dequantization rounds): within half a bfloat16 ulp of the group's zero, against 
 reference in matmul.dequantize_reference.
 
 The packed layout is tinygemm's own (built once at load by `_convert_weight_to_int4pack`);
-QuantizedLinear.use_builtin_int4 converts a layer (and may drop its checkpoint words). Its rows
+QuantizedLinear.use_builtin_int4 converts a layer (its checkpoint words kept for wider passes). Its rows
 are computed independently of the pass's width (row 0 alone == row 0 of 4 or 16, bitwise, on the
 H200), as the Triton kernel's are, so speculative verify and plain decode agree row by row.
 """
