@@ -23,6 +23,7 @@ from verispec.bench.roofline import mean_decode_context, roofline_tok_s, token_b
 from verispec.bench.shapes import default_eagle3_shape, eagle3_config, get_shape
 from verispec.bench.steps import measure_step_costs
 from verispec.config import EngineConfig
+from verispec.engine import warmup
 from verispec.engine.engine import Engine
 from verispec.engine.params import SamplingParams
 from verispec.errors import VerispecError
@@ -187,6 +188,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
 def _new_engine(target: Target, config: EngineConfig, proposer=None, num_drafts: int = 0) -> Engine:
     """An engine on the target, its model first rewritten for the device as the loader does (once:
     later engines on the same model find nothing left to do)."""
+    warmup.pin_triton_cache_dir(next(target.model.parameters()).device)  # before anything compiles
     prepare_for_device(target.model, config.fuse_small_ops)
     return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=num_drafts)
 
