@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--sass", default=None, help="write the whole SASS here")
     args = parser.parse_args()
     from tools.sass import offline_sass
-    from verispec.kernels import quant_frag as qf
+    from verispec.quant.kernels import frag as qf
 
     tiles = qf.FragTiles(*(int(v) for v in args.tiles.split("x")))
     compiled = offline_sass.compile_frag(args.n, args.k, tiles, silu_gate=args.silu_gate, rows=args.rows)

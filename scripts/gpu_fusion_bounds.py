@@ -7,12 +7,6 @@ means anything). The README's products-only bound comes from here, e.g.
 
 PATCH (several joined by +):
   base                      as shipped
-  small-pdl-off             the small kernels (q/k preparation, split-K attention, its combine)
-                            launched without programmatic launch
-  small-pdl-wait / -early   with it, releasing their dependents at their end / start
-  product-release-start     the 4-bit products release their dependents once their first loads
-                            are issued; -loop: once their K loop is done
-  norm-release-end          the add + RMSNorm kernel releases its dependents at its end
   tiles-KIND=BxWxDxR        the 4-bit tiles for one kind of layer at every width (small = qkv / o,
                             wide = gate_up, long = down, vocab = lm_head)
   no-norm                   the residual add + RMSNorm kernels left out: the bound for folding
@@ -37,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verispec import cli  # noqa: E402
-from verispec.kernels import decode_attention, qk_prep, quant_frag, quant_gemv, rms_norm  # noqa: E402
+from verispec.kernels import decode_attention, qk_prep, rms_norm
+from verispec.quant.kernels import frag as quant_frag  # noqa: E402
 
 
 def _layer_kind(n: int, k: int) -> str:
@@ -77,18 +72,8 @@ def apply(patch: str) -> None:
         return
     if patch == "base":
         return
-    if patch == "small-pdl-off":
-        quant_gemv.SMALL_PDL = "off"
-    elif patch == "small-pdl-wait":
-        quant_gemv.SMALL_PDL = "wait"
-    elif patch == "small-pdl-early":
-        quant_gemv.SMALL_PDL = "early"
-    elif patch.startswith("tiles-"):
+    if patch.startswith("tiles-"):
         _patch_tiles(*patch.removeprefix("tiles-").split("="))
-    elif patch == "norm-release-end":
-        quant_gemv.NORM_RELEASE = "end"
-    elif patch.startswith("product-release-"):
-        quant_gemv.PRODUCT_RELEASE = patch.removeprefix("product-release-")
     elif patch == "no-norm":
         rms_norm.add_rms_norm = lambda x, update, weight, eps, unit_offset: (x, x)
     elif patch == "no-combine":

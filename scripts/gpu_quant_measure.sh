@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
-# On the lent GPU (device tool): issue #14's speed targets measured side by side, batch 1, random
-# weights quantized on the device (`verispec bench --quant`). Results (bench.json / bench.md per
-# run) under $OUT. STAGES picks what runs (default "qwen large"):
-#   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (the fragment-order kernel for decode/verify, the
-#           default), 4-bit on the first tensor-core kernel (VERISPEC_QUANT_KERNEL=mma), on tinygemm (VERISPEC_QUANT_KERNEL=builtin) and on the Gluon GEMV
-#           (VERISPEC_QUANT_KERNEL=gemv), and 4-bit without programmatic dependent launch
-#           (VERISPEC_PDL=0), and with SiLU(gate) * up in the gate/up kernel (VERISPEC_GATE_IN_PRODUCT=1), and
-#           the MLP as two launches, not the streaming kernel (VERISPEC_STREAM_MLP=0), each plain and with EAGLE3 (verify_decode_ratio: the cost of a
-#           4-token verify pass); QWEN_ROWS picks rows by name (default all)
+# On a GPU: quantized decode speed side by side, batch 1, random weights quantized on the device
+# (`verispec bench --quant`). Results (bench.json / bench.md per run) under $OUT. STAGES picks what
+# runs (default "qwen large"):
+#   qwen  - Qwen3-8B: bf16, MLX 8-bit, MLX 4-bit (each layer on the kernel quant/dispatch.py binds),
+#           each plain and with a random 3-draft EAGLE3 (verify_decode_ratio: the cost of a 4-token
+#           verify pass); QWEN_ROWS picks rows by name (default all)
 #   large - Gemma 4 26B-A4B (MoE: quantized experts), Gemma 4 31B dense and Qwen3.6-27B hybrid:
 #           bf16 against 8-bit and 4-bit, plain decode
 set -uo pipefail
@@ -20,7 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"qwen large"}
 LARGE=${LARGE:-"gemma4-26b-a4b gemma4-31b qwen3.6-27b"}  # the large stage's shapes
 QUANTS=${QUANTS:-"none mlx-8bit mlx-4bit"}  # and their weights
-QWEN_ROWS=${QWEN_ROWS:-"bf16 mlx-8bit mlx-4bit mlx-4bit-mma mlx-4bit-gate mlx-4bit-nopdl mlx-4bit-tinygemm mlx-4bit-gemv mlx-4bit-nostream"}
+QWEN_ROWS=${QWEN_ROWS:-"bf16 mlx-8bit mlx-4bit"}
 run() {  # run NAME [env assignments...] -- bench args...
     local name=$1; shift
     if [[ $name == qwen3-8b-* && " $QWEN_ROWS " != *" ${name#qwen3-8b-} "* ]]; then return; fi
@@ -32,16 +29,10 @@ run() {  # run NAME [env assignments...] -- bench args...
 }
 common=(--contexts 512 --gen-tokens 128 --repeats 3)
 if [[ " $STAGES " == *" qwen "* ]]; then
-    spec=(--shape qwen3-8b --methods ar,eagle3 --draft-block 3 "${common[@]}")
+    spec=(--shape qwen3-8b --methods ar,eagle3 --num-draft-tokens 3 "${common[@]}")
     run qwen3-8b-bf16 -- "${spec[@]}"
     run qwen3-8b-mlx-8bit -- "${spec[@]}" --quant mlx-8bit
     run qwen3-8b-mlx-4bit -- "${spec[@]}" --quant mlx-4bit
-    run qwen3-8b-mlx-4bit-mma VERISPEC_QUANT_KERNEL=mma -- "${spec[@]}" --quant mlx-4bit
-    run qwen3-8b-mlx-4bit-gate VERISPEC_GATE_IN_PRODUCT=1 -- "${spec[@]}" --quant mlx-4bit
-    run qwen3-8b-mlx-4bit-nopdl VERISPEC_PDL=0 -- "${spec[@]}" --quant mlx-4bit
-    run qwen3-8b-mlx-4bit-tinygemm VERISPEC_QUANT_KERNEL=builtin -- "${spec[@]}" --quant mlx-4bit
-    run qwen3-8b-mlx-4bit-gemv VERISPEC_QUANT_KERNEL=gemv -- "${spec[@]}" --quant mlx-4bit
-    run qwen3-8b-mlx-4bit-nostream VERISPEC_STREAM_MLP=0 -- "${spec[@]}" --quant mlx-4bit
 fi
 if [[ " $STAGES " == *" large "* ]]; then
     for shape in $LARGE; do

@@ -441,9 +441,17 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from verispec.quant.convert import quantize_checkpoint
+    from verispec.loading.model_loader import read_config
+    from verispec.loading.resolve import resolve_model
+    from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
+    from verispec.quant.convert import Source, parse_format, quantize_checkpoint
 
-    s = quantize_checkpoint(args.model, args.format, args.out, group_size=args.group_size)
+    parse_format(args.format, args.group_size)  # a bad format fails before the model is fetched
+    src = resolve_model(args.model)
+    config = read_config(src)
+    files = checkpoint_files(src)
+    source = Source(src, config, files, iter_tensors(files), len(tensor_shapes(files)))
+    s = quantize_checkpoint(source, args.format, args.out, group_size=args.group_size)
     print(f"{args.format}: {s.quantized} tensors quantized, {s.kept} kept as they were; "
           f"{s.bytes_in / 2 ** 20:.1f} MiB -> {s.bytes_out / 2 ** 20:.1f} MiB in {s.out_dir}")
     return 0

@@ -20,11 +20,6 @@ class EnvSettings:
     hf_offline: bool = False
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
-    quant_kernel: str = "auto"  # VERISPEC_QUANT_KERNEL: auto | mma | builtin | gemv | triton (quant_convert.convert_for_builtin_int4)
-    quant_tiles: str | None = None  # VERISPEC_QUANT_TILES: JSON TileConfig fields (kernels/quant_matmul.py)
-    pdl: bool = True  # VERISPEC_PDL=0: quantized kernels launch without programmatic dependent launch
-    gate_in_product: bool = True  # VERISPEC_GATE_IN_PRODUCT=0: SiLU(gate) * up as its own kernel, not in the 4-bit gate/up kernel
-    stream_mlp: bool = True  # VERISPEC_STREAM_MLP=0: a 4-bit MLP's gate/up and down as two launches, not one streaming kernel
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -38,11 +33,6 @@ class EnvSettings:
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
             use_fla=_env_flag("VERISPEC_FLA", default=True),
-            quant_kernel=env.get("VERISPEC_QUANT_KERNEL", "auto").strip() or "auto",
-            quant_tiles=env.get("VERISPEC_QUANT_TILES") or None,
-            pdl=_env_flag("VERISPEC_PDL", default=True),
-            gate_in_product=_env_flag("VERISPEC_GATE_IN_PRODUCT", default=True),
-            stream_mlp=_env_flag("VERISPEC_STREAM_MLP", default=True),
         )
 
 

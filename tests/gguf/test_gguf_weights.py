@@ -87,7 +87,7 @@ def test_4bit_weights_kept_quantized_compute_what_the_dense_load_does(gguf_files
     """Q4_0 / Q4_1 linears loaded as quantized layers (what CUDA in bfloat16 gets, for torch's int4
     kernel) dequantize to the library's values: in float32 on the CPU the logits equal the dense load's."""
     from verispec.loading.model_loader import load_model
-    from verispec.models.layers.quant_linear import MLXAffineLinear
+    from verispec.quant.layers.linear import MLXAffineLinear
 
     case = gguf_files.get(arch, qtype)
     dense = load_model(case.path, torch.float32, torch.device("cpu"))

@@ -1,14 +1,14 @@
-"""torch's built-in int4 product (tinygemm, kernels/int4_builtin.py) on CUDA, where its packing is
+"""torch's built-in int4 product (tinygemm, quant/kernels/int4_builtin.py) on CUDA, where its packing is
 the device's own: our nibble order (the even column in the high nibble) gives the float64 reference
 within a bf16 product's error, and the other order visibly does not; and a GGUF's Q4_1 weights kept
-quantized on CUDA (the engine converts them to this kernel) give the dense load's logits.
+quantized on CUDA (bound to their kernels at load) give the dense load's logits.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verispec.kernels import int4_builtin, quant_matmul as qm
+from verispec.quant.kernels import int4_builtin, matmul as qm
 from verispec.quant import mlx_affine
 from verispec.quant.packing import unpack_rows
 
@@ -40,35 +40,27 @@ def test_packing_matches_the_reference_and_the_swapped_order_does_not(n, k):
         assert err(int4_builtin.matmul(x, swapped, GROUP, scale_zero)) > 0.1, m
 
 
-@pytest.mark.parametrize("kernel", ["auto", "builtin"])
-def test_gguf_q4_1_kept_quantized_gives_the_dense_logits(tmp_path, tokenizer_dir, monkeypatch, kernel):
-    """The 4-bit layers of a Q4_1 file stay quantized on CUDA (VERISPEC_QUANT_KERNEL=builtin: all on
-    tinygemm) and compute the dense load's logits up to the kernels' bf16 scales (GGUF has float16)."""
+def test_gguf_q4_1_kept_quantized_gives_the_dense_logits(tmp_path, tokenizer_dir):
+    """The 4-bit layers of a Q4_1 file stay quantized on CUDA, each bound to its kernel at load, and
+    compute the dense load's logits up to the kernels' bf16 scales (GGUF has float16)."""
     from transformers import AutoTokenizer
 
     from tests.gguf.files import write_gguf
-    from verispec.config import EngineConfig
-    from verispec.engine.engine import Engine
-    from verispec.loading.model_loader import load_model
-    from verispec.loading.tokenizer import Tokenizer
-    from verispec.models.layers.quant_linear import QUANT_KERNEL_ENV, QuantizedLinear
+    from verispec.loading.model_loader import load_model, prepare_for_device
+    from verispec.quant.layers.linear import QuantizedLinear
 
-    monkeypatch.setenv(QUANT_KERNEL_ENV, kernel)
     case = write_gguf(tmp_path / "llama", "llama", "Q4_1", AutoTokenizer.from_pretrained(str(tokenizer_dir)), seed=3)
     prompt = [5, 9, 200, 31, 77, 13, 8, 150]
     logits, quantized = {}, {}
     for keep in (True, False):
         model = load_model(case.path, torch.bfloat16, torch.device(DEVICE), keep_gguf_4bit=keep)
-        engine = Engine(model, Tokenizer.from_dir(case.path), EngineConfig(model=str(case.path), kv_cache_gb=0.2))
-        layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
-        quantized[keep] = len(layers)
-        if keep and kernel == "builtin":
-            assert all(m.int4_packed is not None for m in layers), "a layer is not on torch's int4 kernel"
+        prepare_for_device(model)
+        quantized[keep] = sum(isinstance(m, QuantizedLinear) for m in model.modules())
         with torch.no_grad():
             ids = torch.tensor([prompt], device=DEVICE)
             positions = torch.arange(len(prompt), device=DEVICE)[None]
-            out = engine.model(ids, positions, engine.model.make_cache(len(prompt)))
-            logits[keep] = engine.model.logits(out.hidden)[0].float()
+            out = model(ids, positions, model.make_cache(len(prompt)))
+            logits[keep] = model.logits(out.hidden)[0].float()
     assert quantized[True] > 0 and quantized[False] == 0, quantized
     rel = float((logits[True] - logits[False]).norm() / logits[False].norm())
     assert rel < 5e-2, rel

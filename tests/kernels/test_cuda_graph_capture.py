@@ -1,26 +1,30 @@
-"""A CUDA graph capture that fails is made once more, into a pool of its own (and says so); a second failure is not hidden. Python's cycle
+"""A CUDA graph capture that fails is made once more, into a pool of its own and without
+programmatic dependent launch (and says so); a second failure is not hidden. Python's cycle
 collector is off during a capture (a collection freeing old graphs invalidates it)."""
 from __future__ import annotations
 
 import pytest
 
 from verispec.kernels import cuda_graph as cuda_graphs
+from verispec.kernels import launch
 
 
-def test_a_failed_capture_is_made_again_in_a_pool_of_its_own(monkeypatch):
+def test_a_failed_capture_is_made_again_without_pdl(monkeypatch):
     seen, warnings = [], []
 
     def capture_once(fn, inputs, pool):
-        seen.append(pool)
+        seen.append((launch.PDL, pool))
         if len(seen) == 1:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         return "graph", fn(*inputs)
 
     monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
+    monkeypatch.setattr(launch, "PDL", True)
     monkeypatch.setattr(cuda_graphs.log, "warning", lambda msg, *args: warnings.append(msg % args))
     graph, out = cuda_graphs.capture(lambda a: (a + 1,), [1], pool="shared")
     assert (graph, out) == ("graph", (2,))
-    assert seen == ["shared", None]
+    assert seen == [(True, "shared"), (False, None)]
+    assert launch.PDL is True  # restored after the capture
     assert len(warnings) == 1 and "pool of its own" in warnings[0]
     assert "previous error during capture" in warnings[0]
 
@@ -47,8 +51,10 @@ def test_a_second_failure_raises(monkeypatch):
         raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(cuda_graphs, "_capture_once", capture_once)
+    monkeypatch.setattr(launch, "PDL", True)
     with pytest.raises(RuntimeError, match="out of memory"):
         cuda_graphs.capture(lambda a: (a,), [1])
+    assert launch.PDL is True
 
 
 def test_a_failed_capture_stops_recording_into_its_pool(monkeypatch):

@@ -65,7 +65,7 @@ def verispec_greedy(model_dir: Path, num_tokens: int) -> list[int]:
 
 
 def quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from verispec.models.layers.quant_linear import MLXAffineEmbedding, QuantizedLinear
+    from verispec.quant.layers.linear import MLXAffineEmbedding, QuantizedLinear
 
     return {name: m for name, m in model.named_modules() if isinstance(m, (QuantizedLinear, MLXAffineEmbedding))}
 

@@ -10,7 +10,7 @@ from verispec.bench.build import random_target
 from verispec.bench.roofline import weight_bytes
 from verispec.bench.shapes import SHAPES
 from verispec.cli import main
-from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear
+from verispec.quant.layers.linear import MLXAffineEmbedding, MLXAffineLinear
 from verispec.quant.in_memory import quantize_model_
 
 

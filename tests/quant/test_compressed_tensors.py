@@ -12,8 +12,8 @@ import torch
 
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.float_quant_linear import Float8Linear
-from verispec.models.layers.quant_linear import PackedIntLinear
+from verispec.quant.layers.float_linear import Float8Linear
+from verispec.quant.layers.linear import PackedIntLinear
 
 from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library, verispec_greedy
 
@@ -101,7 +101,7 @@ def test_quantized_embedding_equals_library_decompression(tiny_models, tmp_path)
     the library's decompression, and greedy output equals transformers' on the decompressed weights."""
     from transformers import AutoModelForCausalLM
 
-    from verispec.models.layers.quant_linear import PackedIntEmbedding
+    from verispec.quant.layers.linear import PackedIntEmbedding
 
     src = tiny_models.get("quant-qwen3", "qwen3", head_dim=32, **TINY_SHAPE)
     path = ct_quantize(src, tmp_path / "emb", SCHEMES["w4-g64-asym"], targets=("Linear", "Embedding"))

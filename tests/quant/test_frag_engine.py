@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from verispec.engine.engine import load_engine
-from verispec.kernels import frag_dequantize, quant_frag, stream_mlp
-from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
-                                                  release_converted_checkpoints, stream_mlps)
-from verispec.models.layers.quant_linear import QuantizedLinear
+from verispec.quant import dispatch
+from verispec.quant.dispatch import gate_in_products, make_copies, release_converted_checkpoints, stream_mlps
+from verispec.quant.kernels import frag as quant_frag, frag_dequantize, stream_mlp
+from verispec.quant.layers.linear import QuantizedLinear
 
 from tests.quant.conftest import mlx_convert
 from tests.spec.conftest import TARGET_SHAPE, ReplayProposer, greedy, spec_engine
@@ -21,7 +21,7 @@ NEW_TOKENS = 24
 
 
 def frag_gemv_in_torch(x, fw, tiles=None, silu_gate=False):
-    """quant_frag.frag_gemv's result, computed by torch in x's dtype."""
+    """frag.frag_gemv's result, computed by torch in x's dtype."""
     y = x @ frag_dequantize.dequantize(fw, x.dtype).T
     if not silu_gate:
         return y
@@ -53,12 +53,12 @@ def test_converted_and_released_layers_give_the_same_tokens(tiny_models, tmp_pat
         gated.append(silu_gate)
         return frag_gemv_in_torch(x, fw, tiles, silu_gate)
 
-    monkeypatch.setattr(QuantizedLinear, "frag_reason", lambda self, device, dtype: None)
+    monkeypatch.setattr(dispatch, "frag_reason", lambda layer, device, dtype: None)
     monkeypatch.setattr(quant_frag, "frag_gemv", fake)
     model = engine.model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert convert_for_builtin_int4(model, torch.float32) == 0  # no tinygemm copy
-    assert all(m.frag is not None for m in layers)
+    assert make_copies(model, torch.float32) == len(layers)
+    assert all(m.frag is not None and m.int4_packed is None for m in layers)  # no tinygemm copy
     assert gate_in_products(model, torch.float32) == TARGET_SHAPE["num_hidden_layers"]
     assert release_converted_checkpoints(model) == len(layers)
     assert all(m.released() for m in layers)
@@ -78,22 +78,22 @@ def test_a_second_engine_on_the_same_model_converts_nothing_twice(tiny_models, t
     src = tiny_models.get("frag-llama", "llama", **TARGET_SHAPE)
     path = mlx_convert(src, tmp_path / "llama-4bit", q_bits=4, q_group_size=64)
     engine = load_engine(str(path), dtype="float32", device="cpu")
-    monkeypatch.setattr(QuantizedLinear, "frag_reason", lambda self, device, dtype: None)
+    monkeypatch.setattr(dispatch, "frag_reason", lambda layer, device, dtype: None)
     model = engine.model
-    convert_for_builtin_int4(model, torch.float32)
+    make_copies(model, torch.float32)
     gate_in_products(model, torch.float32)
     count = release_converted_checkpoints(model)
     assert count > 0
     words = {id(m): m.frag.words for m in model.modules() if isinstance(m, QuantizedLinear)}
-    assert convert_for_builtin_int4(model, torch.float32) == 0
+    assert make_copies(model, torch.float32) == 0
     assert gate_in_products(model, torch.float32) == 0
     assert release_converted_checkpoints(model) == 0
     assert all(m.frag.words is words[id(m)] for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def test_mlps_take_the_streaming_kernel_for_decode_and_verify_passes(tiny_models, tmp_path, monkeypatch):
-    """kernels/stream_mlp.py's StreamMLP replaced by what it computes: every MLP of the converted
-    model takes it (quant_convert.stream_mlps) for passes of up to 32 rows, wider prefills keep the
+    """quant/kernels/stream_mlp.py's StreamMLP replaced by what it computes: every MLP of the converted
+    model takes it (quant.dispatch.stream_mlps) for passes of up to 32 rows, wider prefills keep the
     two products, and plain and speculative decoding give the unconverted model's tokens."""
     plain, engine = reference_and_engine(tiny_models, tmp_path)
     widths = []
@@ -106,12 +106,12 @@ def test_mlps_take_the_streaming_kernel_for_decode_and_verify_passes(tiny_models
             widths.append(x.shape[0])
             return frag_gemv_in_torch(frag_gemv_in_torch(x, self.gate_up, silu_gate=True), self.down)
 
-    monkeypatch.setattr(QuantizedLinear, "frag_reason", lambda self, device, dtype: None)
+    monkeypatch.setattr(dispatch, "frag_reason", lambda layer, device, dtype: None)
     monkeypatch.setattr(quant_frag, "frag_gemv", frag_gemv_in_torch)
     monkeypatch.setattr(stream_mlp, "unsupported_reason", lambda *args: None)
     monkeypatch.setattr(stream_mlp, "StreamMLP", TorchStreamMLP)
     model = engine.model
-    convert_for_builtin_int4(model, torch.float32)
+    make_copies(model, torch.float32)
     gate_in_products(model, torch.float32)
     release_converted_checkpoints(model)
     layers = TARGET_SHAPE["num_hidden_layers"]

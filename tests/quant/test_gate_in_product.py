@@ -1,17 +1,19 @@
 """SiLU(gate) * up in the merged gate/up product (QuantizedLinear.interleave_gate_up /
-silu_gated, GatedMLP.gate_in_product): the interleaved rows give what the merged layer gave, on
-every path that is not the tensor-core kernel (the kernel itself: tests/kernels/test_quant_mma.py)."""
+silu_gated, quant.dispatch.gate_in_products): the interleaved rows give what the merged layer gave, on
+every path that is not the tensor-core kernel (the kernel itself: tests/quant/kernels/test_mma.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.quant.test_int4_builtin import mlx_layer, zero_point_layer
-from verispec.kernels import quant_mma
+from tests.quant.kernels.test_int4_builtin import mlx_layer, zero_point_layer
 from verispec.models.layers.mlp import GatedMLP
-from verispec.models.layers.quant_convert import gate_in_products
-from verispec.models.layers.quant_linear import MLXAffineLinear, PackedIntLinear, unsigned_zero_points
+from verispec.quant import dispatch
+from verispec.quant.dispatch import gate_in_product_reason, gate_in_products
+from verispec.quant.kernels import mma as quant_mma
+from verispec.quant.layers.linear import MLXAffineLinear, PackedIntLinear, unsigned_zero_points
+from verispec.quant.layers.mlp import GatedProduct
 
 
 def merged_gate_up(kind: str):
@@ -63,16 +65,17 @@ def test_mlp_takes_the_gated_path_only_where_the_kernel_can(monkeypatch):
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
     expected = mlp(x)
     # on a CPU the tensor-core kernel declines, and the MLP keeps its separate activation
-    assert "cpu" in mlp.gate_in_product_reason(torch.bfloat16)
-    assert gate_in_products(mlp, torch.bfloat16) == 0 and not mlp.gated_product
+    assert "cpu" in gate_in_product_reason(mlp, torch.bfloat16)
+    assert gate_in_products(mlp, torch.bfloat16) == 0 and mlp.kernel is None
     # an activation other than SiLU is never fused
     gelu = GatedMLP(256, 48, act="gelu")
-    assert "SiLU" in gelu.gate_in_product_reason(torch.bfloat16)
+    assert "SiLU" in gate_in_product_reason(gelu, torch.bfloat16)
     # the rows interleaved anyway (the kernel's reasons made to pass): the MLP's output does not change
-    monkeypatch.setattr(type(mlp.gate_up_proj), "silu_gate_reason", lambda self, device, dtype: None)
-    assert gate_in_products(mlp, torch.bfloat16) == 1 and mlp.gated_product
-    # a second engine on the same model asks again: nothing more happens
-    assert gate_in_products(mlp, torch.bfloat16) == 0 and mlp.gated_product
+    monkeypatch.setattr(dispatch, "silu_gate_reason", lambda layer, device, dtype: None)
+    assert gate_in_products(mlp, torch.bfloat16) == 1 and isinstance(mlp.kernel, GatedProduct)
+    # a model prepared twice: nothing more happens
+    kernel = mlp.kernel
+    assert gate_in_products(mlp, torch.bfloat16) == 0 and mlp.kernel is kernel
     monkeypatch.undo()  # the passes themselves: not the kernel (a CPU), the chunks taken apart
     torch.testing.assert_close(mlp(x), expected, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="interleaved already"):
@@ -81,4 +84,4 @@ def test_mlp_takes_the_gated_path_only_where_the_kernel_can(monkeypatch):
 
 def test_reasons_name_what_blocks_the_epilogue():
     layer = merged_gate_up("mlx")
-    assert "cpu" in layer.silu_gate_reason(torch.device("cpu"), torch.bfloat16)
+    assert "cpu" in dispatch.silu_gate_reason(layer, torch.device("cpu"), torch.bfloat16)

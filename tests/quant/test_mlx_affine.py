@@ -10,7 +10,7 @@ import torch
 
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear
+from verispec.quant.layers.linear import MLXAffineEmbedding, MLXAffineLinear
 from verispec.quant import mlx_affine
 from verispec.quant.packing import pack_rows, unpack_rows
 

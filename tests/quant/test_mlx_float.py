@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.float_quant_linear import MLXFloatEmbedding, MLXFloatLinear
+from verispec.quant.layers.float_linear import MLXFloatEmbedding, MLXFloatLinear
 from verispec.quant import mlx_float
 
 from tests.quant.conftest import PROMPT, TINY_SHAPE, import_mlx, mlx_convert, mlx_greedy, mlx_tensors, to_torch, verispec_greedy

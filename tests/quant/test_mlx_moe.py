@@ -16,7 +16,7 @@ from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.quant_experts import MLXQuantizedExperts
+from verispec.quant.layers.experts import MLXQuantizedExperts
 
 from tests.quant.conftest import PROMPT, import_mlx, mlx_convert, mlx_greedy, mlx_tensors, verispec_greedy
 

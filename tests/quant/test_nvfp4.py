@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
-from verispec.models.layers.float_quant_linear import NVFP4Linear
+from verispec.quant.layers.float_linear import NVFP4Linear
 from verispec.quant import nvfp4
 
 from tests.quant.conftest import PROMPT, TINY_SHAPE, ct_quantize, decompressed_by_library, import_mlx, to_torch, verispec_greedy

@@ -89,7 +89,7 @@ def test_quantized_mtp_sidecar_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from verispec.models.layers.quant_linear import MLXAffineLinear
+    from verispec.quant.layers.linear import MLXAffineLinear
 
     src = tmp_path / "float"
     build_tiny_qwen3_5(src, seed=23, tokenizer_dir=tokenizer_dir)

@@ -10,7 +10,7 @@ import torch
 from verispec.cli import main
 from verispec.loading.model_loader import load_model
 
-from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
+from verispec.quant.layers.float_linear import Float8Linear, NVFP4Linear
 
 from tests.quant.conftest import (PROMPT, TINY_SHAPE, decompressed_by_library, import_mlx, mlx_convert, mlx_greedy,
                                   mlx_tensors, quantized_modules, to_torch, verispec_greedy)

@@ -6,9 +6,7 @@ import pytest
 from verispec.config import env
 
 
-@pytest.mark.parametrize("name,field,default", [("VERISPEC_PDL", "pdl", True),
-                                                ("VERISPEC_GATE_IN_PRODUCT", "gate_in_product", True),
-                                                ("VERISPEC_FLA", "use_fla", True),
+@pytest.mark.parametrize("name,field,default", [("VERISPEC_FLA", "use_fla", True),
                                                 ("VERISPEC_DEBUG", "debug", False)])
 def test_flags_default_and_toggle(monkeypatch, name, field, default):
     monkeypatch.delenv(name, raising=False)

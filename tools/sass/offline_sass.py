@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.kernels import quant_frag as qf
+from verispec.quant.kernels import frag as qf
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def _tool(name: str) -> str:
 
 def compile_frag(n: int, k: int, tiles: qf.FragTiles, dtype: torch.dtype = torch.bfloat16, group: int = 64,
                  silu_gate: bool = False, rows: int = 1) -> CompiledFrag:
-    """`quant_frag._frag_kernel` for a weight [n, k] and `rows` activation rows, as `frag_gemv`
+    """`frag._frag_kernel` for a weight [n, k] and `rows` activation rows, as `frag_gemv`
     launches it with programmatic launch on: the launcher's specializations included (16-byte
     aligned pointers, N and the strides multiples of 16, M == 1 a constant). Not in a process
     with TRITON_INTERPRET set (Triton's own reductions are then interpreter functions, which a
@@ -90,7 +90,7 @@ def compile_stream_chain(products: list[str], plan: list[tuple[int, int]], slots
                          programs: int = 132, half: bool = False, **options) -> CompiledFrag:
     """`stream_chain._stream_kernel` for a chain of STREAM_SHAPES products (e.g. o, gate_up, down),
     plan: each product's (row tiles, blocks a warp a step); options: stream_chain.constexprs'."""
-    from verispec.kernels import stream_chain as sc
+    from verispec.quant.kernels import stream_chain as sc
     layout = sc.tma_layout()
     act = "*fp16" if half else "*bf16"
     signature = {name: act for name in ("X", "A", "H", "Y", "R", "RN", "NW")}

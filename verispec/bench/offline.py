@@ -23,10 +23,11 @@ from verispec.bench.roofline import mean_decode_context, roofline_tok_s, token_b
 from verispec.bench.shapes import default_eagle3_shape, eagle3_config, get_shape
 from verispec.bench.steps import measure_step_costs
 from verispec.config import EngineConfig
+from verispec.engine import warmup
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import parse_device, parse_dtype
+from verispec.loading.model_loader import parse_device, parse_dtype, prepare_for_device
 
 WARMUP_TOKENS = 16  # a warm-up generation: enough rounds to touch every kernel shape
 
@@ -148,7 +149,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
                           # choice is what --draft-schedule measures); the default schedule otherwise
                           draft_schedule=f"1:{opts.draft_block}" if opts.concurrency else None)
     if method is Method.AR:
-        return Engine(target.model, target.tokenizer, config), None
+        return _new_engine(target, config), None
     if method is Method.EAGLE3:
         from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 
@@ -164,7 +165,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
             note = (f"EAGLE3 random weights (never accepted: read the cost columns), draft vocab "
                     f"{raw['draft_vocab_size']}, {shape.layer_type} layer of hidden {raw['transformer_layer_config']['hidden_size']}")
         proposer = Eagle3Proposer(drafter, target.model.vocab_size)
-        return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=opts.draft_block), note
+        return _new_engine(target, config, proposer, opts.draft_block), note
     if method is Method.MTP:
         from verispec.spec.mtp import MtpProposer, load_mtp_head, supports_mtp
 
@@ -180,8 +181,16 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
             note = "MTP head with random weights (never accepted: read the cost columns)"
         # vocabulary rows past the tokenizer's are padding, never drafted (as Engine.load does)
         proposer = MtpProposer(head, num_real_tokens=min(target.tokenizer.vocab_size, target.model.vocab_size))
-        return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=opts.draft_block), note
+        return _new_engine(target, config, proposer, opts.draft_block), note
     raise VerispecError(f"method {method.value} has no offline runner")
+
+
+def _new_engine(target: Target, config: EngineConfig, proposer=None, num_drafts: int = 0) -> Engine:
+    """An engine on the target, its model first rewritten for the device as the loader does (once:
+    later engines on the same model find nothing left to do)."""
+    warmup.pin_triton_cache_dir(next(target.model.parameters()).device)  # before anything compiles
+    prepare_for_device(target.model, config.fuse_small_ops)
+    return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=num_drafts)
 
 
 def _capture_graphs(engine: Engine) -> bool:

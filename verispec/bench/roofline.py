@@ -38,8 +38,8 @@ def weight_bytes(model: CausalLM) -> int:
         total -= table_bytes
         total += table_bytes // table.num_embeddings
     # a 4-bit layer given a copy in a kernel's layout beside its checkpoint words (tinygemm's, or
-    # the fragment-order one of kernels/quant_frag.py) reads only the copy in a decode step
-    # (models/layers/quant_convert.py); released words count nothing already
+    # the fragment-order one of quant/kernels/frag.py) reads only the copy in a decode step
+    # (verispec/quant/dispatch.py); released words count nothing already
     for module in model.modules():
         if getattr(module, "int4_packed", None) is not None or getattr(module, "frag_words", None) is not None:
             total -= module.checkpoint_bytes()

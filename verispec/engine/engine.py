@@ -45,8 +45,6 @@ from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
-from verispec.models.layers.quant_convert import (convert_for_builtin_int4, gate_in_products,
-                                                  release_converted_checkpoints, stream_mlps)
 from verispec.sampling.params import SamplingParams
 from verispec.sampling.sampler import TokenHistory, make_generator
 from verispec.spec.proposer import Draft, Proposer
@@ -100,26 +98,6 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts, self.device.type)
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
-        if config.fuse_small_ops and hasattr(model, "fuse_small_ops"):
-            if self.device.type != "cuda":
-                # merged projections only (q/k/v and gate/up as one GEMM each): on a CPU a decode
-                # step's time is largely per-call overhead of small matrix products
-                model.fuse_small_ops(compile=False)
-            elif split_k.triton is None:
-                log.debug("small-op fusion off: Triton is not installed")
-            else:
-                model.fuse_small_ops()  # compiled on first use: prewarm pays for it
-        if self.device.type == "cuda":
-            # after merging projections (one converted matrix per merged layer), before sizing the
-            # KV cache (tinygemm's copy, and with VERISPEC_QUANT_KERNEL=builtin the words released)
-            convert_for_builtin_int4(model, self.dtype)
-            if env().gate_in_product:
-                # one kernel fewer a layer: +2-6% on Qwen3-8B 4-bit decode (VERISPEC_GATE_IN_PRODUCT=0: off)
-                gate_in_products(model, self.dtype)
-            release_converted_checkpoints(model)
-            if env().stream_mlp:
-                # gate/up -> down as one persistent launch: VERISPEC_STREAM_MLP=0 turns it off
-                stream_mlps(model, self.dtype)
         self._setup_cache()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Condition()

@@ -6,9 +6,10 @@ import time
 
 from verispec import log
 from verispec.config import EngineConfig
+from verispec.engine import warmup
 from verispec.engine.proposers import build_proposer
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import load_model, parse_device, parse_dtype
+from verispec.loading.model_loader import load_model, parse_device, parse_dtype, prepare_for_device
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 
@@ -39,4 +40,6 @@ def load_parts(config: EngineConfig) -> tuple:
     log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
               time.perf_counter() - t0)
     proposer, num_drafts = build_proposer(config, model, model_dir, tokenizer)
+    warmup.pin_triton_cache_dir(device)  # before the load-time rewrites compile anything (see there)
+    prepare_for_device(model, config.fuse_small_ops)  # after the proposer, which may share its layers
     return model, tokenizer, config, model_dir, proposer, num_drafts

@@ -11,6 +11,7 @@ import gc
 import torch
 
 from verispec import log
+from verispec.kernels import launch
 
 
 def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
@@ -59,14 +60,15 @@ def _stop_recording_to_pool(graph: torch.cuda.CUDAGraph) -> None:
 
 def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:
     """`fn(*inputs)` captured as a CUDA graph -> (graph, its outputs). A capture that fails is made
-    once more, into a memory pool of its own (the shared one may still be marked as recording), and
-    says so; a second failure raises."""
+    once more, into a memory pool of its own (the shared one may still be marked as recording) and
+    without programmatic dependent launch, and says so; a second failure raises."""
     try:
         return _capture_once(fn, inputs, pool)
     except RuntimeError as exc:
-        log.warning("CUDA graph capture failed (%s); capturing once more, into a pool of its own",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return _capture_once(fn, inputs, None)
+        log.warning("CUDA graph capture failed (%s); capturing once more, into a pool of its own and without "
+                    "programmatic dependent launch", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    with launch.launches_without_pdl():
+        return _capture_once(fn, inputs, None)
 
 
 class GraphedCall:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import quant_gemv
+from verispec.kernels import launch
 
 try:
     import triton
@@ -148,7 +148,7 @@ if triton is not None:
             # and the loads after the wait read every key, so the result is the same bits. This
             # pass's own keys (from its first position on) are left out. One-token passes only (the
             # launcher's choice): in a 4-token pass the prefetch made the attention ~0.6 us a layer
-            # slower, with or without this pass's keys (twenty-third session; why is not known).
+            # slower, with or without this pass's keys (why is not known).
             older = tl.minimum(end, tl.min(tl.where(row_valid, pos_t, 2147483647), 0))
             if start < older:
                 _prefetch_block(k_base, v_base, BT, b, start, older, stride_kn, stride_vn, stride_btb, BLOCK_N, LINE,
@@ -307,7 +307,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         table, table_stride = positions, 0  # unused
-    pdl, early = quant_gemv.small_kernel_pdl(q.device)
+    pdl, early = launch.small_kernel_pdl(q.device)
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, positions, opart, lse, table,
         q.stride(0), q.stride(1), q.stride(2),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import quant_gemv
+from verispec.kernels import launch
 from verispec.kernels.kv_write import KVDestination
 
 try:
@@ -146,7 +146,7 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         sv = (v.stride(0), v.stride(2), v.stride(1))  # v is [B, Hkv, T, D]: (b, t, h) strides
     else:
         kc, vc, rows, v, sr_b, sd, sv = qo, qo, qo, q, 0, (0, 0, 0), (0, 0, 0)
-    pdl, early = quant_gemv.small_kernel_pdl(q.device)
+    pdl, early = launch.small_kernel_pdl(q.device)
     _qk_prep_kernel[(b * t, hq + hkv * (2 if write else 1))](
         q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, qo, ko, kc, vc, rows, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *sv,

@@ -8,7 +8,7 @@ program takes one row, with a layout that depends on the hidden size only, so a 
 not depend on how many rows share the pass (speculative == plain greedy needs that).
 
 On sm_90 it launches with programmatic dependent launch, as the quantized products do
-(quant_gemv.PDL): it is queued while the product before it finishes, waits for that product's
+(kernels/launch.py): it is queued while the product before it finishes, waits for that product's
 results (griddepcontrol.wait), and lets the product after it start loading its weights as soon as
 its own stores are issued.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import quant_gemv
+from verispec.kernels import launch
 
 try:
     import triton
@@ -90,9 +90,9 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor | None, weight: torch.Ten
         return summed, normed
     us = _rows(update) if update is not None else xs
     block = triton.next_power_of_2(h)
-    pdl = quant_gemv.pdl_enabled(x.device)
+    pdl = launch.pdl_enabled(x.device)
     _add_rms_norm_kernel[(rows,)](
         xs, us, weight, summed, normed, xs.stride(0), us.stride(0), h, h, eps,
         H=h, BLOCK=block, HAS_UPDATE=update is not None, UNIT_OFFSET=unit_offset, PDL=pdl,
-        EARLY=quant_gemv.NORM_RELEASE == "early", num_warps=max(1, min(16, block // 512)), launch_pdl=pdl)
+        EARLY=True, num_warps=max(1, min(16, block // 512)), launch_pdl=pdl)
     return summed, normed

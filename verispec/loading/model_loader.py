@@ -93,6 +93,27 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return model
 
 
+def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True) -> None:
+    """The model rewrites made once for its device, after loading and before an engine sizes its
+    KV cache, in this order: q/k/v and gate/up merged into one GEMM each, and on CUDA the small ops
+    compiled (`fuse_small_ops`); then each quantized layer bound to its kernel (verispec.quant.prepare,
+    which converts a merged layer once). Calling it again changes nothing."""
+    from verispec import quant
+    from verispec.kernels import decode_attention
+
+    device = next(model.parameters()).device
+    if fuse_small_ops and hasattr(model, "fuse_small_ops"):
+        if device.type != "cuda":
+            # merged projections only (q/k/v and gate/up as one GEMM each): on a CPU a decode
+            # step's time is largely per-call overhead of small matrix products
+            model.fuse_small_ops(compile=False)
+        elif decode_attention.triton is None:
+            log.debug("small-op fusion off: Triton is not installed")
+        else:
+            model.fuse_small_ops()  # compiled on first use: prewarm pays for it
+    quant.prepare(model)
+
+
 def _our_name(model: CausalLM, ckpt_name: str) -> str:
     for src, dst in model.checkpoint_prefix_map.items():
         if ckpt_name.startswith(src):

@@ -179,8 +179,8 @@ def float8_scale_shape(spec: Float8Spec, out_features: int, in_features: int) ->
 def prepare_model(model: nn.Module, config: dict, tensors: dict) -> None:
     """Swap each quantized linear (one with a weight_scale) for a PackedIntLinear, a Float8Linear
     or an NVFP4Linear (see quant/loading.py)."""
-    from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
-    from verispec.models.layers.quant_linear import PackedIntEmbedding, PackedIntLinear
+    from verispec.quant.layers.float_linear import Float8Linear, NVFP4Linear
+    from verispec.quant.layers.linear import PackedIntEmbedding, PackedIntLinear
     from verispec.quant.loading import expect_shapes, quantized_sites, replace_module
 
     quant_config = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")

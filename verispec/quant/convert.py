@@ -17,6 +17,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -125,11 +126,26 @@ class QuantizeSummary:
     bytes_out: int
 
 
-def parse_format(name: str) -> OutputFormat:
+@dataclass
+class Source:
+    """A float checkpoint as the loader reads it (the command opens it with verispec/loading)."""
+    directory: Path
+    config: dict
+    files: list[Path]  # its weight files (every other file is copied beside the output)
+    tensors: Iterable[tuple[str, torch.Tensor]]  # (checkpoint name, tensor), read once
+    num_tensors: int
+
+
+def parse_format(name: str, group_size: int | None = None) -> OutputFormat:
+    """The output format `name`, checked with the group size asked for (before anything is read)."""
     if name not in OUTPUT_FORMATS:
         raise VerispecError(f"--format '{name}' is not supported (supported: {', '.join(OUTPUT_FORMATS)})",
                             param="format")
-    return OUTPUT_FORMATS[name]
+    fmt = OUTPUT_FORMATS[name]
+    if group_size is not None and not fmt.takes_group_size:
+        raise VerispecError(f"--group-size does not apply to --format {fmt.name} (its groups are fixed)",
+                            param="group_size")
+    return fmt
 
 
 def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str]]:
@@ -158,36 +174,27 @@ def _our_name(prefix_map: dict[str, str], name: str) -> str:
     return name
 
 
-def quantize_checkpoint(model: str, format_name: str, out: str | Path, group_size: int | None = None,
+def quantize_checkpoint(source: Source, format_name: str, out: str | Path, group_size: int | None = None,
                         progress: bool | None = None) -> QuantizeSummary:
-    from verispec.loading.model_loader import read_config
-    from verispec.loading.resolve import resolve_model
-    from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
-
-    fmt = parse_format(format_name)
-    if group_size is not None and not fmt.takes_group_size:
-        raise VerispecError(f"--group-size does not apply to --format {fmt.name} (its groups are fixed)",
-                            param="group_size")
+    """Writes `source` in `format_name` to the new directory `out` (`verispec quantize`)."""
+    fmt = parse_format(format_name, group_size)
     writer = fmt.make_writer(group_size)
-    src = resolve_model(model)
+    src, config, files, num_tensors = source.directory, dict(source.config), source.files, source.num_tensors
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise VerispecError(f"--out {out_dir} exists and is not empty (choose a new directory)", param="out")
-    config = read_config(src)
     if detect_format(config) is not None:
         raise VerispecError(f"{src} is already quantized (config.json declares its quantization)")
-    files = checkpoint_files(src)
     kinds, prefix_map = quantizable_weights(config)
     tied = bool(config.get("tie_word_embeddings", False) or
                 (config.get("text_config") or {}).get("tie_word_embeddings", False))
-    num_tensors = len(tensor_shapes(files))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = _ShardWriter(out_dir)
     summary = QuantizeSummary(out_dir, 0, 0, 0, 0)
     quantized_layers = []
     bar = _progress_bar(num_tensors, f"quantizing to {fmt.name}", progress)
-    for name, tensor in iter_tensors(files):
+    for name, tensor in source.tensors:
         bar.update(1)
         summary.bytes_in += tensor.numel() * tensor.element_size()
         ours = _our_name(prefix_map, name)

@@ -9,8 +9,8 @@ from torch import nn
 from verispec import log
 from verispec.errors import VerispecError
 from verispec.models.layers.moe import FusedExperts
-from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
-from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear
+from verispec.quant.layers.experts import MLXQuantizedExperts, QuantizedExpertStack
+from verispec.quant.layers.linear import MLXAffineEmbedding, MLXAffineLinear
 from verispec.quant import mlx_affine
 from verispec.quant.loading import replace_module
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from verispec.errors import UnsupportedModelError, VerispecError
-from verispec.models.layers.float_quant_linear import MLXFloatEmbedding, MLXFloatLinear
-from verispec.models.layers.quant_linear import MLXAffineEmbedding, MLXAffineLinear, PackedIntEmbedding, QuantizedLinear
+from verispec.quant.layers.float_linear import MLXFloatEmbedding, MLXFloatLinear
+from verispec.quant.layers.linear import MLXAffineEmbedding, MLXAffineLinear, PackedIntEmbedding, QuantizedLinear
 from verispec.quant import QuantFormat, detect_format
 
 
@@ -142,7 +142,7 @@ def _prepare_mlx_experts(model: nn.Module, quantization: dict, tensors: dict[str
     """mlx-lm's quantized MoE experts (`<experts>.switch_glu.<proj>.{weight,scales,biases}`, each
     [E, ...]) replace the model's FusedExperts with MLXQuantizedExperts, which reads them as stored."""
     from verispec.models.layers.moe import FusedExperts
-    from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
+    from verispec.quant.layers.experts import MLXQuantizedExperts, QuantizedExpertStack
     from verispec.quant import mlx_affine
 
     paths = sorted({name.split(".switch_glu.")[0] for name in tensors if ".switch_glu." in name})

@@ -73,7 +73,7 @@ def check_modelopt(quant: dict) -> str:
 
 def prepare_modelopt(model: nn.Module, quant: dict, tensors: dict) -> None:
     """Swap modelopt-quantized linears in (see quant/loading.py)."""
-    from verispec.models.layers.float_quant_linear import Float8Linear, NVFP4Linear
+    from verispec.quant.layers.float_linear import Float8Linear, NVFP4Linear
     from verispec.quant.loading import expect_shapes, quantized_sites, replace_module
 
     algo = check_modelopt(quant)

@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from verispec.config import EngineConfig
+from verispec.engine import warmup
 from verispec.engine.engine import Engine
+from verispec.loading.model_loader import prepare_for_device
 from verispec.sampling.params import SamplingParams
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
@@ -52,6 +54,8 @@ def eval_engine(model: CausalLM, tokenizer: Tokenizer, model_dir: Path, proposer
     """An engine over an already loaded target (no CUDA graphs or compiled ops: evaluation runs
     between training steps and must not pay their warm-up)."""
     config = EngineConfig(model=str(model_dir), cuda_graphs=False, fuse_small_ops=False)
+    warmup.pin_triton_cache_dir(next(model.parameters()).device)  # before anything compiles
+    prepare_for_device(model, config.fuse_small_ops)
     return Engine(model, tokenizer, config, model_dir, proposer=proposer, num_drafts=num_drafts)
 
 

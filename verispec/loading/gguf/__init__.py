@@ -27,7 +27,7 @@ from verispec.loading.gguf.quants import AFFINE_TYPES, GROUP_SIZE, AffineQuantiz
 
 SUFFIX = ".gguf"
 # Kept quantized where torch's int4 kernel (tinygemm) takes them: 4-bit groups of 32, on CUDA in
-# bfloat16 (verispec/kernels/int4_builtin.py). Q8_0 stays dense: our 8-bit kernel is slower than a
+# bfloat16 (verispec/quant/kernels/int4_builtin.py). Q8_0 stays dense: our 8-bit kernel is slower than a
 # bfloat16 GEMM (docs/benchmarks.md), and on a CPU the float16 GEMM beats dequantizing per call.
 KEPT_4BIT_TYPES = ("Q4_0", "Q4_1")
 QUANTIZATION_CONFIG = {"group_size": GROUP_SIZE, "bits": 4}  # the MLX-affine form the kept weights take

@@ -12,6 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from verispec import log
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
     """x [..., D] -> normalised in float32 statistics, weight applied as HF does ((1 + w) if unit_offset)."""
@@ -131,12 +133,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def merged_linear(*linears: torch.nn.Module) -> torch.nn.Module:
     """One Linear computing several that read the same input (outputs concatenated): one GEMM
-    instead of several smaller ones, which read the weights closer to full bandwidth. Quantized
-    linears merge their packed rows instead (models/layers/quant_linear.merge_quantized)."""
+    instead of several smaller ones, which read the weights closer to full bandwidth. Other
+    layers (quantized ones) merge through their own `concat_rows` where their `same_quantization`
+    allows, else run side by side (ConcatLinear)."""
     first = linears[0]
     if not all(type(lin) is torch.nn.Linear for lin in linears):
-        from verispec.models.layers.quant_linear import merge_quantized
-        return merge_quantized(list(linears))
+        return merged_rows(list(linears))
     has_bias = first.bias is not None
     out_features = sum(lin.out_features for lin in linears)
     merged = torch.nn.utils.skip_init(torch.nn.Linear, first.in_features, out_features, bias=has_bias,
@@ -147,6 +149,30 @@ def merged_linear(*linears: torch.nn.Module) -> torch.nn.Module:
             merged.bias.copy_(torch.cat([lin.bias for lin in linears]))
     merged.requires_grad_(False)
     return merged
+
+
+def merged_rows(layers: list[torch.nn.Module]) -> torch.nn.Module:
+    """Layers that are not plain Linears (quantized ones, verispec/quant/layers), merged by their
+    class's `concat_rows` when they share one quantization, else side by side."""
+    first = layers[0]
+    if hasattr(type(first), "concat_rows") and all(first.same_quantization(l) for l in layers[1:]):
+        return type(first).concat_rows(layers)
+    log.debug("merging %s projections with different quantization: running them side by side",
+              ", ".join(type(l).__name__ for l in layers))
+    return ConcatLinear(layers)
+
+
+class ConcatLinear(torch.nn.Module):
+    """Several linears reading the same input, outputs concatenated: what merged projections
+    become when their quantization differs (mlx-lm per-layer overrides), so no single packed
+    matrix can hold them."""
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., sum N]
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 @functools.cache

@@ -20,31 +20,25 @@ z * sum x)), all in float32.
 Exactness: every activation row runs the same instructions on its own registers, and the kernel
 is built without floating-point contraction (explicit FMAs only, `enable_fp_fusion=False`), so a
 row's result does not depend on M or on the other rows: row 0 of a verify pass equals row 0 decoded
-alone, bit for bit (checked on the H200 by tests/kernels/test_quant_gemv.py). The tile
+alone, bit for bit (checked on the H200 by tests/quant/kernels/test_gemv.py). The tile
 configuration depends on the bit width only.
 
-`quant_matmul.dequant_matmul_reference` is the plain-torch definition it is tested against.
+`matmul.dequant_matmul_reference` is the plain-torch definition it is tested against.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import torch
 
-from verispec.config import env
+# gl, gluon and triton are None without Gluon
+from verispec.kernels.launch import gl, gluon, pdl_enabled, platform_reason, triton
 
-try:
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-except ImportError:  # CPU-only installs, or a Triton without Gluon
-    triton = None
-    gluon = None
-    gl = None
+if gluon is not None:
+    from verispec.kernels.launch import wait_for_previous_grid
 
-MAX_ROWS = 8  # widest pass it takes; wider ones use quant_matmul (flat in M) or a dequantized GEMM
+MAX_ROWS = 8  # widest pass it takes; wider ones use matmul.py (flat in M) or a dequantized GEMM
 SUPPORTED_BITS = (2, 4, 8)  # a value never straddles a word or a 16-bit half
 ROWS_PER_PROGRAM = 4  # activation rows per program (MB); more spill registers
 
@@ -73,17 +67,6 @@ def _step(bits: int, group_size: int, tiles: GemvTiles) -> int:
     return (32 // tiles.tr) * tiles.num_warps * _chunk(bits, group_size)
 
 
-def platform_reason(device: torch.device) -> str | None:
-    """Why a Gluon kernel with NVIDIA inline assembly cannot run on `device` (None: it can)."""
-    if gluon is None:
-        return "this Triton has no Gluon"
-    if device.type != "cuda":
-        return f"device {device.type}"
-    if torch.version.hip:
-        return "ROCm (the kernel's inline assembly is NVIDIA PTX)"
-    return None
-
-
 def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int) -> str | None:
     """Why a layer cannot take this kernel (None: it can)."""
     if reason := platform_reason(device):
@@ -107,19 +90,6 @@ if gluon is not None:
         # (a & mask) | magic in one LOP3 (ptxas splits the two-constant form into two)
         return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [a, mask, magic],
                                          dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def wait_for_previous_grid():
-        # programmatic dependent launch (PDL): a kernel may start while the previous one finishes;
-        # it must read nothing that kernel writes, and write nothing, before this line
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def release_dependents():
-        # PDL: the next kernel on the stream may be launched from here on (its griddepcontrol.wait
-        # still waits for all of this grid, its memory included)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _gemv_kernel(X, WQ, S, O, Y, IDX, M, N, stride_xm, stride_wn, stride_sn, stride_ym, stride_we, stride_se,
@@ -232,64 +202,6 @@ if gluon is not None:
         gl.store(y_ptr, y.to(Y.dtype.element_ty), mask=(gl.expand_dims(my, 1) < M) & (gl.expand_dims(ny, 0) < N))
 
 
-# Programmatic dependent launch (sm_90+), for this GEMV and quant_mma's tensor-core kernel: the
-# kernel is queued to start while the previous kernel on the stream finishes, loads its first
-# weights, then waits (griddepcontrol.wait) for that kernel's results. Measured on the H200:
-# Qwen3-8B 4-bit decode +6-8%, 8-bit +5% (docs/benchmarks.md). A capture that fails with it on is
-# retried without it (engine/cuda_graphs.py: `launches_without_pdl`). VERISPEC_PDL=0 turns it off.
-PDL = env().pdl
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic launch for a kernel on `device` (never off CUDA: the interpreter has none)."""
-    return PDL and device.type == "cuda" and is_sm90(device)
-
-
-# The step's small kernels (q/k preparation, split-K attention, its combine) launch with PDL too:
-# each waits for the kernel before it first thing and ("early") releases its dependents at its
-# start, so the next kernel is launched, and a product's first weights are on their way, while it
-# runs (griddepcontrol.wait still waits for all of it). "wait" releases them at its end, "off"
-# launches plainly. H200, Qwen3-8B 4-bit decode: off 457.3, wait 463.1, early 469.5 tok/s
-# (docs/benchmarks.md, scripts/gpu_fusion_bounds.py). Early release in the products themselves
-# measured slower: their dependents took multiprocessors they needed.
-SMALL_PDL = "early"
-
-# Where a 4-bit product (quant_frag) releases its dependents: "end" (at its exit, as launched
-# plainly), "start" (once its first loads are issued) or "loop" (once its K loop is done, before
-# the cross-warp sum and the store). H200, Qwen3-8B 4-bit decode, one run: end 473.0 (twice),
-# start 455.8, loop 453.3 / 453.7 tok/s (scripts/gpu_fusion_bounds.py): a
-# product's dependents, once resident, cost it more than their launch saves.
-PRODUCT_RELEASE = "end"
-
-# Where the add + RMSNorm kernel (kernels/rms_norm.py) releases its dependents: "early" (once its
-# residual sum is stored) or "end". H200, Qwen3-8B 4-bit decode, one run: early 472.8, end 462.5
-# tok/s (eighteenth session).
-NORM_RELEASE = "early"
-
-
-def small_kernel_pdl(device: torch.device) -> tuple[bool, bool]:
-    """(launch with PDL, release the dependents at the kernel's start) for a small kernel."""
-    on = SMALL_PDL != "off" and pdl_enabled(device)
-    return on, on and SMALL_PDL == "early"
-
-
-@contextlib.contextmanager
-def launches_without_pdl():
-    """Launch (and so capture) the quantized kernels without programmatic dependent launch."""
-    global PDL
-    previous, PDL = PDL, False
-    try:
-        yield
-    finally:
-        PDL = previous
-
-
-@functools.cache
-def is_sm90(device: torch.device) -> bool:
-    """The GPU is sm_90 or later (griddepcontrol, packed bfloat16 subtraction); asked once per device."""
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 @functools.cache
 def _launch_shape(bits: int, group_size: int, n: int, k: int, tiles: GemvTiles) -> tuple[int, int, bool, bool]:
     """(rows per program BN, chunk words, N divides, K divides) for a weight [n, k]."""
@@ -316,7 +228,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: t
     -> y [M, N] in x's dtype, accumulated in float32."""
     m, k = x.shape
     n = packed.shape[0]
-    _check(x, bits, group_size, "quant_gemv.gemv")
+    _check(x, bits, group_size, "gemv.gemv")
     x, packed, scales, offsets = _contiguous(x, packed, scales, offsets)
     tiles = tiles or TILES[bits]
     bn, chunk, even_n, even_k = _launch_shape(bits, group_size, n, k, tiles)
@@ -342,9 +254,9 @@ def expert_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, off
     t, k = x.shape
     e, n, _ = packed.shape
     p = experts.numel()
-    _check(x, bits, group_size, "quant_gemv.expert_gemv")
+    _check(x, bits, group_size, "gemv.expert_gemv")
     if p > t * rows_per_x:
-        raise ValueError(f"quant_gemv.expert_gemv: {p} pairs for {t} rows of {rows_per_x} pairs")
+        raise ValueError(f"gemv.expert_gemv: {p} pairs for {t} rows of {rows_per_x} pairs")
     x, packed, scales, offsets = _contiguous(x, packed, scales, offsets)
     tiles = TILES[bits]
     bn, chunk, even_n, even_k = _launch_shape(bits, group_size, n, k, tiles)

@@ -1,6 +1,6 @@
 """The fragment-order 4-bit kernel compiled for sm_90 on the CPU (tools/sass/offline_sass.py),
 as `frag_gemv` launches it for each of Qwen3-8B's layers at one row (decode) and four (verify):
-its arithmetic is checked on the GPU (test_quant_frag.py), this checks what its speed rests on.
+its arithmetic is checked on the GPU (test_frag.py), this checks what its speed rests on.
 
 - it compiles (a Gluon error would otherwise show only on a GPU);
 - every global load is 64 or 128 bits wide: the words, activation pairs and group terms are
@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 
 from tools.sass import offline_sass
-from verispec.kernels import quant_frag as qf
+from verispec.quant.kernels import frag as qf
 
 pytest.importorskip("triton.experimental.gluon")
 

@@ -2,7 +2,7 @@
 (`torch._weight_int4pack_mm` on CUDA, `torch._weight_int4pack_mm_for_cpu` on CPU), the kernel
 torchao's int4 weight-only quantization runs. It reads the 4-bit weights once, dequantizes them
 in registers straight into tensor-core operands, and is tuned by PyTorch for every M; our Triton
-kernel (quant_matmul.py) decodes through shared memory and is bound by instructions per value.
+kernel (matmul.py) decodes through shared memory and is bound by instructions per value.
 
 tinygemm's dequantization is w = (q - 8) * scale + zero per group (group sizes 32..256), with
 scale and zero stored together as bfloat16 [K/group, N, 2]. Both of our layouts map onto it:
@@ -10,10 +10,10 @@ scale and zero stored together as bfloat16 [K/group, N, 2]. Both of our layouts 
   zero point (compressed-tensors): (q - z)*s = (q - 8)*s + (8 - z)s
 The zero is computed in float32 and rounded once to bfloat16 (as MLX's own half-precision
 dequantization rounds): within half a bfloat16 ulp of the group's zero, against the exact
-reference in quant_matmul.dequantize_reference.
+reference in matmul.dequantize_reference.
 
 The packed layout is tinygemm's own (built once at load by `_convert_weight_to_int4pack`);
-QuantizedLinear.use_builtin_int4 converts a layer (and may drop its checkpoint words). Its rows
+QuantizedLinear.use_builtin_int4 converts a layer (its checkpoint words kept for wider passes). Its rows
 are computed independently of the pass's width (row 0 alone == row 0 of 4 or 16, bitwise, on the
 H200), as the Triton kernel's are, so speculative verify and plain decode agree row by row.
 """

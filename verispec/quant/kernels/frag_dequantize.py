@@ -1,4 +1,4 @@
-"""The fragment-order 4-bit weights (quant_frag.py's `repack`) back to values: the inverse of the
+"""The fragment-order 4-bit weights (frag.py's `repack`) back to values: the inverse of the
 word order, and the dequantized matrix in torch (tests, CPUs) or in one Triton kernel (CUDA; the
 interpreter on the CPU) for passes too wide for the tensor-core product (prefill), once the
 checkpoint's words are released.
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels.quant_frag import BLOCK, TILE_ROWS, FragWeights, fragment_positions
-from verispec.kernels.quant_gemv import triton
+from verispec.kernels.launch import triton
+from verispec.quant.kernels.frag import BLOCK, TILE_ROWS, FragWeights, fragment_positions
 
 try:  # the dequantizing kernel is plain Triton (it runs in the CPU interpreter too)
     import triton.language as tl

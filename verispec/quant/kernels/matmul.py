@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 
 import torch
 
-from verispec.config import env
 from verispec.quant.packing import unpack_rows
 
 try:
@@ -186,24 +184,9 @@ DEFAULT_TILES = TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, u
                            half_dot=True)
 
 
-@functools.cache
-def _override() -> dict:
-    """VERISPEC_QUANT_TILES='{"block_n": 128, ...}': TileConfig fields for every weight (a tuning
-    knob; unknown fields are an error)."""
-    raw = env().quant_tiles
-    if not raw:
-        return {}
-    fields = json.loads(raw)
-    unknown = set(fields) - {f.name for f in dataclasses.fields(TileConfig)}
-    if unknown:
-        raise ValueError(f"VERISPEC_QUANT_TILES: unknown fields {sorted(unknown)} "
-                         f"(accepted: {', '.join(f.name for f in dataclasses.fields(TileConfig))})")
-    return fields
-
-
 def tile_config(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype) -> TileConfig:
     """The tile configuration for a weight [n, k] of `bits` and `group_size` (not M-dependent)."""
-    return dataclasses.replace(DEFAULT_TILES, **_override()).fits(bits, group_size, dtype)
+    return DEFAULT_TILES.fits(bits, group_size, dtype)
 
 
 def default_split_k(n: int, k: int, device: torch.device, block_n: int = 64, block_k: int = 128) -> int:

@@ -1,8 +1,8 @@
 """A gated MLP's 4-bit gate_up -> SiLU(gate) * up -> down as one launch of the streaming kernel
 (kernels/stream_chain.py) for decode and verify passes: the weights of both products stream into
 every multiprocessor's shared memory without a break, where two launches each pay a start and a
-tail (H200, Qwen3-8B's shape: 31-32 us against 35.5 at 1 row, 33-34 against 35.5 at 4; docs/
-benchmarks.md "Twenty-first session").
+tail (H200, Qwen3-8B's shape: 31-32 us against 35.5 at 1 row, 33-34 against 35.5 at 4;
+docs/benchmarks.md).
 
 Row independence: every row's sums run in one fixed order whatever the launch's rows are, and a
 pass of more than 8 rows (up to `MAX_ROWS`) is launched 8 rows at a time, so a sequence's rows get
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import grid_sync, quant_frag, quant_gemv, stream_chain
-from verispec.kernels.quant_gemv import gluon
+from verispec.kernels import launch
+from verispec.kernels.launch import gluon
+from verispec.quant.kernels import frag, grid_sync, stream_chain
 
 # Each product's step (row tiles, blocks a warp a step): every step fills one slot of 16 blocks (4
-# warps x row tiles x blocks). Measured on Qwen3-8B's MLP (H200, twenty-first session, us at 1 / 4
+# warps x row tiles x blocks). Measured on Qwen3-8B's MLP (H200, us at 1 / 4
 # rows, launched 35.7 / 35.4): gate_up 2 x 2 and down 1 x 4 30.3 / 32.8; gate_up 4 x 1 34.7 / 39.1;
 # 1 x 4 33.9 / 36.0; down 2 x 2 36.3 / 38.2; 4 x 1 52.8 / 55.9. Other steps lose to the launches, so
 # MLPs whose widths do not divide into these steps keep them.
@@ -26,12 +27,12 @@ PLAN = ((2, 2), (1, 4))
 WARPS = 4  # in each of 2 consumer partitions
 PARTS = 2
 SLOTS = 3  # a partition's ring (2: 31.8 / 34.6 us; 4: 31.1 / 35.4)
-MAX_ROWS = 32  # the widest pass launched in 8-row pieces (quant_linear.FRAG_CHUNKED_MAX_ROWS)
+MAX_ROWS = 32  # the widest pass launched in 8-row pieces (dispatch.FRAG_CHUNKED_MAX_ROWS)
 
 
 def _step_values(blocks: int) -> int:
     """Input values a product's step covers: 4 warps x `blocks` 64-value blocks."""
-    return quant_frag.BLOCK * WARPS * blocks
+    return frag.BLOCK * WARPS * blocks
 
 
 def _steps_reason(gate_up_k: int, down_k: int) -> str | None:
@@ -47,7 +48,7 @@ def plan_for(gate_up_k: int, down_k: int) -> tuple[tuple[int, int], tuple[int, i
     return None if _steps_reason(gate_up_k, down_k) else PLAN
 
 
-def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWeights, device: torch.device,
+def unsupported_reason(gate_up: frag.FragWeights, down: frag.FragWeights, device: torch.device,
                        dtype: torch.dtype) -> str | None:
     """Why a gated MLP with these fragment-order products cannot run on the streaming kernel (None:
     it can)."""
@@ -61,7 +62,7 @@ def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWei
     if dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} activations (bfloat16 / float16 only)"
     for name, fw in (("gate_up", gate_up), ("down", down)):
-        if fw.group_size != quant_frag.BLOCK:
+        if fw.group_size != frag.BLOCK:
             return f"{name} groups of {fw.group_size} values (64 only: one scale row a block)"
         if fw.zero_point:
             return f"{name} zero points (affine scale and bias only)"
@@ -73,11 +74,11 @@ def unsupported_reason(gate_up: quant_frag.FragWeights, down: quant_frag.FragWei
 
 
 class StreamMLP:
-    """gate_up (rows interleaved for SiLU(gate) * up, as quant_frag's epilogue reads them) and down
+    """gate_up (rows interleaved for SiLU(gate) * up, as frag.py's epilogue reads them) and down
     of one MLP on the streaming kernel. Made once after the weights are final: the TMA descriptors
     hold the fragment-order copies' addresses."""
 
-    def __init__(self, gate_up: quant_frag.FragWeights, down: quant_frag.FragWeights, dtype: torch.dtype):
+    def __init__(self, gate_up: frag.FragWeights, down: frag.FragWeights, dtype: torch.dtype):
         device = gate_up.words.device
         if reason := unsupported_reason(gate_up, down, device, dtype):
             raise ValueError(f"StreamMLP: {reason}")
@@ -95,7 +96,7 @@ class StreamMLP:
         down = self.fws[1]
         x = x.contiguous()
         y = torch.empty(rows, down.out_features, dtype=x.dtype, device=x.device)
-        pieces = zip(x.split(quant_frag.MAX_ROWS), y.split(quant_frag.MAX_ROWS))
+        pieces = zip(x.split(frag.MAX_ROWS), y.split(frag.MAX_ROWS))
         for part, out in pieces:
             h = torch.empty(part.shape[0], down.in_features, dtype=x.dtype, device=x.device)
             _launch(part, h, out, self.fws, self.plan, self.counter, self.programs, self.descs)
@@ -104,7 +105,7 @@ class StreamMLP:
 
 def _launch(x, h, y, fws, plan, counter, programs: int, descs, compile_only: bool = False):
     return stream_chain.stream_chain(x, x, h, y, fws, plan, counter, programs, SLOTS, WARPS, compile_only=compile_only,
-                                     descs=descs, parts=PARTS, pdl=quant_gemv.pdl_enabled(x.device))
+                                     descs=descs, parts=PARTS, pdl=launch.pdl_enabled(x.device))
 
 
 _PROGRAMS: dict[tuple, int] = {}

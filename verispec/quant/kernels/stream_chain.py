@@ -1,6 +1,6 @@
 """A chain of 4-bit products as one persistent kernel whose weights never stop streaming (Gluon,
 sm_90; the engine runs a gated MLP's gate_up -> down on it for decode and verify passes, see
-kernels/stream_mlp.py; measured in docs/benchmarks.md; compiled offline by tools/sass/offline_sass.py).
+stream_mlp.py; measured in docs/benchmarks.md).
 
 One program a multiprocessor, warp specialized:
 - a producer warp copies each of its program's tile groups, step by step (the words and group
@@ -8,9 +8,9 @@ One program a multiprocessor, warp specialized:
   full / empty mbarrier pair a slot. It runs ahead of the consumers across the grid barriers
   between products: the weights do not depend on the activations, so the next product's first
   slots are already on the multiprocessor when its activations are ready;
-- PARTS consumer partitions of W warps multiply from the slots as `quant_frag.frag_sums` does
-  (`quant_frag.block_sums`): a tile group's K split across the partition's warps, block b of a step
-  on warp b % W, the warps' sums added in a fixed order, so a result equals `quant_frag.frag_gemv`
+- PARTS consumer partitions of W warps multiply from the slots as `frag.frag_sums` does
+  (`frag.block_sums`): a tile group's K split across the partition's warps, block b of a step
+  on warp b % W, the warps' sums added in a fixed order, so a result equals `frag.frag_gemv`
   with FragTiles(KB, W, 1, RT) bit for bit whatever the rows (M <= 8). With two partitions, each has
   its own ring and takes alternate tile groups: Gluon's mbarrier wait / arrive bring a
   partition-wide barrier a step, and one partition of 8 warps then stepped in lockstep;
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import quant_frag as qf
-from verispec.kernels.quant_gemv import gl, gluon
+from verispec.kernels.launch import gl, gluon
+from verispec.quant.kernels import frag as qf
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -47,8 +47,8 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
 
-    from verispec.kernels.grid_sync import grid_barrier
-    from verispec.kernels.quant_gemv import wait_for_previous_grid
+    from verispec.kernels.launch import wait_for_previous_grid
+    from verispec.quant.kernels.grid_sync import grid_barrier
 
 WORD_ROWS = 128  # int32 words of one 16-row tile's 64-value block
 TERM_COLS = 16  # int32 words of one group's terms (8 rows g x (s_g, s_g+8), (o_g, o_g+8))
@@ -68,7 +68,7 @@ def tma_layout():
 def smem_layouts(warps: int, blocks: int, row_tiles: int):
     """Register layouts for a slot's words [RT, W*KB, 128] and terms [RT, W*KB, 16] (int32; RT
     row tiles of W*KB blocks each, as TMA writes them) whose permutation to [W*KB, RT, ...]
-    reshapes to quant_frag's LW [W*KB, RT, 8, 4, 4] and LT [W*KB, RT, 8, 2] (block b of a step on
+    reshapes to frag.py's LW [W*KB, RT, 8, 4, 4] and LT [W*KB, RT, 8, 2] (block b of a step on
     warp b % W; the registers in LW's order: word c, then row tile, then block)."""
     tiles = [[r, 0, 0] for r in _powers(row_tiles)]
     blocks_ = [[0, warps * b, 0] for b in _powers(blocks)]
@@ -258,7 +258,7 @@ if gluon is not None:
         LB: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
         LS: gl.constexpr = gl.SliceLayout(2, MMA)
         slots_w, slots_t = _slot_views(ring_w, ring_t, S, RT, BT)
-        x_ptr, _ = qf.activation_pointers(X, M, K, BT, LX)  # as quant_frag.frag_sums loads them
+        x_ptr, _ = qf.activation_pointers(X, M, K, BT, LX)  # as frag.frag_sums loads them
         ones = gl.full([BT, 16, 64], 1.0, DT, layout=LA)
         zero = gl.zeros([BT, 16 * RT, MT], gl.float32, layout=MMA)
         zero16 = gl.zeros([BT, 16, MT], gl.float32, layout=MMA)

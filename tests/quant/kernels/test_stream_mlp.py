@@ -1,7 +1,7 @@
 """A gated MLP's 4-bit gate_up -> down as one launch of the streaming kernel
-(verispec/kernels/stream_mlp.py). On the CPU: which MLPs can take it and why others cannot, the
+(verispec/quant/kernels/stream_mlp.py). On the CPU: which MLPs can take it and why others cannot, the
 plans' steps, and the MLP's routing (up to 32 rows through it, wider passes not). On CUDA (sm_90,
-Gluon; on the device: `python3 -m pytest tests/kernels/test_stream_mlp.py`): against the float64
+Gluon; on the device: `python3 -m pytest tests/quant/kernels/test_stream_mlp.py`): against the float64
 reference, bit-identical to the two launched products with the same tiles, a row's result the same
 whatever the pass's other rows (alone, in a verify pass, in a batch launched 8 rows at a time)."""
 from __future__ import annotations
@@ -11,11 +11,13 @@ import copy
 import pytest
 import torch
 
-from verispec.kernels import quant_frag, stream_mlp
-from verispec.kernels.quant_matmul import dequantize_reference
 from verispec.models.layers.mlp import GatedMLP
+from verispec.quant import dispatch
+from verispec.quant.kernels import frag as quant_frag, stream_mlp
+from verispec.quant.kernels.matmul import dequantize_reference
+from verispec.quant.layers.mlp import GatedProduct
 
-from tests.kernels.test_quant_frag import layer_order, operands
+from tests.quant.kernels.test_frag import layer_order, operands
 
 cuda = torch.device("cuda")
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or stream_mlp.gluon is None
@@ -41,7 +43,7 @@ def test_reasons_name_what_cannot_stream():
     down, _ = frag_weights(512, 256, 2)
     assert "cpu" in stream_mlp.unsupported_reason(gate_up, down, torch.device("cpu"), torch.bfloat16)
     mlp = GatedMLP(64, 128)
-    assert "SiLU(gate) * up outside" in mlp.stream_reason(torch.bfloat16)
+    assert "SiLU(gate) * up outside" in dispatch.stream_reason(mlp, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu"):
         stream_mlp.StreamMLP(gate_up, down, torch.bfloat16)
 
@@ -57,16 +59,32 @@ class TorchStream:
         return x[:, :3].repeat(1, 2)  # any function of x: the routing is what is checked
 
 
+class UnfusedGateUp(torch.nn.Module):
+    """A merged gate/up whose `silu_gated` is the plain MLP's activation of its product (what an
+    interleaved quantized layer's unfused path computes)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def silu_gated(self, x, gated):
+        gate, up = self.linear(x).chunk(2, dim=-1)
+        return gated(gate, up)
+
+
 def test_the_mlp_routes_decode_and_verify_passes_to_the_stream():
     plain = GatedMLP(6, 8)
+    plain.merge_projections()
     mlp = copy.deepcopy(plain)
+    mlp.gate_up_proj = UnfusedGateUp(mlp.gate_up_proj)
     calls = []
-    mlp.stream = TorchStream(calls)
+    mlp.kernel = GatedProduct(mlp)
+    mlp.kernel.stream = TorchStream(calls)
     x = torch.randn(2, 16, 6)
     assert torch.equal(mlp(x), x[..., :3].repeat(1, 1, 2)) and calls == [(32, 6)]
     wide = torch.randn(3, 11, 6)  # 33 rows: the products as before
     assert torch.equal(mlp(wide), plain(wide)) and len(calls) == 1
-    mlp.stream.dtype = torch.bfloat16  # activations in another dtype than the kernel's: not through it
+    mlp.kernel.stream.dtype = torch.bfloat16  # activations in another dtype than the kernel's: not through it
     assert torch.equal(mlp(x), plain(x)) and len(calls) == 1
 
 

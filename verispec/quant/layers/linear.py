@@ -2,25 +2,11 @@
 under the checkpoint's own names (so loading is a copy, no conversion step).
 
 Packed values are int32 buffers (the uint32 bits of the file); scales and offsets are float
-parameters, so `next(model.parameters())` still gives the model's dtype. Forward:
-- 4-bit layers on CUDA (sm_90+) in bfloat16 / float16, at most quant_mma.MAX_ROWS rows (decode,
-  verify): the tensor-core kernel (kernels/quant_mma.py), which reads the checkpoint's words and
-  costs about the same for 8 rows as for 1;
-- 4-bit layers on CUDA in bfloat16, once `use_builtin_int4` has converted them (the engine does
-  at start for layers the tensor-core kernel does not take, see `convert_for_builtin_int4`):
-  torch's built-in int4 product (tinygemm, kernels/int4_builtin.py) for passes of at most
-  int4_builtin.MAX_ROWS rows, or for every pass when the checkpoint's words were released
-  (VERISPEC_QUANT_KERNEL=builtin);
-- CUDA, at most quant_gemv.MAX_ROWS rows (decode, verify), bits 2 / 4 / 8: the Gluon GEMV
-  (kernels/quant_gemv.py), reading the checkpoint's words at near the memory bandwidth; a row's
-  result does not depend on the pass's width;
-- CUDA with Triton, at most FUSED_MAX_ROWS rows (batches, other bit widths): the fused
-  dequant-matmul kernel, which reads the packed weight once per 16 rows and sums each row in the
-  same order whatever the pass's width (speculative verify == plain decode, row by row);
-- otherwise (CPU, prefill): the weight is dequantized on the fly into the activations' dtype and
-  multiplied by torch (one GEMM over the pass's rows).
-Each format names its tensors itself (`MLXAffineLinear`: weight / scales / biases;
-`PackedIntLinear`: compressed-tensors' weight_packed / weight_scale / weight_zero_point).
+parameters, so `next(model.parameters())` still gives the model's dtype. Which kernel a layer's
+passes run is decided once per device and dtype (`bind`, by the rule in quant/dispatch.py, see
+docs/quantization.md), not per call: `forward` runs the bound kernels. Each format names its
+tensors itself (`MLXAffineLinear`: weight / scales / biases; `PackedIntLinear`: compressed-tensors'
+weight_packed / weight_scale / weight_zero_point).
 """
 from __future__ import annotations
 
@@ -29,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import log
-from verispec.config import env
 from verispec.errors import UnsupportedModelError
-from verispec.kernels import dequantize, frag_dequantize, int4_builtin, quant_frag, quant_gemv, quant_matmul, quant_mma
+from verispec.quant.kernels import dequantize, frag as frag_kernel, frag_dequantize, int4_builtin
+from verispec.quant.kernels import mma as mma_kernel
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
 
@@ -67,22 +53,19 @@ class QuantizedLinear(nn.Module):
         # ran; buffers, so .to() moves them and the roofline counts them
         self.register_buffer("int4_packed", None, persistent=False)
         self.register_buffer("int4_scale_zero", None, persistent=False)
-        # the fragment-order copy of a 4-bit weight (kernels/quant_frag.py), once use_fragment_order ran
+        # the fragment-order copy of a 4-bit weight (kernels/frag.py), once use_fragment_order ran
         self.register_buffer("frag_words", None, persistent=False)
         self.register_buffer("frag_terms", None, persistent=False)
+        self.bound = None  # dispatch.Bound: this layer's kernels for one device and dtype (`bind`)
 
     @property
-    def frag(self) -> quant_frag.FragWeights | None:
+    def frag(self) -> frag_kernel.FragWeights | None:
         """The fragment-order copy as the kernel takes it (None before use_fragment_order): the
         frag_* buffers and this layer's shape and quantization."""
         if self.frag_words is None:
             return None
-        return quant_frag.FragWeights(self.frag_words, self.frag_terms, self.out_features, self.in_features,
-                                      self.group_size, self.zero_point)
-
-    def _frag_for(self, x: torch.Tensor) -> quant_frag.FragWeights | None:
-        """The fragment-order copy if activations like x can run on it (its terms are in x's dtype)."""
-        return self.frag if self.frag_terms is not None and self.frag_terms.dtype == x.dtype else None
+        return frag_kernel.FragWeights(self.frag_words, self.frag_terms, self.out_features, self.in_features,
+                                       self.group_size, self.zero_point)
 
     # the tensors of one format; overridden per format
     def packed_values(self) -> torch.Tensor:
@@ -102,37 +85,39 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def released(self) -> bool:
-        """The checkpoint's tensors were dropped for tinygemm's copy (use_builtin_int4)."""
+        """The checkpoint's tensors were dropped for the fragment-order copy (release_checkpoint)."""
         return self.packed_values().numel() == 0
 
     def checkpoint_bytes(self) -> int:
         return sum(getattr(self, name).numel() * getattr(self, name).element_size()
                    for name in self.checkpoint_tensor_names())
 
-    def builtin_int4_reason(self, dtype: torch.dtype) -> str | None:
-        """Why this layer cannot take torch's int4 kernel in `dtype` (None: it can)."""
-        return int4_builtin.unsupported_reason(self.packed_values().device, dtype, self.bits, self.group_size,
-                                               self.out_features, self.in_features)
-
-    def use_builtin_int4(self, release: bool = True) -> None:
-        """Re-lays the weight out for tinygemm (kernels/int4_builtin.py); with `release`, drops the
-        checkpoint's tensors (an embedding sharing them keeps its own reference), and every pass
-        then takes tinygemm; without, wider passes keep the Triton kernel / dequantized GEMM."""
+    def use_builtin_int4(self) -> None:
+        """Keeps a copy of the weight in tinygemm's layout (kernels/int4_builtin.py) for decode and
+        verify passes; wider passes keep the checkpoint's words (tinygemm is slow from 16 rows)."""
         q = unpack_rows(self.packed_values(), self.bits, self.in_features)  # [N, K]
         self.int4_packed = int4_builtin.pack(q)
         self.int4_scale_zero = int4_builtin.scales_and_zeros(self.group_scales(), self.group_offsets(),
                                                              self.zero_point)
-        del q
-        if release:
-            self.release_checkpoint()
+        self.bound = None
+
+    def use_fragment_order(self, dtype: torch.dtype) -> None:
+        """Keeps a copy of the weight in the fragment-order kernel's layout (kernels/frag.py,
+        scales and offsets in `dtype`) for decode and verify passes; wider passes keep the
+        checkpoint's words until release_checkpoint."""
+        frag = frag_kernel.repack(self.packed_values(), self.group_scales(), self.group_offsets(), self.group_size,
+                                  self.zero_point, dtype)
+        self.frag_words, self.frag_terms = frag.words, frag.terms
+        self.bound = None
 
     def release_checkpoint(self) -> None:
-        """Drops the checkpoint's tensors once a copy in a kernel's layout holds the weight (an
+        """Drops the checkpoint's tensors once the fragment-order copy holds the weight (an
         embedding sharing them keeps its own reference)."""
         for name in self.checkpoint_tensor_names():
             old = getattr(self, name)
             empty = torch.empty(0, dtype=old.dtype, device=old.device)
             setattr(self, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
+        self.bound = None
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
@@ -143,64 +128,60 @@ class QuantizedLinear(nn.Module):
         return dequantize.decode(self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
                                  self.group_size, self.zero_point, dtype)
 
+    def bind(self, device: torch.device, dtype: torch.dtype):
+        """Decides this layer's kernels for activations on `device` in `dtype` (quant/dispatch.py)
+        and keeps them: forward asks again only for another device or dtype."""
+        from verispec.quant import dispatch
+
+        self.bound = dispatch.bind(self, device, dtype)
+        return self.bound
+
+    def _kernels_for(self, x: torch.Tensor):
+        bound = self.bound
+        if bound is None or bound.dtype != x.dtype or bound.device != x.device:
+            bound = self.bind(x.device, x.dtype)  # a layer outside the loader's `prepare`, or moved
+            if bound.reasons and x.device.type == "cuda":
+                debug_once(self, "; ".join(bound.reasons))
+        return bound
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
+        bound = self._kernels_for(x)
         rows = x.numel() // self.in_features
-        flat = x.reshape(rows, self.in_features)
-        frag = self._frag_for(x)
-        if self.int4_packed is not None and (rows <= int4_builtin.MAX_ROWS or self.released()):
-            y = int4_builtin.matmul(flat.contiguous(), self.int4_packed, self.group_size, self.int4_scale_zero)
-        elif frag is not None and rows <= quant_frag.MAX_ROWS:
-            y = quant_frag.frag_gemv(flat, frag)
-        elif frag is not None and rows <= FRAG_CHUNKED_MAX_ROWS:
-            # 8 rows a launch; a row's result does not depend on the launch's other rows
-            y = torch.cat([quant_frag.frag_gemv(part, frag) for part in flat.split(quant_frag.MAX_ROWS)])
-        elif self.released():  # the fragment-order copy alone holds the weight
+        run = bound.kernel_for(rows)
+        if run is None:  # the dequantized weight, one GEMM (CPU; prefill)
             return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        elif rows <= quant_mma.MAX_ROWS and self._takes(self.mma_reason, x):
-            y = quant_mma.mma_gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
-                                   self.group_size, self.zero_point)
-        elif rows <= quant_gemv.MAX_ROWS and self._takes(self.gemv_reason, x):
-            y = quant_gemv.gemv(flat, self.packed_values(), self.group_scales(), self.group_offsets(), self.bits,
-                                self.group_size, self.zero_point)
-        elif rows <= quant_matmul.FUSED_MAX_ROWS and quant_matmul.available(x.device) and x.dtype != torch.float64:
-            y = quant_matmul.dequant_matmul(flat, self.packed_values(), self.group_scales(), self.group_offsets(),
-                                            self.bits, self.group_size, self.zero_point)
-        else:
-            if x.device.type == "cuda" and rows <= quant_matmul.FUSED_MAX_ROWS:
-                debug_once(self, "quantized linear on CUDA without the fused kernel (Triton missing or float64): "
-                                 "dequantizing the whole weight per call")
-            return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = run(self, x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def silu_gate_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """Why this merged [gate; up] layer's decode / verify passes cannot apply SiLU(gate) * up
-        in a tensor-core kernel's epilogue (None: they can, once interleave_gate_up ran)."""
-        if self.frag is None and (reason := self.mma_reason(device, dtype)):
-            return reason
-        if self.bias is not None:
-            return "a bias (added before the activation)"
-        if self.int4_packed is not None:
-            return "a tinygemm copy of the weight"
-        if self.out_features % (2 * self._gate_chunk()):
-            return f"{self.out_features // 2} intermediate features (not a multiple of {self._gate_chunk()})"
-        return None
+    def silu_gated(self, x: torch.Tensor, gated) -> torch.Tensor:  # x: [..., K] -> SiLU(gate) * up [..., N/2]
+        """After interleave_gate_up: decode / verify passes in a tensor-core kernel with the
+        activation in its epilogue where one is bound; other passes multiply, take the chunks
+        apart and apply `gated(gate, up)` (the MLP's own SiLU(gate) * up, as it runs unmerged)."""
+        bound = self._kernels_for(x)
+        rows = x.numel() // self.in_features
+        half = self.out_features // 2
+        if bound.gated is not None and rows <= bound.gated_rows:
+            return bound.gated(self, x.reshape(rows, self.in_features)).view(*x.shape[:-1], half)
+        y = self(x).view(*x.shape[:-1], half // self.gate_chunk, 2, self.gate_chunk)
+        gate, up = y[..., 0, :].reshape(*x.shape[:-1], half), y[..., 1, :].reshape(*x.shape[:-1], half)
+        return gated(gate, up)
 
-    def _gate_chunk(self) -> int:
+    def gate_chunk_for_kernel(self) -> int:
         """Gate rows (then as many up rows) one program of the decode kernel holds."""
-        return quant_frag.GATE_CHUNK if self.frag is not None else quant_mma.GATE_CHUNK
+        return frag_kernel.GATE_CHUNK if self.frag is not None else mma_kernel.GATE_CHUNK
 
     def interleave_gate_up(self) -> None:
         """Reorders the rows of a merged [gate (I rows); up (I rows)] layer into chunks of gate rows,
-        the same rows of up, and so on (8 for the fragment-order kernel, 16 for quant_mma): one
+        the same rows of up, and so on (8 for the fragment-order kernel, 16 for the mma kernel): one
         program of the decode kernel then holds both halves of its outputs and writes SiLU(gate) *
         up (`silu_gated`)."""
         if self.gate_chunk:
             raise RuntimeError("interleave_gate_up: the rows are interleaved already")
-        chunk, half = self._gate_chunk(), self.out_features // 2
+        chunk, half = self.gate_chunk_for_kernel(), self.out_features // 2
         order = torch.arange(self.out_features).view(2, half // chunk, chunk).transpose(0, 1).reshape(-1)
         self.reorder_rows(order)
         self.gate_chunk = chunk
+        self.bound = None
 
     def reorder_rows(self, order: torch.Tensor) -> None:
         """Output row i becomes what row order[i] was (words, scales, offsets and bias alike)."""
@@ -212,64 +193,11 @@ class QuantizedLinear(nn.Module):
             setattr(self, name, nn.Parameter(new, requires_grad=False) if isinstance(old, nn.Parameter) else new)
         if self.frag_terms is not None:  # the copy follows the rows
             self.use_fragment_order(self.frag_terms.dtype)
+        self.bound = None
 
     def row_tensor_names(self) -> tuple[str, ...]:
         """The [N, ...] tensors that follow the output rows."""
         return self.checkpoint_tensor_names()
-
-    def silu_gated(self, x: torch.Tensor, gated) -> torch.Tensor:  # x: [..., K] -> SiLU(gate) * up [..., N/2]
-        """After interleave_gate_up: decode / verify passes in the tensor-core kernel with the
-        activation in its epilogue; other passes multiply, take the chunks apart and apply
-        `gated(gate, up)` (the MLP's own SiLU(gate) * up, as it runs unmerged)."""
-        rows = x.numel() // self.in_features
-        half = self.out_features // 2
-        frag = self._frag_for(x)
-        if frag is not None and rows <= quant_frag.MAX_ROWS:
-            y = quant_frag.frag_gemv(x.reshape(rows, self.in_features), frag, silu_gate=True)
-            return y.view(*x.shape[:-1], half)
-        # quant_mma's epilogue expects its own chunks of 16, not the fragment-order copy's 8
-        if self.frag_words is None and rows <= quant_mma.MAX_ROWS and self._takes(self.silu_gate_reason, x):
-            y = quant_mma.mma_gemv(x.reshape(rows, self.in_features), self.packed_values(), self.group_scales(),
-                                   self.group_offsets(), self.bits, self.group_size, self.zero_point, silu_gate=True)
-            return y.view(*x.shape[:-1], half)
-        y = self(x).view(*x.shape[:-1], half // self.gate_chunk, 2, self.gate_chunk)
-        gate, up = y[..., 0, :].reshape(*x.shape[:-1], half), y[..., 1, :].reshape(*x.shape[:-1], half)
-        return gated(gate, up)
-
-    def _takes(self, reason_of, x: torch.Tensor) -> bool:
-        """reason_of (a *_reason method) has no objection, decided once per kernel, device and dtype
-        (forward runs per layer per pass)."""
-        key = (reason_of.__name__, x.device, x.dtype)
-        cache = self.__dict__.setdefault("_kernel_decisions", {})
-        if key not in cache:
-            cache[key] = reason_of(x.device, x.dtype) is None
-        return cache[key]
-
-    def frag_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """Why decode / verify passes of this layer do not take the fragment-order kernel (None: they
-        may, once use_fragment_order ran)."""
-        if self.int4_packed is not None:
-            return "a tinygemm copy of the weight"
-        return (_mode_reason(device, ("auto",))
-                or quant_frag.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features))
-
-    def use_fragment_order(self, dtype: torch.dtype) -> None:
-        """Keeps a copy of the weight in the fragment-order kernel's layout (kernels/quant_frag.py,
-        scales and offsets in `dtype`) for decode and verify passes; wider passes keep the
-        checkpoint's words."""
-        frag = quant_frag.repack(self.packed_values(), self.group_scales(), self.group_offsets(), self.group_size,
-                                 self.zero_point, dtype)
-        self.frag_words, self.frag_terms = frag.words, frag.terms
-
-    def mma_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """Why decode / verify passes of this layer do not take the tensor-core kernel (None: they do)."""
-        return (_mode_reason(device, ("auto", "mma"))
-                or quant_mma.unsupported_reason(device, dtype, self.bits, self.group_size, self.in_features))
-
-    def gemv_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """Why decode / verify passes of this layer do not take the Gluon GEMV (None: they do)."""
-        return (_mode_reason(device, ("auto", "gemv"))
-                or quant_gemv.unsupported_reason(device, dtype, self.bits, self.group_size))
 
     def same_quantization(self, other: "QuantizedLinear") -> bool:
         return (type(self) is type(other) and self.bits == other.bits and self.group_size == other.group_size
@@ -483,44 +411,3 @@ class PackedIntEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"
-
-
-class ConcatLinear(nn.Module):
-    """Several linears reading the same input, outputs concatenated: what merged projections
-    become when their quantization differs (mlx-lm per-layer overrides), so no single packed
-    matrix can hold them."""
-
-    def __init__(self, layers: list[nn.Module]):
-        super().__init__()
-        self.parts = nn.ModuleList(layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., sum N]
-        return torch.cat([part(x) for part in self.parts], dim=-1)
-
-
-# passes up to this many rows run the fragment-order kernel 8 rows a launch (each launch reads the
-# weight once: 4 launches still beat dequantizing the whole weight for one GEMM); wider ones (prefill)
-# dequantize the fragment-order copy
-FRAG_CHUNKED_MAX_ROWS = 32
-QUANT_KERNEL_ENV = "VERISPEC_QUANT_KERNEL"  # auto (default) | mma | builtin | gemv | triton
-QUANT_KERNELS = ("auto", "mma", "builtin", "gemv", "triton")
-
-
-def _mode_reason(device: torch.device, modes: tuple[str, ...]) -> str | None:
-    """Why a Gluon kernel is not used on `device` under the current VERISPEC_QUANT_KERNEL when it
-    runs only in `modes` (None: it may be)."""
-    if device.type != "cuda":
-        return f"device {device.type}"
-    if env().quant_kernel not in modes:
-        return f"{QUANT_KERNEL_ENV}={env().quant_kernel}"
-    return None
-
-
-def merge_quantized(layers: list[nn.Module]) -> nn.Module:
-    """The merged projection of quantized `layers` (see models/layers/fused.merged_linear)."""
-    first = layers[0]
-    if hasattr(type(first), "concat_rows") and all(first.same_quantization(l) for l in layers[1:]):
-        return type(first).concat_rows(layers)
-    log.debug("merging %s projections with different quantization: running them side by side",
-              ", ".join(type(l).__name__ for l in layers))
-    return ConcatLinear(layers)

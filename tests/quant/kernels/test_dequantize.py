@@ -1,4 +1,4 @@
-"""The one-pass dequantization kernel (verispec/kernels/dequantize.py) against torch's form of
+"""The one-pass dequantization kernel (verispec/quant/kernels/dequantize.py) against torch's form of
 the same computation, bit for bit: float32 and bfloat16 outputs, both offset forms, ragged shapes.
 Runs on CUDA, and on CPU through Triton's interpreter (tests/conftest.py)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.kernels import dequantize as kernel
-from verispec.kernels.quant_matmul import dequantize_reference
+from verispec.quant.kernels import dequantize as kernel
+from verispec.quant.kernels.matmul import dequantize_reference
 from verispec.quant.packing import pack_rows
 
 pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")

@@ -1,7 +1,7 @@
-"""The fragment-order 4-bit product (verispec/kernels/quant_frag.py). On the CPU: the repacked
+"""The fragment-order 4-bit product (verispec/quant/kernels/frag.py). On the CPU: the repacked
 layout holds exactly the checkpoint's values (every position of a block once, dequantized values
 equal to the format's reference), and the layer routes decode passes and the SiLU epilogue to it.
-On CUDA (sm_90+, Gluon; the GPU run: `python3 -m pytest tests/kernels/test_quant_frag.py` on the
+On CUDA (sm_90+, Gluon; the GPU run: `python3 -m pytest tests/quant/kernels/test_frag.py` on the
 device): against the float64 reference for both dtypes, both offset forms, groups 64 / 128, every
 decode and verify width and ragged N / K, with a row's result bit-identical whatever M is."""
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.kernels import frag_dequantize
-from verispec.kernels import quant_frag as kernel
-from verispec.kernels.quant_matmul import dequant_matmul_reference, dequantize_reference
-from verispec.models.layers.quant_linear import MLXAffineLinear
+from verispec.quant.kernels import frag_dequantize
+from verispec.quant.kernels import frag as kernel
+from verispec.quant import dispatch
+from verispec.quant.kernels.matmul import dequant_matmul_reference, dequantize_reference
+from verispec.quant.layers.linear import MLXAffineLinear
 from verispec.quant.packing import pack_rows
 
 cuda = torch.device("cuda")
@@ -243,7 +244,7 @@ def test_activations_in_another_dtype_than_the_copy_skip_both_epilogues(monkeypa
     plain, layer = plain_and_converted(n, k, group, False, 6, torch.bfloat16)
     layer.interleave_gate_up()
     monkeypatch.setattr(kernel, "frag_gemv", lambda *a, **kw: pytest.fail("the copy's terms are bfloat16"))
-    monkeypatch.setattr(MLXAffineLinear, "silu_gate_reason", lambda self, device, dtype: None)
+    monkeypatch.setattr(dispatch, "silu_gate_reason", lambda layer, device, dtype: None)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
     want = plain(x)
     got = layer.silu_gated(x, lambda gate, up: torch.nn.functional.silu(gate) * up)

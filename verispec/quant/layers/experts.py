@@ -5,7 +5,7 @@ weight [E, N, K*bits/32] uint32 words and scales / biases [E, N, K/group], w = q
 The module takes the place of `FusedExperts` (models/layers/moe.py) with the same call, and runs
 one of three paths, picked by device and size:
 - `gemv` (CUDA with Gluon): each token/expert pair streams its expert's packed matrices in place
-  (kernels/quant_gemv.expert_gemv): device-side expert ids, so decode and verify steps need no
+  (kernels/gemv.expert_gemv): device-side expert ids, so decode and verify steps need no
   host sync and can be captured in CUDA graphs; a pair's result does not depend on the others;
 - `gathered` (small passes elsewhere): the chosen experts' matrices dequantized and multiplied
   with bmm: static shapes, no host sync;
@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.kernels import dequantize, quant_gemv
+from verispec.quant.kernels import dequantize, gemv as gemv_kernel
 from verispec.models.layers.mlp import activation
 from verispec.models.layers.moe import gated, grouped_experts, grouped_mm_usable, loop_experts
-from verispec.models.layers.quant_linear import float_param
+from verispec.quant.layers.linear import float_param
 from verispec.quant.packing import packed_words
 
 MAX_GATHERED_PAIRS = 64  # past this the gathered path would dequantize too many weights per pass
@@ -65,11 +65,11 @@ class QuantizedExpertStack(nn.Module):
 
     def gemv(self, x: torch.Tensor, experts: torch.Tensor, rows_per_x: int) -> torch.Tensor:
         """x [T, in_features]; experts [P] -> [P, out_features] (pair p reads x row p // rows_per_x)."""
-        return quant_gemv.expert_gemv(x, self.weight, self.scales, self.biases, experts, self.bits,
+        return gemv_kernel.expert_gemv(x, self.weight, self.scales, self.biases, experts, self.bits,
                                       self.group_size, rows_per_x=rows_per_x)
 
     def gemv_reason(self, x: torch.Tensor) -> str | None:
-        return quant_gemv.unsupported_reason(x.device, x.dtype, self.bits, self.group_size)
+        return gemv_kernel.unsupported_reason(x.device, x.dtype, self.bits, self.group_size)
 
 
 class SwitchGLU(nn.Module):

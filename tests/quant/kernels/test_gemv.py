@@ -1,17 +1,17 @@
-"""The Gluon GEMV for quantized weights (verispec/kernels/quant_gemv.py) against its torch
+"""The Gluon GEMV for quantized weights (verispec/quant/kernels/gemv.py) against its torch
 reference for every supported bits / group size / decode and verify width, both offset forms,
 ragged N and K, and row invariance (a row's result is bit-identical whatever M and whatever the
 other rows hold). Gluon kernels do not run in Triton's CPU interpreter: these run on CUDA (the GPU
-run: `python3 -m pytest tests/kernels/test_quant_gemv.py` on the device); the CPU checks below
+run: `python3 -m pytest tests/quant/kernels/test_gemv.py` on the device); the CPU checks below
 cover which layers the kernel takes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verispec.kernels import quant_gemv as kernel
-from verispec.kernels.quant_matmul import dequant_matmul_reference
-from tests.kernels.test_quant_matmul import random_operands  # on CUDA when there is one
+from verispec.quant.kernels import gemv as kernel
+from verispec.quant.kernels.matmul import dequant_matmul_reference
+from tests.quant.kernels.test_matmul import random_operands  # on CUDA when there is one
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or kernel.gluon is None, reason="needs CUDA and Gluon")
 
@@ -91,7 +91,7 @@ def test_expert_gemv_matches_reference_and_is_pair_invariant(bits):
 
 def quantized_experts(bits: int, seed: int):
     """MLXQuantizedExperts over random bf16 stacks (8 experts, hidden 256, intermediate 128)."""
-    from verispec.models.layers.quant_experts import MLXQuantizedExperts, QuantizedExpertStack
+    from verispec.quant.layers.experts import MLXQuantizedExperts, QuantizedExpertStack
 
     num_experts, hidden, inter, group = 8, 256, 128, 64
     stacks = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.kernels import quant_matmul as kernel
+from verispec.quant.kernels import matmul as kernel
 from verispec.quant.packing import pack_rows
 
 pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")
@@ -128,7 +128,7 @@ def test_rejects_bad_operands():
 
 def random_layers():
     """An MLX affine layer with a bias and an asymmetric compressed-tensors layer, filled at random."""
-    from verispec.models.layers.quant_linear import MLXAffineLinear, PackedIntLinear
+    from verispec.quant.layers.linear import MLXAffineLinear, PackedIntLinear
 
     gen = torch.Generator().manual_seed(5)
     mlx = MLXAffineLinear(128, 48, bits=3, group_size=32, bias=True)
@@ -150,9 +150,12 @@ def test_layer_forward_through_kernel_equals_dequantized_path(monkeypatch, rows)
     """The layers hand the kernel the right operands (offset form, zero points, bias, shapes)."""
     for layer in random_layers():
         x = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        # the kernel is chosen when the layer binds (once per device and dtype), so rebind after each patch
         monkeypatch.setattr(kernel, "available", lambda device: False)
+        assert layer.bind(x.device, x.dtype).kernel_for(rows) is None
         expected = layer(x)
         monkeypatch.setattr(kernel, "available", lambda device: True)  # the interpreter on CPU
+        assert layer.bind(x.device, x.dtype).kernel_for(rows) is not None
         got = layer(x)
         assert got.shape == (1, rows, layer.out_features)
         assert float((got - expected).norm() / expected.norm()) < 1e-6

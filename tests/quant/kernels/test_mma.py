@@ -1,16 +1,16 @@
-"""The tensor-core 4-bit product (verispec/kernels/quant_mma.py) against its torch reference for
+"""The tensor-core 4-bit product (verispec/quant/kernels/mma.py) against its torch reference for
 both dtypes, both offset forms, every group size, every decode and verify width, ragged N and K,
 and row invariance (a row's result is bit-identical whatever M and whatever the other rows hold).
 Gluon kernels do not run in Triton's CPU interpreter: these run on CUDA (sm_90+; the GPU run:
-`python3 -m pytest tests/kernels/test_quant_mma.py` on the device); the CPU checks below cover
+`python3 -m pytest tests/quant/kernels/test_mma.py` on the device); the CPU checks below cover
 which layers the kernel takes and why."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verispec.kernels import quant_mma as kernel
-from verispec.kernels.quant_matmul import dequant_matmul_reference, dequantize_reference
+from verispec.quant.kernels import mma as kernel
+from verispec.quant.kernels.matmul import dequant_matmul_reference, dequantize_reference
 from verispec.quant.packing import pack_rows
 
 cuda = torch.device("cuda")
@@ -107,7 +107,7 @@ def test_tiles_by_shape():
 
 def test_refuses_wide_passes_and_names_why():
     if kernel.gluon is None or not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="quant_mma.mma_gemv"):
+        with pytest.raises(ValueError, match="mma.mma_gemv"):
             kernel.mma_gemv(torch.zeros(1, 128), torch.zeros(4, 16, dtype=torch.int32), torch.ones(4, 2),
                             torch.zeros(4, 2), 4, 64)
         return

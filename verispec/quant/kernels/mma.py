@@ -2,7 +2,7 @@
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T for M <= MAX_ROWS, read straight from the checkpoint's
 words (packed little-endian [N, K/8] int32, scales / offsets [N, K/group]), written in Gluon.
 
-Why tensor cores for a product that is bound by memory: the GEMV (quant_gemv.py) spends three
+Why tensor cores for a product that is bound by memory: the GEMV (gemv.py) spends three
 instructions per weight value and per activation row (decode the value, subtract, multiply-add),
 so at 4 bits it runs out of issue slots before it runs out of bandwidth, and a verify pass of 4
 rows costs 2.4x one row. Here each 16x16 tile of decoded weights goes into one mma.m16n8k16 with
@@ -31,7 +31,7 @@ at the end; the tiles are chosen by the weight's shape (`tiles_for`).
 Exactness: every output element is its own mma column, decoded the same way whatever M is, so a
 row's result does not depend on the other rows (speculative verify == plain decode, row by row).
 
-`quant_matmul.dequant_matmul_reference` is the plain-torch definition it is tested against.
+`matmul.dequant_matmul_reference` is the plain-torch definition it is tested against.
 """
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ import functools
 import torch
 
 # gl, gluon and triton are None without Gluon
-from verispec.kernels import quant_gemv
-from verispec.kernels.quant_gemv import gl, gluon, is_sm90, platform_reason, triton
+from verispec.kernels import launch
+from verispec.kernels.launch import gl, gluon, is_sm90, platform_reason, triton
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from verispec.kernels.quant_gemv import wait_for_previous_grid
+    from verispec.kernels.launch import wait_for_previous_grid
 
 MAX_ROWS = 8  # the mma's N side
 GATE_CHUNK = 16  # gate rows (then as many up rows) a program of a SiLU-gated product holds: one mma tile
@@ -102,7 +102,7 @@ def _layouts(num_warps: int, row_tiles: int, blocks: int):
 
 
 def tensor_core_reason(device: torch.device, dtype: torch.dtype, bits: int) -> str | None:
-    """Why a 4-bit tensor-core kernel of ours (this one, quant_frag.py) cannot take these
+    """Why a 4-bit tensor-core kernel of ours (this one, frag.py) cannot take these
     activations and weights (None: it can, on a GPU `gpu_reason` accepts)."""
     if reason := platform_reason(device):
         return reason
@@ -150,7 +150,7 @@ def nibble_pairs_asm(magic: str, then: str = "") -> str:
     """PTX: the 8 nibbles of the word $8 as magic + q in the 16-bit outputs $0..$7 (value j in $j).
     Nibbles i and i + 4 (bits 4i and 16 + 4i) come out of one LOP3 (0xEA: (a & b) | c) as a pair
     in the register u, which the PTX `then` may rework (the register m holds the magic pair)
-    before it is split into $i and $i + 4. quant_frag.py's decode is this with nothing after."""
+    before it is split into $i and $i + 4. frag.py's decode is this with nothing after."""
     body = f"{{\n.reg .b32 u, m, t;\nmov.b32 m, {magic};\n"
     for i in range(4):
         source = "$8" if i == 0 else "t"
@@ -315,7 +315,7 @@ def mma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offset
     if not reason and silu_gate and n % (2 * GATE_CHUNK):
         reason = f"{n} gate/up rows (SiLU in the epilogue takes multiples of {2 * GATE_CHUNK})"
     if reason or m > MAX_ROWS:
-        raise ValueError(f"quant_mma.mma_gemv: {reason or f'{m} rows (at most {MAX_ROWS})'}")
+        raise ValueError(f"mma.mma_gemv: {reason or f'{m} rows (at most {MAX_ROWS})'}")
     packed = packed.view(torch.int32) if packed.dtype != torch.int32 else packed
     x, packed = x.contiguous(), packed.contiguous()
     scales, offsets = scales.to(x.dtype).contiguous(), offsets.to(x.dtype).contiguous()
@@ -326,7 +326,7 @@ def mma_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offset
     words_layout, acts_layout = _layouts(tiles.num_warps, tiles.row_tiles, blocks)
     bn = 16 * tiles.row_tiles
     y = torch.empty(m, n // 2 if silu_gate else n, dtype=x.dtype, device=x.device)
-    pdl = quant_gemv.PDL  # programmatic dependent launch (quant_gemv.PDL says what it is)
+    pdl = launch.PDL  # programmatic dependent launch (kernels/launch.py)
     _mma_kernel[(triton.cdiv(n, bn),)](
         x, packed, scales, offsets, y, m, n, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
         K=k, GROUP=group_size, ZERO_POINT=zero_point, RT=tiles.row_tiles, KB=blocks, EVEN_N=n % bn == 0,

@@ -2,7 +2,7 @@
 fragment order, with the groups' scales applied to the mma's sums (decode and verify widths):
 y[M, N] = x[M, K] @ dequant(W)[N, K]^T for M <= MAX_ROWS, written in Gluon.
 
-Why another form than quant_mma.py: that kernel decodes every weight to its dequantized value
+Why another form than mma.py: that kernel decodes every weight to its dequantized value
 (w = s*q + o, two packed float instructions per pair of values) and pairs the activations' halves
 into the B operand (three PRMTs a word); with ~24 instructions per word of 8 weights it runs out
 of issue slots at about half the memory's speed. Here:
@@ -14,7 +14,7 @@ of issue slots at about half the memory's speed. Here:
   contribution is s*D + c*X in float32, with X = sum_k x_k (an mma with an all-ones A over the
   same B) and c = o - 128*s (MLX affine: w = s*q + o) or c = -(z + 128)*s (zero point: w =
   (q - z)*s). That is sum_k (s*q_k + o) x_k without rounding the weights: ~16 instructions a
-  word in the compiled loop (docs/benchmarks.md, "Fifteenth session").
+  word in the compiled loop (docs/benchmarks.md).
 
 Precision: D carries the 128*X term, so ~7 of float32's 24 bits go to cancellation (10 in
 float16): still far below the activations' rounding. Row independence (speculative verify ==
@@ -36,14 +36,15 @@ import functools
 import torch
 
 # gl, gluon and triton are None without Gluon
-from verispec.kernels import quant_gemv, quant_mma
-from verispec.kernels.quant_gemv import gl, gluon, triton
+from verispec.kernels import launch
+from verispec.kernels.launch import gl, gluon, triton
+from verispec.quant.kernels import mma
 from verispec.quant.packing import unpack_rows
 
 if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from verispec.kernels.quant_gemv import release_dependents, wait_for_previous_grid
+    from verispec.kernels.launch import wait_for_previous_grid
 
 MAX_ROWS = 8  # the mma's N side
 TILE_ROWS = 16  # weight rows a program takes (the mma's M side)
@@ -80,13 +81,13 @@ class FragWeights:
 def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
                        in_features: int) -> str | None:
     """Why a layer cannot take this kernel (None: it can)."""
-    if reason := quant_mma.tensor_core_reason(device, dtype, bits):
+    if reason := mma.tensor_core_reason(device, dtype, bits):
         return reason
     if group_size % BLOCK:
         return f"group size {group_size} (a block of {BLOCK} values must share one scale)"
     if in_features % BLOCK:
         return f"{in_features} input features (not a multiple of {BLOCK})"
-    return quant_mma.gpu_reason(device)
+    return mma.gpu_reason(device)
 
 
 @functools.cache
@@ -109,7 +110,7 @@ def repack(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, gr
     their scales / offsets [N, K/group] -> the fragment order. Plain torch, on packed's device."""
     n, k = packed.shape[0], packed.shape[1] * 8
     if k % BLOCK or group_size % BLOCK:
-        raise ValueError(f"quant_frag.repack: K {k} and group size {group_size} must be multiples of {BLOCK}")
+        raise ValueError(f"frag.repack: K {k} and group size {group_size} must be multiples of {BLOCK}")
     n16 = -(-n // (TILE_ROWS * MAX_ROW_TILES)) * TILE_ROWS * MAX_ROW_TILES
     tiles, blocks = n16 // TILE_ROWS, k // BLOCK
     row, position = (p.to(packed.device) for p in fragment_positions())
@@ -167,7 +168,7 @@ def _layouts(num_warps: int, blocks: int, row_tiles: int):
 @functools.cache
 def _decode_asm(half: bool) -> str:
     """PTX: outputs $0..$7 (nibble j -> magic + q in $j), input $8 the word."""
-    return quant_mma.nibble_pairs_asm("0x64006400" if half else "0x43004300")
+    return mma.nibble_pairs_asm("0x64006400" if half else "0x43004300")
 
 
 @functools.cache
@@ -203,9 +204,8 @@ if gluon is not None:
         pair (h = 0, 1) in each: the mma's A registers as they are. ptxas then writes the LOP3s
         straight into the mma's operand registers where the 16-bit outputs of `_decode_word` cost
         a move a pair (offline SASS: 1,448 -> 1,240 instructions and 168 -> 134 registers for
-        gate_up), but the launched products did not get faster (docs/benchmarks.md, twentieth
-        session): `block_sums` takes it with PACKED, the persistent kernel of
-        verispec/kernels/stream_chain.py does."""
+        gate_up), but the launched products did not get faster (docs/benchmarks.md): `block_sums`
+        takes it with PACKED, the persistent kernel of stream_chain.py does."""
         eight = gl.join(words, words)  # the word once an output value: the asm reads the first
         eight = gl.join(eight, eight)
         eight = gl.join(eight, eight)
@@ -315,10 +315,9 @@ if gluon is not None:
     def _frag_kernel(X, WQ, T, Y, M, N, stride_xm, stride_ym,
                      K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, KB: gl.constexpr,
                      GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
-                     LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr,
-                     RELEASE: gl.constexpr):
+                     LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr):
         frag_tile(X, WQ, T, Y, M, N, stride_xm, stride_ym, gl.program_id(0), K, GROUP, ZERO_POINT, KB, GRID_WAIT,
-                  DECODE_ASM, LW, LX, LT, DEPTH, SILU_GATE, RT, RELEASE)
+                  DECODE_ASM, LW, LX, LT, DEPTH, SILU_GATE, RT)
 
     @gluon.jit
     def _weight_pointers(WQ, T, tile, K: gl.constexpr, GROUP: gl.constexpr, LW: gl.constexpr, LT: gl.constexpr,
@@ -372,12 +371,12 @@ if gluon is not None:
                   K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr, KB: gl.constexpr,
                   GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
                   LT: gl.constexpr, DEPTH: gl.constexpr, SILU_GATE: gl.constexpr, RT: gl.constexpr,
-                  RELEASE: gl.constexpr, words0=None, terms0=None):
+                  words0=None, terms0=None):
         """One program's 16*RT rows of y (`tile`: which), the whole K loop and the store: the body
         of `_frag_kernel`, and of kernels that run several products' tiles in turn (`words0`,
         `terms0`: the first step's, from `frag_first_weights`, already loaded)."""
         y = frag_sums(X, WQ, T, M, stride_xm, tile, K, GROUP, ZERO_POINT, KB, GRID_WAIT, DECODE_ASM, LW, LX, LT,
-                      DEPTH, RT, RELEASE, words0, terms0)
+                      DEPTH, RT, words0, terms0)
         MT: gl.constexpr = _MAX_ROWS
         if SILU_GATE:
             out = silu_gated(y, RT, Y.dtype.element_ty)
@@ -422,7 +421,7 @@ if gluon is not None:
     @gluon.jit
     def frag_sums(X, WQ, T, M, stride_xm, tile, K: gl.constexpr, GROUP: gl.constexpr, ZERO_POINT: gl.constexpr,
                   KB: gl.constexpr, GRID_WAIT: gl.constexpr, DECODE_ASM: gl.constexpr, LW: gl.constexpr,
-                  LX: gl.constexpr, LT: gl.constexpr, DEPTH: gl.constexpr, RT: gl.constexpr, RELEASE: gl.constexpr,
+                  LX: gl.constexpr, LT: gl.constexpr, DEPTH: gl.constexpr, RT: gl.constexpr,
                   words0=None, terms0=None):
         """y [16*RT, 8] in float32 (the mma's layout, summed over warps): the K loop of `frag_tile`."""
         WS: gl.constexpr = gl.num_warps()
@@ -457,8 +456,6 @@ if gluon is not None:
             words, terms = _load_first_weights(w_ptr, w_block, t_ptr, t_block, NB, GROUP)
             wait_for_previous_grid()
             xi = gl.load(x_ptr, mask=x_block < NB, other=0)
-            if RELEASE == 1:
-                release_dependents()
         else:
             words, xi, terms = _load_step(w_ptr, x_ptr, t_ptr, w_block, x_block, t_block, 0, NB, GROUP, True)
         if DEPTH == 1:
@@ -497,12 +494,7 @@ if gluon is not None:
             if STEPS % 3 == 2:
                 acc = _accumulate(acc, words_b, xi_b, terms_b, ones, zero, ZERO_POINT, DECODE_ASM, DT, LA, LB, LS)
 
-        if RELEASE == 2:
-            release_dependents()
         return gl.sum(acc, axis=0)  # [16*RT, MT]: the (warp, block) shares, added in a fixed order
-
-
-_RELEASE = {"end": 0, "start": 1, "loop": 2}  # quant_gemv.PRODUCT_RELEASE -> the kernel's RELEASE
 
 
 def tiles_for(n: int, k: int, m: int = 1) -> FragTiles:
@@ -531,12 +523,14 @@ def step_blocks(k: int, tiles: FragTiles) -> int:
 def launch_constexprs(k: int, group_size: int, zero_point: bool, tiles: FragTiles, half: bool, silu_gate: bool,
                       pdl: bool) -> dict:
     """`_frag_kernel`'s compile-time arguments as `frag_gemv` launches it (and as offline_sass.py
-    compiles it for CI): K [in features], the tiles' layouts and depth, PDL's wait and release."""
+    compiles it for CI): K [in features], the tiles' layouts and depth, PDL's wait. The product
+    releases its dependents at its end (as launched plainly): earlier release measured slower on
+    the H200, its dependents, once resident, cost it more than their launch saves."""
     blocks = step_blocks(k, tiles)
     words_layout, acts_layout, terms_layout = _layouts(tiles.num_warps, blocks, tiles.row_tiles)
     return dict(K=k, GROUP=group_size, ZERO_POINT=zero_point, KB=blocks, GRID_WAIT=pdl, DECODE_ASM=_decode_asm(half),
                 LW=words_layout, LX=acts_layout, LT=terms_layout, DEPTH=tiles.depth, SILU_GATE=silu_gate,
-                RT=tiles.row_tiles, RELEASE=_RELEASE[quant_gemv.PRODUCT_RELEASE] if pdl else 0)
+                RT=tiles.row_tiles)
 
 
 def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
@@ -555,13 +549,13 @@ def frag_gemv(x: torch.Tensor, fw: FragWeights, tiles: FragTiles | None = None,
     if not reason and silu_gate and n % TILE_ROWS:
         reason = f"{n} gate/up rows (SiLU in the epilogue takes multiples of {TILE_ROWS})"
     if reason:
-        raise ValueError(f"quant_frag.frag_gemv: {reason}")
+        raise ValueError(f"frag.frag_gemv: {reason}")
     tiles = tiles or tiles_for(n, k, m)
     if tiles.row_tiles not in (1, 2, 4):
-        raise ValueError(f"quant_frag.frag_gemv: {tiles.row_tiles} row tiles a program (1, 2 or 4)")
+        raise ValueError(f"frag.frag_gemv: {tiles.row_tiles} row tiles a program (1, 2 or 4)")
     x = x.contiguous()
     y = torch.empty(m, n // 2 if silu_gate else n, dtype=x.dtype, device=x.device)
-    pdl = quant_gemv.PDL
+    pdl = launch.PDL
     _frag_kernel[(fw.words.shape[0] // tiles.row_tiles,)](
         x, fw.words, fw.terms, y, m, n, x.stride(0), y.stride(0),
         **launch_constexprs(k, fw.group_size, fw.zero_point, tiles, x.dtype == torch.float16, silu_gate, pdl),

@@ -1,17 +1,16 @@
-"""torch's built-in int4 product (kernels/int4_builtin.py): the (scale, zero) mapping of both of
-our layouts onto tinygemm's w = (q - 8)*s + zero, checked on the CPU variant of the kernel
-against the exact float64 reference; the layer's conversion and what it releases; the engine's
+"""torch's built-in int4 product (quant/kernels/int4_builtin.py): the (scale, zero) mapping of both
+of our layouts onto tinygemm's w = (q - 8)*s + zero, checked on the CPU variant of the kernel
+against the exact float64 reference; the layer's conversion and what it keeps; the load-time
 choice. The CUDA packing (nibble order) is checked on the GPU by tests/gpu/test_gpu_int4_builtin.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verispec.errors import UnsupportedModelError
-from verispec.kernels import int4_builtin
-from verispec.kernels.quant_matmul import dequant_matmul_reference
-from verispec.models.layers.quant_convert import convert_for_builtin_int4
-from verispec.models.layers.quant_linear import QUANT_KERNEL_ENV, MLXAffineLinear, PackedIntLinear
+from verispec.quant import dispatch
+from verispec.quant.kernels import int4_builtin
+from verispec.quant.kernels.matmul import dequant_matmul_reference
+from verispec.quant.layers.linear import MLXAffineLinear, PackedIntLinear
 from verispec.quant import mlx_affine
 from verispec.quant.packing import pack_rows
 
@@ -53,8 +52,8 @@ def test_affine_layer_matches_reference_after_conversion(group):
     reference = dequant_matmul_reference(x.double(), layer.weight, layer.scales, layer.biases, 4, group)
     layer.use_builtin_int4()
     close_to_reference(layer, x, reference)
-    # the checkpoint's words, scales and biases are released; the converted tensors are buffers
-    assert layer.weight.numel() == layer.scales.numel() == layer.biases.numel() == 0
+    # the checkpoint's words stay for wider passes; the converted tensors are buffers
+    assert not layer.released() and layer.weight.numel() > 0
     names = dict(layer.named_buffers())
     assert names["int4_packed"] is layer.int4_packed and names["int4_scale_zero"].shape == (K // group, N, 2)
 
@@ -67,7 +66,7 @@ def test_zero_point_layer_matches_reference_after_conversion(symmetric):
                                          zero_point=True)
     layer.use_builtin_int4()
     close_to_reference(layer, x, reference)
-    assert layer.weight_packed.numel() == 0
+    assert layer.weight_packed.numel() > 0
 
 
 def test_mapping_is_wrong_without_the_midpoint_shift():
@@ -83,10 +82,10 @@ def test_mapping_is_wrong_without_the_midpoint_shift():
 
 
 def test_kept_words_serve_wide_passes():
-    """Without release (the default's choice on CUDA) a pass wider than MAX_ROWS takes the words."""
+    """A pass wider than MAX_ROWS takes the checkpoint's words (tinygemm is slow from 16 rows)."""
     layer = mlx_layer(64)
     x = torch.randn(int4_builtin.MAX_ROWS + 1, K, dtype=torch.bfloat16)
-    layer.use_builtin_int4(release=False)
+    layer.use_builtin_int4()
     assert not layer.released() and layer.checkpoint_bytes() > 0
     wide = layer(x)
     assert torch.equal(wide, torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16)))
@@ -107,41 +106,18 @@ def test_reasons():
     assert "input features" in int4_builtin.unsupported_reason(cuda, torch.bfloat16, 4, 32, 4096, 4080)
 
 
-def test_engine_choice_leaves_cpu_layers_and_obeys_the_knob(monkeypatch):
+def test_load_time_choice_leaves_cpu_layers_and_names_each_reason():
+    from verispec.quant.kernels import gemv as quant_gemv
+    from verispec.quant.kernels import mma as quant_mma
+
     model = torch.nn.Sequential(mlx_layer(64))
-    assert convert_for_builtin_int4(model, torch.bfloat16) == 0  # on the CPU: the layer keeps its words
+    assert dispatch.make_copies(model, torch.bfloat16) == 0  # on the CPU: the layer keeps its words
     assert model[0].int4_packed is None and model[0].weight.numel() > 0
-    monkeypatch.setenv(QUANT_KERNEL_ENV, "tinygemm")
-    with pytest.raises(UnsupportedModelError, match="auto, mma, builtin, gemv, triton"):
-        convert_for_builtin_int4(model, torch.bfloat16)
-
-
-def test_gemv_choice_follows_the_knob(monkeypatch):
-    """Which short passes take the Gluon GEMV: the knob's modes, each reason named."""
-    from verispec.kernels import quant_gemv
-
-    layer = mlx_layer(64)
-    cuda = torch.device("cuda")
-    assert layer.gemv_reason(torch.device("cpu"), torch.bfloat16) == "device cpu"
-    auto = layer.gemv_reason(cuda, torch.bfloat16)
-    assert auto == quant_gemv.unsupported_reason(cuda, torch.bfloat16, 4, 64)  # None where Gluon exists
-    monkeypatch.setenv(QUANT_KERNEL_ENV, "triton")
-    assert layer.gemv_reason(cuda, torch.bfloat16) == f"{QUANT_KERNEL_ENV}=triton"
-    monkeypatch.setenv(QUANT_KERNEL_ENV, "gemv")
-    assert layer.gemv_reason(cuda, torch.bfloat16) == auto
-    assert convert_for_builtin_int4(torch.nn.Sequential(layer), torch.bfloat16) == 0  # no tinygemm copy
-
-
-def test_mma_choice_follows_the_knob(monkeypatch):
-    """4-bit decode / verify passes take the tensor-core kernel only in the default mode; each
-    other mode, and the CPU, is named as the reason."""
-    from verispec.kernels import quant_mma
-
-    layer = mlx_layer(64)
-    cuda = torch.device("cuda")
-    assert layer.mma_reason(torch.device("cpu"), torch.bfloat16) == "device cpu"
-    assert layer.mma_reason(cuda, torch.bfloat16) == quant_mma.unsupported_reason(cuda, torch.bfloat16, 4, 64,
-                                                                                 layer.in_features)
-    for mode in ("gemv", "builtin", "triton"):
-        monkeypatch.setenv(QUANT_KERNEL_ENV, mode)
-        assert layer.mma_reason(cuda, torch.bfloat16) == f"{QUANT_KERNEL_ENV}={mode}"
+    layer, cuda, cpu = model[0], torch.device("cuda"), torch.device("cpu")
+    assert dispatch.gemv_reason(layer, cpu, torch.bfloat16) == "device cpu"
+    assert dispatch.mma_reason(layer, cpu, torch.bfloat16) == "device cpu"
+    assert dispatch.gemv_reason(layer, cuda, torch.bfloat16) == quant_gemv.unsupported_reason(cuda, torch.bfloat16,
+                                                                                              4, 64)
+    assert dispatch.mma_reason(layer, cuda, torch.bfloat16) == quant_mma.unsupported_reason(cuda, torch.bfloat16, 4,
+                                                                                            64, layer.in_features)
+    assert dispatch.tinygemm_reason(layer, cpu, torch.bfloat16).startswith("device cpu")

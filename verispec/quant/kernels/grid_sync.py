@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from verispec.kernels.quant_gemv import gl, gluon
+from verispec.kernels.launch import gl, gluon
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 

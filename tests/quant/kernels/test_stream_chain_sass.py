@@ -1,7 +1,7 @@
-"""The persistent streaming kernel of verispec/kernels/stream_chain.py (a producer warp copying 4-bit
-weights by TMA into a shared-memory ring, consumer warps multiplying from it with quant_frag's
+"""The persistent streaming kernel of verispec/quant/kernels/stream_chain.py (a producer warp copying
+4-bit weights by TMA into a shared-memory ring, consumer warps multiplying from it with frag.py's
 `block_sums`), compiled for sm_90 on the CPU (tools/sass/offline_sass.py): its arithmetic is checked
-on the GPU; this keeps it compiling as quant_frag changes, and checks what its design rests on: the
+on the GPU; this keeps it compiling as frag.py changes, and checks what its design rests on: the
 weights move by TMA (no global loads of words), the consumer's loop has no spills, and the ring fits
 in an H200 multiprocessor's shared memory.
 """

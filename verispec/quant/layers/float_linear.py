@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.models.layers.quant_linear import debug_once, float_param
+from verispec.quant.layers.linear import debug_once, float_param
 
 FP8_E4M3_MAX = 448.0
 
