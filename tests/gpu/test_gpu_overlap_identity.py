@@ -38,7 +38,7 @@ def test_overlapped_decode_gives_the_step_by_step_output():
         return built
 
     step_by_step = engine(overlapped=False)
-    assert not step_by_step.overlap_decode
+    assert not step_by_step.overlap.enabled
     # a stop string that the step-by-step batch meets mid-generation in one request
     first = step_by_step.generate_batch(prompts, params)[STOPPED].token_ids
     params[STOPPED] = SamplingParams(max_tokens=params[STOPPED].max_tokens, temperature=0.0, ignore_eos=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.kernels import frag_dequantize, quant_frag as qf, stream_mlp
+from verispec.quant.kernels import frag as qf, frag_dequantize, stream_mlp
 from verispec.quant import mlx_affine
 
 pytestmark = [pytest.mark.gpu,
