@@ -24,7 +24,7 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
     (fla's, ours) land in ~/.triton/cache; after it, in inductor's directory. Which comes first
     differs between a first start (inductor compiles early) and a later one (its graphs come from
     its cache): on the H200 a second start recompiled 109 kernels the first had compiled, because
-    it looked in the other directory (docs/benchmarks.md, tenth session). Returns the directory
+    it looked in the other directory. Returns the directory
     (None off CUDA or without inductor)."""
     if device.type != "cuda":
         return None

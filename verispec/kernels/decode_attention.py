@@ -267,7 +267,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 def split_config(d: int, element_size: int) -> dict:
     """The split kernel's tiles and launch options for head dim d in elements of `element_size`
-    bytes (what `_launch` uses unless told otherwise, and offline_sass compiles)."""
+    bytes (what `_launch` uses unless told otherwise, and tools/sass/offline_sass.py compiles)."""
     block_d = max(16, triton.next_power_of_2(d))
     # 16-bit, head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); float32 tiles and
     # larger heads keep smaller blocks so the staged K/V tiles fit in shared memory

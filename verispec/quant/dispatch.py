@@ -317,7 +317,7 @@ def stream_reason(mlp: nn.Module, dtype: torch.dtype) -> str | None:
 def stream_mlps(root: nn.Module, dtype: torch.dtype) -> int:
     """Every gated MLP under `root` whose 4-bit gate/up (SiLU in its epilogue) and down the
     streaming kernel can run takes it for decode and verify passes (one persistent launch for both
-    products, kernels/stream_mlp.py: +4.3% on Qwen3-8B 4-bit decode). After the rows are
+    products, quant/kernels/stream_mlp.py: +4.3% on Qwen3-8B 4-bit decode). After the rows are
     interleaved and the checkpoints released: the kernel's descriptors hold the final copies'
     addresses. Returns the count."""
     # a model prepared twice keeps its streams (their descriptors hold the copies' addresses)

@@ -522,7 +522,7 @@ def step_blocks(k: int, tiles: FragTiles) -> int:
 
 def launch_constexprs(k: int, group_size: int, zero_point: bool, tiles: FragTiles, half: bool, silu_gate: bool,
                       pdl: bool) -> dict:
-    """`_frag_kernel`'s compile-time arguments as `frag_gemv` launches it (and as offline_sass.py
+    """`_frag_kernel`'s compile-time arguments as `frag_gemv` launches it (and as tools/sass/offline_sass.py
     compiles it for CI): K [in features], the tiles' layouts and depth, PDL's wait. The product
     releases its dependents at its end (as launched plainly): earlier release measured slower on
     the H200, its dependents, once resident, cost it more than their launch saves."""

@@ -1,4 +1,4 @@
-"""Grid-wide barriers for persistent Gluon kernels (kernels/stream_chain.py): every program of a
+"""Grid-wide barriers for persistent Gluon kernels (quant/kernels/stream_chain.py): every program of a
 launch arrives before any leaves, which is only safe when all of them are resident at once, so the
 launcher takes the program count from the driver's occupancy query (`resident_per_multiprocessor`).
 

@@ -1,5 +1,5 @@
 """A gated MLP's 4-bit gate_up -> SiLU(gate) * up -> down as one launch of the streaming kernel
-(kernels/stream_chain.py) for decode and verify passes: the weights of both products stream into
+(quant/kernels/stream_chain.py) for decode and verify passes: the weights of both products stream into
 every multiprocessor's shared memory without a break, where two launches each pay a start and a
 tail (H200, Qwen3-8B's shape: 31-32 us against 35.5 at 1 row, 33-34 against 35.5 at 4;
 docs/benchmarks.md).

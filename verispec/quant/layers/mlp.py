@@ -1,6 +1,6 @@
 """A gated MLP's passes when its merged 4-bit gate/up applies SiLU(gate) * up in the product's
 epilogue (rows interleaved: QuantizedLinear.interleave_gate_up), and its decode and verify passes
-may run gate/up -> down as one launch of the streaming kernel (kernels/stream_mlp.py).
+may run gate/up -> down as one launch of the streaming kernel (quant/kernels/stream_mlp.py).
 
 `quant.dispatch.gate_in_products` sets a `GatedProduct` as the MLP's `kernel`, which its forward
 then calls (models/layers/mlp.py): the model itself knows nothing of quantization.
