@@ -47,3 +47,34 @@ class PerSequence(Proposer):
 
     def draft(self, num_drafts: int, params, generator: torch.Generator | None) -> Draft:
         raise NotImplementedError
+
+
+class KeyedReplay(PerSequence):
+    """Replays each prompt's own known continuation (`continuations` keyed by prompt ids, so one
+    engine runs every prompt; or one list for any prompt): right everywhere, or wrong (the next
+    token id) where `wrong_at(i)` says, i being the index in the continuation."""
+
+    method = "replay"
+
+    def __init__(self, continuations: dict[tuple, list[int]] | list[int], vocab_size: int, wrong_at=lambda i: False):
+        super().__init__()
+        self.continuations, self.vocab_size, self.wrong_at = continuations, vocab_size, wrong_at
+        self.continuation: list[int] = []
+        self.prompt_len = self.next_index = 0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        known = self.continuations
+        self.continuation = known if isinstance(known, list) else known.get(tuple(prompt_ids), [])
+        self.prompt_len = len(prompt_ids)
+
+    def observe_step(self, step: TargetStep) -> None:
+        # next_token sits at position start + n, i.e. continuation[next_index - 1]; drafts follow it
+        self.next_index = step.start_position + len(step.token_ids) - self.prompt_len + 1
+
+    def draft(self, num_drafts: int, params, generator) -> Draft:
+        out = []
+        for j in range(num_drafts):
+            i = self.next_index + j
+            token = self.continuation[i] if i < len(self.continuation) else 0
+            out.append((token + 1) % self.vocab_size if self.wrong_at(i) else token)
+        return Draft(out)

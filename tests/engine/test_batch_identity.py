@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.doubles import KeyedReplay
 from tools.tiny import (build_tiny_gemma4, build_tiny_gemma4_assistant, build_tiny_qwen3_5, random_mtp_head,
                                 write_mtp_sidecar, write_random_eagle3)
 from verispec.engine.engine import Engine, load_engine
@@ -24,8 +25,7 @@ from verispec.engine.types import FinishReason
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 from verispec.spec.gemma4_assistant import AssistantProposer, load_assistant
 from verispec.spec.mtp import MtpProposer, load_mtp_head
-from tests.doubles import PerSequence
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.proposer import Proposer
 
 SHAPE = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 TEXTS = [
@@ -36,33 +36,6 @@ TEXTS = [
     "class A:\n    pass\n\n\nclass B(A):\n    def f(self, x, y, z):\n        return x * y + z\n",
 ]
 NEW = 24
-
-
-class KeyedReplay(PerSequence):
-    """Replays each prompt's own known continuation: right everywhere, or wrong everywhere."""
-
-    method = "replay"
-
-    def __init__(self, continuations: dict[tuple, list[int]], vocab_size: int, right: bool):
-        super().__init__()
-        self.continuations, self.vocab_size, self.right = continuations, vocab_size, right
-        self.continuation: list[int] = []
-        self.prompt_len = self.next_index = 0
-
-    def reset(self, prompt_ids):
-        self.continuation = self.continuations.get(tuple(prompt_ids), [])
-        self.prompt_len = len(prompt_ids)
-
-    def observe_step(self, step: TargetStep):
-        self.next_index = step.start_position + len(step.token_ids) - self.prompt_len + 1
-
-    def draft(self, num_drafts, params, generator):
-        out = []
-        for j in range(num_drafts):
-            i = self.next_index + j
-            tok = self.continuation[i] if i < len(self.continuation) else 0
-            out.append(tok if self.right else (tok + 1) % self.vocab_size)
-        return Draft(out)
 
 
 def requests(prompts: list[list[int]]) -> list[SamplingParams]:
@@ -132,7 +105,7 @@ def proposers(engine: Engine, prompts: list[list[int]]) -> dict[str, Proposer]:
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     continuations = {tuple(ids): engine.generate_all(ids, greedy).token_ids for ids in prompts}
     v = engine.model.vocab_size
-    return {"right": KeyedReplay(continuations, v, True), "wrong": KeyedReplay(continuations, v, False)}
+    return {"right": KeyedReplay(continuations, v), "wrong": KeyedReplay(continuations, v, wrong_at=lambda i: True)}
 
 
 def spec(engine: Engine, proposer: Proposer, k: int) -> Engine:

@@ -71,7 +71,7 @@ def test_constrained_alone_equals_inside_a_mixed_batch(engine):
     continuations = {tuple(ids): r.token_ids for ids, r in zip(prompts, alone)}
     v = engine.model.vocab_size
     for name, right in (("right", True), ("wrong", False)):
-        spec_engine = spec(engine, KeyedReplay(continuations, v, right), 3)
+        spec_engine = spec(engine, KeyedReplay(continuations, v, wrong_at=lambda i: not right), 3)
         check_batch(spec_engine, prompts, params, name)
         # speculation changes nothing for greedy requests (sampling tokens depend on the drafts per round)
         for i in (0, 1, 4):

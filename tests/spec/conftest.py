@@ -7,46 +7,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.doubles import KeyedReplay
 from tools.tiny import write_random_eagle3
 from verispec.engine.engine import Engine, load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
-from tests.doubles import PerSequence
 from verispec.cache.kv import KVCache
-from verispec.spec.proposer import Draft, Proposer, TargetStep
+from verispec.spec.proposer import Proposer
 
 TARGET_SHAPE = dict(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2)
 
 
-class ReplayProposer(PerSequence):
+class ReplayProposer(KeyedReplay):
     """Proposes a known continuation: the target's own greedy output (always right), or that
     output with every token changed (always wrong), or right only where `right_at(i)` says."""
 
-    method = "replay"
-
     def __init__(self, continuation: list[int], vocab_size: int, right_at=lambda i: True):
-        super().__init__()
-        self.continuation = continuation
-        self.vocab_size = vocab_size
-        self.right_at = right_at
-        self.prompt_len = 0
-        self.next_index = 0
-
-    def reset(self, prompt_ids):
-        self.prompt_len = len(prompt_ids)
-
-    def observe_step(self, step: TargetStep):
-        # next_token sits at position start + n; it is continuation[index]; drafts follow it
-        self.next_index = step.start_position + len(step.token_ids) - self.prompt_len + 1
-
-    def draft(self, num_drafts, params, generator):
-        out = []
-        for j in range(num_drafts):
-            i = self.next_index + j
-            tok = self.continuation[i] if i < len(self.continuation) else 0
-            out.append(tok if self.right_at(i) else (tok + 1) % self.vocab_size)
-        return Draft(out)
+        super().__init__(continuation, vocab_size, wrong_at=lambda i: not right_at(i))
 
 
 def spec_engine(base: Engine, proposer: Proposer, num_drafts: int) -> Engine:
