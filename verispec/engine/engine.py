@@ -47,7 +47,7 @@ from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.sampling.params import SamplingParams
 from verispec.sampling.sampler import TokenHistory, make_generator
-from verispec.spec.proposer import Draft, Proposer
+from verispec.spec.proposer import Proposer
 
 WORKER_IDLE_S = 0.5
 _live_workers: set[threading.Thread] = set()
@@ -58,9 +58,6 @@ def _join_workers() -> None:
     """Let a worker finish its step before the interpreter tears torch down under it."""
     for thread in list(_live_workers):
         thread.join(timeout=5)
-
-
-_NO_DRAFT = Draft([])
 
 
 def _sync(device: torch.device) -> None:
@@ -364,7 +361,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         profile = num_drafts > 0 and env().eagle3_profile
         t0 = time.perf_counter()
         counts = [min(num_drafts, s.remaining_tokens - 1) if s.drafting else 0 for s in seqs]
-        drafts = self.runner.propose(seqs, counts) if any(counts) else [_NO_DRAFT] * len(seqs)
+        drafts = self.runner.propose(seqs, counts)
         grammar = constrained.RoundGrammar.of(self.grammars, seqs)  # None: no sequence is constrained
         if grammar is not None:
             drafts = grammar.cut_drafts(drafts)
