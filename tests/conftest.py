@@ -54,9 +54,16 @@ def _interpreter_dot_row_by_row() -> None:
     if getattr(original, "_verispec_fixed", False):
         return
 
+    def widened(handle):
+        # bfloat16 is held as its 16 bits in a uint16 array (numpy has no bfloat16): the float32
+        # with those high bits is the same value
+        if handle.dtype.is_bf16():
+            return (handle.data.astype(np.uint32) << 16).view(np.float32)
+        return handle.data
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         out = original(self, a, b, d, input_precision, max_num_imprecise_acc)
-        a_data, b_data = a.data, b.data
+        a_data, b_data = widened(a), widened(b)
         if a_data.dtype != out.data.dtype or b_data.dtype != out.data.dtype:
             return out  # fp8 operands (converted inside the original): keep its product
         product = np.einsum("...ik,...kj->...ij", a_data, b_data, dtype=out.data.dtype, optimize=False)
