@@ -26,7 +26,10 @@ class LongestDraft(Proposer):
             raise ValueError("a composite proposer needs at least two members")
         self.members = members
         self.method = "+".join(m.proposer.method for m in members)
-        self.capture_layers = tuple(sorted({layer for m in members for layer in m.proposer.capture_layers}))
+        readers = [m.proposer for m in members if m.proposer.capture_layers]
+        if len(readers) > 1:  # each reads the pass's captured streams by position in its own list
+            raise ValueError("a composite proposer takes at most one drafter that reads target layers")
+        self.capture_layers = readers[0].capture_layers if readers else ()
 
     @property
     def pools(self):
