@@ -4,6 +4,7 @@ shared cache warmed with the exact outputs (drafts right) or with wrong ones, un
 stops, penalties and logprobs; sampling keeps the target's distribution (chi-square)."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -185,3 +186,50 @@ def test_suffix_sampling_keeps_the_target_distribution(targets, prompt_ids):
             break
     assert n >= 300 and 0 < accepted < n
     assert chi_square(counts, target, n) < 16.27  # 3 degrees of freedom, p = 0.001
+
+
+# ---- configuration and CLI -------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--suffix", "--ngram"], "--suffix and --ngram are two model-free proposers; use one of them"),
+    (["--suffix-cache-tokens", "10"], "--suffix-cache-tokens needs --suffix"),
+    (["--ngram-max", "3"], "--ngram-max needs --ngram"),
+    (["--suffix", "--suffix-cache-tokens", "-1"], "--suffix-cache-tokens must be >= 0, got -1"),
+    (["--ngram", "--ngram-min", "4", "--ngram-max", "2"],
+     "--ngram-min and --ngram-max need 1 <= min <= max, got 4 and 2"),
+    (["--ngram", "--ngram-min", "0"], "--ngram-min must be >= 1, got 0"),
+    (["--suffix", "--no-spec"], "--no-spec turns speculation off; it cannot be combined with --mtp, --eagle3, "
+                                "--suffix or --ngram"),
+])
+def test_cli_bad_model_free_flags_are_one_line(capsys, args, message):
+    """Refused before any model loads (the model path does not exist)."""
+    from verispec.cli import main as cli_main
+
+    code = cli_main(["generate", "-m", "/nowhere/model", "--prompt", "x", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines() == [f"verispec: error: {message}"], err
+
+
+def test_engine_config_builds_the_asked_proposer(qwen3_dir):
+    from verispec.engine.engine import load_engine
+    from verispec.errors import VerispecError
+
+    engine = load_engine(str(qwen3_dir), dtype="float64", device="cpu", suffix=True, suffix_cache_tokens=0)
+    assert engine.method == "suffix" and engine.num_drafts == 8 and engine.proposer.cache is None
+    engine = load_engine(str(qwen3_dir), dtype="float64", device="cpu", ngram=True, ngram_min=1, ngram_max=3,
+                         num_draft_tokens=4)
+    assert engine.method == "ngram" and engine.num_drafts == 4 and engine.proposer.options == NgramOptions(1, 3)
+    with pytest.raises(VerispecError, match="two model-free proposers"):
+        load_engine(str(qwen3_dir), suffix=True, ngram=True)
+
+
+def test_cli_generate_json_reports_suffix(qwen3_dir):
+    from tests.spec.test_mtp import run_cli
+
+    common = ["generate", "-m", str(qwen3_dir), "--prompt", "def f", "--max-tokens", "24", "--json",
+              "--dtype", "float64", "--device", "cpu", "--no-chat-template"]
+    (spec_code, spec_out, spec_err), (base_code, base_out, base_err) = run_cli(
+        common + ["--suffix", "--num-draft-tokens", "4"], common)
+    assert spec_code == 0 and base_code == 0, spec_err + base_err
+    out, ref = json.loads(spec_out), json.loads(base_out)
+    assert out["token_ids"] == ref["token_ids"] and out["text"] == ref["text"]
+    assert out["stats"]["method"] == "suffix" and ref["stats"]["method"] == "ar"
