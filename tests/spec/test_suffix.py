@@ -34,12 +34,14 @@ def test_suffix_greedy_identity(targets, prompt_ids, plain, target, k):
     engine = targets[target]
     spec = spec_engine(engine, SuffixProposer(), k)
     drafted = 0
-    for i, ids in enumerate(prompt_ids):
+    cached = 0
+    for i, ids in enumerate(prompt_ids + prompt_ids[1:2]):  # the repeat starts from the prefix cache
         result = spec.generate_all(ids, greedy(NEW_TOKENS))
-        assert result.token_ids == plain[(target, i)], f"k={k} prompt {i}"
+        assert result.token_ids == plain[(target, i if i < len(prompt_ids) else 1)], f"k={k} prompt {i}"
         assert result.stats.method == "suffix"
         drafted += result.stats.drafted
-    assert drafted > 0
+        cached += result.stats.cached_tokens
+    assert drafted > 0 and cached > 0
 
 
 def _shifted(tokens: list[int], vocab: int) -> list[int]:
