@@ -60,6 +60,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "<model>-assistant directory, or <org>/<name>-assistant in the model caches)")
     p.add_argument("--assistant-window", type=int, default=None, metavar="W",
                    help="Gemma 4 assistant: attend to the last W target positions only (default: the whole context)")
+    p.add_argument("--suffix", action="store_true",
+                   help="model-free suffix decoding: draft what followed the latest tokens' earlier occurrences in "
+                        "the prompt, the output so far and recent outputs of other requests, where the counts back it "
+                        "(default 8 drafts per round at most; beside --eagle3 or --mtp the longer draft wins)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None, metavar="N",
+                   help="--suffix: recent outputs kept for every request to draft from, in tokens (default 262144; "
+                        "0: each request drafts from itself only)")
+    p.add_argument("--ngram", action="store_true",
+                   help="model-free prompt lookup: draft the tokens after the most recent earlier occurrence of the "
+                        "last n tokens (default 8 drafts per round at most; beside --eagle3 or --mtp the longer "
+                        "draft wins)")
+    p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="--ngram: shortest n matched (default 2)")
+    p.add_argument("--ngram-max", type=int, default=None, metavar="N", help="--ngram: longest n matched (default 5)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step: prompt chunks plus verify rows (default max(2048, "
@@ -245,7 +258,7 @@ def _apply_default_model(args) -> None:
     args.default_served_name = chosen.served_name
     if chosen.dtype and getattr(args, "dtype", None) is None:
         args.dtype = chosen.dtype
-    if args.no_spec or args.mtp or args.eagle3:
+    if args.no_spec or args.mtp or args.eagle3 or args.suffix or args.ngram:
         return
     spec = chosen.speculation
     if spec.get("mtp"):
@@ -261,8 +274,9 @@ def _apply_default_model(args) -> None:
 def _engine_config(args):
     from verispec.config import EngineConfig
 
-    if args.no_spec and (args.mtp or args.eagle3):
-        raise VerispecError("--no-spec turns speculation off; it cannot be combined with --mtp or --eagle3")
+    if args.no_spec and (args.mtp or args.eagle3 or args.suffix or args.ngram):
+        raise VerispecError("--no-spec turns speculation off; it cannot be combined with --mtp, --eagle3, --suffix "
+                            "or --ngram")
     if args.demo and args.model is not None:
         raise VerispecError("--demo runs the embedded demo model; it cannot be combined with -m")
     if args.model is None:
@@ -271,9 +285,15 @@ def _engine_config(args):
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--block-size", args.block_size),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--prefill-step-size", args.prefill_step_size), ("--max-model-len", args.max_model_len),
-                        ("--num-draft-tokens", args.num_draft_tokens), ("--assistant-window", args.assistant_window)):
+                        ("--num-draft-tokens", args.num_draft_tokens), ("--assistant-window", args.assistant_window),
+                        ("--ngram-min", args.ngram_min), ("--ngram-max", args.ngram_max)):
         if value is not None and value < 1:
             raise VerispecError(f"{flag} must be >= 1, got {value}")
+    for flag, value, needs, given in (("--suffix-cache-tokens", args.suffix_cache_tokens, "--suffix", args.suffix),
+                                      ("--ngram-min", args.ngram_min, "--ngram", args.ngram),
+                                      ("--ngram-max", args.ngram_max, "--ngram", args.ngram)):
+        if value is not None and not given:
+            raise VerispecError(f"{flag} needs {needs}")
     if not args.mtp:
         for flag, value in (("--mtp-hidden", args.mtp_hidden), ("--mtp-model", args.mtp_model),
                             ("--assistant-window", args.assistant_window)):
@@ -281,8 +301,9 @@ def _engine_config(args):
                 raise VerispecError(f"{flag} needs --mtp")
     elif args.eagle3:
         raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
-    if args.num_draft_tokens is not None and not (args.mtp or args.eagle3):
-        raise VerispecError("--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR or --mtp)")
+    if args.num_draft_tokens is not None and not (args.mtp or args.eagle3 or args.suffix or args.ngram):
+        raise VerispecError("--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR, --mtp, "
+                            "--suffix or --ngram)")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -296,7 +317,23 @@ def _engine_config(args):
                         assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
-                        draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache)
+                        draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache,
+                        **_model_free_config(args))
+
+
+def _model_free_config(args) -> dict:
+    """--suffix / --ngram as EngineConfig fields, checked now (before any model loads)."""
+    from verispec.config import EngineConfig
+    from verispec.engine.proposers import model_free_options
+
+    defaults = EngineConfig(model="")
+    fields = dict(suffix=args.suffix, ngram=args.ngram,
+                  suffix_cache_tokens=defaults.suffix_cache_tokens if args.suffix_cache_tokens is None
+                  else args.suffix_cache_tokens,
+                  ngram_min=defaults.ngram_min if args.ngram_min is None else args.ngram_min,
+                  ngram_max=defaults.ngram_max if args.ngram_max is None else args.ngram_max)
+    model_free_options(EngineConfig(model="", **fields))
+    return fields
 
 
 def _check_port_free(host: str, port: int) -> None:

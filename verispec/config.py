@@ -62,6 +62,12 @@ class EngineConfig:
     # --mtp on a Gemma 4 target: the assistant drafter (model_type gemma4_assistant)
     mtp_model: str | None = None  # its directory or hub id (None: `<model>-assistant` beside the model)
     assistant_window: int | None = None  # the assistant attends to the last W target positions (None: all)
+    # model-free drafting (spec/suffix.py), alone or beside a model drafter (the longer draft wins)
+    suffix: bool = False  # suffix decoding: the sequence itself plus a cache of recent outputs
+    suffix_cache_tokens: int = 1 << 18  # that cache's size in tokens (0: the sequence itself only)
+    ngram: bool = False  # prompt lookup: copy what followed the last n tokens' earlier occurrence
+    ngram_min: int = 2
+    ngram_max: int = 5
     # serving: continuous batching over a paged KV cache
     max_num_seqs: int = 64  # sequences decoding at once
     max_num_batched_tokens: int | None = None  # tokens per step, prompt chunks + verify rows (None: see engine)

@@ -559,7 +559,8 @@ def test_cli_mtp_without_a_head_logs_why_and_generates(mtp_dirs):
 @pytest.mark.parametrize("args, message", [
     (["--mtp", "--mtp-depth", "0"], "--num-draft-tokens must be >= 1, got 0"),
     (["--mtp", "--eagle3", "/nowhere"], "--mtp and --eagle3 are two proposers; use one of them"),
-    (["--mtp-depth", "2"], "--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR or --mtp)"),
+    (["--mtp-depth", "2"], "--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR, --mtp, "
+                           "--suffix or --ngram)"),
     (["--mtp-hidden", "pre-norm"], "--mtp-hidden needs --mtp"),
 ])
 def test_cli_bad_mtp_flags_are_one_line(mtp_dirs, capsys, args, message):

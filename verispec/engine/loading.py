@@ -17,6 +17,9 @@ from verispec.loading.tokenizer import Tokenizer
 def check_proposer_options(config: EngineConfig) -> None:
     if config.num_draft_tokens is not None and config.num_draft_tokens < 1:
         raise VerispecError(f"--num-draft-tokens must be >= 1, got {config.num_draft_tokens}")
+    from verispec.engine.proposers import model_free_options
+
+    model_free_options(config)  # raises on a bad combination or value
     if not config.mtp:
         return
     from verispec.spec.gemma4_assistant import check_assistant_options

@@ -1,5 +1,7 @@
 """Which proposer an engine drafts with, from its configuration: an EAGLE3 drafter, the model's own
-MTP head (Qwen3.5 / Qwen3.6), the Gemma 4 assistant, or none (with the reason logged)."""
+MTP head (Qwen3.5 / Qwen3.6), the Gemma 4 assistant, model-free suffix or n-gram drafting, a
+model-free proposer beside a model drafter (the longer draft per sequence), or none (with the
+reason logged)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,15 +10,56 @@ from verispec import log
 from verispec.config import EngineConfig
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
+from verispec.errors import VerispecError
+from verispec.spec.composite import LongestDraft, Member
 from verispec.spec.proposer import Proposer
+from verispec.spec.suffix import NgramOptions, NgramProposer, SuffixOptions, SuffixProposer
 
 DEFAULT_EAGLE3_BLOCK = 2  # drafts per round: the seed system's measured sweet spot
 DEFAULT_MTP_DRAFTS = 1  # a Qwen MTP head: one draft + the bonus token (mlx-lm's "depth-2" loop)
+# model-free drafts cost nothing to make and only what the counts back is drafted, so the cap is
+# higher than a model drafter's (Arctic Inference allows up to 32 on a GPU); not yet measured here
+DEFAULT_COPY_DRAFTS = 8
+
+
+def model_free_options(config: EngineConfig) -> SuffixOptions | NgramOptions | None:
+    """The model-free proposer's options (None: none asked for); raises on bad ones."""
+    if config.suffix and config.ngram:
+        raise VerispecError("--suffix and --ngram are two model-free proposers; use one of them")
+    if config.suffix:
+        options = SuffixOptions(cache_tokens=config.suffix_cache_tokens)
+    elif config.ngram:
+        options = NgramOptions(config.ngram_min, config.ngram_max)
+    else:
+        return None
+    options.check()
+    return options
+
+
+def _model_free(config: EngineConfig) -> Proposer | None:
+    options = model_free_options(config)
+    if options is None:
+        return None
+    return SuffixProposer(options) if isinstance(options, SuffixOptions) else NgramProposer(options)
 
 
 def build_proposer(config: EngineConfig, model: CausalLM, model_dir: Path, tokenizer: Tokenizer
                    ) -> tuple[Proposer | None, int]:
     """(proposer, drafts per round), or (None, 0) without speculation."""
+    copying = _model_free(config)
+    proposer, num_drafts = _model_drafter(config, model, model_dir, tokenizer)
+    if copying is None:
+        return proposer, num_drafts
+    if proposer is None:
+        return copying, config.num_draft_tokens or DEFAULT_COPY_DRAFTS
+    copy_drafts = max(num_drafts, DEFAULT_COPY_DRAFTS)
+    log.debug("%s beside %s: up to %d and %d drafts per round, the longer per sequence", copying.method,
+              proposer.method, copy_drafts, num_drafts)
+    return LongestDraft([Member(copying, copy_drafts), Member(proposer, num_drafts)]), copy_drafts
+
+
+def _model_drafter(config: EngineConfig, model: CausalLM, model_dir: Path, tokenizer: Tokenizer
+                   ) -> tuple[Proposer | None, int]:
     proposer, num_drafts = None, 0
     if config.eagle3:
         from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3

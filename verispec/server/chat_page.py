@@ -23,7 +23,8 @@ ASSET_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; chars
 # no-cache = revalidate every time: after an upgrade the browser never runs a stale page
 ASSET_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 # What users call each proposer (GenerationStats.method / Proposer.method) in the page's header.
-METHOD_LABELS = {"ar": "plain", "eagle3": "EAGLE3", "mtp": "MTP", "assistant": "assistant"}
+METHOD_LABELS = {"ar": "plain", "eagle3": "EAGLE3", "mtp": "MTP", "assistant": "assistant", "suffix": "suffix",
+                 "ngram": "n-gram"}
 
 
 def load_static_assets() -> dict[str, bytes]:

@@ -1,5 +1,5 @@
 """The proposer protocol: one batched interface for every drafter (EAGLE3, the MTP head, the
-Gemma 4 assistant, test doubles).
+Gemma 4 assistant, suffix and n-gram drafting, test doubles).
 
 The engine's round is written once against it. A sequence starts drafting when its prefill
 begins (`start`) and stops when its blocks go back (`release`); after every target pass the
@@ -77,6 +77,8 @@ class DraftingSequence(Protocol):
     prompt_ids: list[int]
     num_cached: int  # committed positions in the target's cache
     block_table: list[int]  # the sequence's blocks in the target's (and a drafter's own) paged pools
+    token_ids: list[int]  # prompt + output so far (model-free drafters fill a prefix-cache hit's positions)
+    finished: bool  # at release: it ended (False: preempted, it will start again)
 
 
 @dataclass(frozen=True)
