@@ -51,11 +51,13 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return torch.einsum("bhtn,bhnd->bhtd", scores.softmax(-1), v).to(q.dtype)
 
 
-def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """About one program per multiprocessor (a power of two, 1..64): measured best on an H200
-    (docs/benchmarks.md: 16 splits for 8 kv heads beat 32 and 64 at 4K-128K keys)."""
+def shares_for(num_kv_heads: int, device: torch.device) -> int:
+    """Into how many shares a query row splits its keys: about one program per multiprocessor for a
+    one-sequence decode step (a power of two, 1..64; on an H200 16 splits for 8 kv heads beat 32
+    and 64 at 4K-128K keys). Fixed per model and device, never by the batch: a row's shares, and so
+    its bits, must not depend on who else is in the pass."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, sms // max(batch * num_kv_heads, 1))
+    want = max(1, sms // max(num_kv_heads, 1))
     return min(64, 1 << (want.bit_length() - 1))
 
 
@@ -93,6 +95,79 @@ if triton is not None:
     # are not: the positions' row stride (1 when T = 1), the block table's width (1 for a short
     # prompt) and where the positions / table start (a slice may be 8-byte aligned only). Each
     # specialisation is a compile (0.5-1 s on the H200) inside whichever request meets it first.
+    @triton.jit
+    def _row_share(pos_t, window, s, SHARES: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """[start, end) of share s of each query row's keys: a row splits its own keys [lo, pos]
+        into SHARES shares of whole blocks, by its key count alone, so a row's shares are the same
+        in a decode step, a verify pass, a prompt chunk and any batch."""
+        kv_t = pos_t + 1
+        lo_t = kv_t * 0
+        if HAS_WINDOW:  # the window's first key, rounded down to a block (the mask does the rest)
+            lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
+        chunk_t = tl.cdiv(tl.cdiv(kv_t - lo_t, SHARES), BLOCK_N) * BLOCK_N
+        start_t = lo_t + s * chunk_t
+        return start_t, tl.minimum(start_t + chunk_t, kv_t)
+
+    @triton.jit
+    def _share_sums(q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, start_t, end_t, pos_t, row_valid,
+                    offs_d, d_valid, scale, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
+                    PAGE: tl.constexpr):
+        """Each row's softmax sums over its own share [start_t, end_t): (lse, out = weighted values).
+        The program walks the union of its rows' shares in blocks aligned as theirs are and masks
+        each row to its own: a block outside it leaves the row's running sums bit for bit as they
+        were, so a row's result does not depend on the other rows of its tile."""
+        start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
+        end = tl.max(tl.where(row_valid, end_t, 0), 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < end
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
+            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * scale
+            allowed = (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        has = l_i > 0
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        return lse, acc / tl.where(has, l_i, 1.0)[:, None]
+
+    @triton.jit
+    def _fold(m, l, o, lse, part):
+        """Adds one share's (lse, part) to the running (max, weight, output) of its rows. Shares are
+        folded one at a time in order, by the split path's combine and by the prompt path alike; an
+        empty share (lse = -inf, part = 0) leaves the sums as they were."""
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe)
+        return m_new, l * a + w, o * a[:, None] + part * w[:, None]
+
+    # Arguments that vary between calls of one model and do not speed the kernel up when specialised
+    # are not: the positions' row stride (1 when T = 1), the block table's width (1 for a short
+    # prompt) and where the positions / table start (a slice may be 8-byte aligned only). Each
+    # specialisation is a compile (0.5-1 s on the H200) inside whichever request meets it first.
     @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window"],
                 do_not_specialize_on_alignment=["POS", "BT"])
     def _split_kernel(Q, K, V, POS, OPART, LSE, BT,
@@ -121,21 +196,7 @@ if triton is not None:
         # the positions (and the block table) are the step's inputs, written before the step began:
         # read before the wait, like the cache rows of earlier steps
         pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
-        # Each query row splits its own keys [lo_t, pos_t] into NUM_SPLITS shares of whole blocks,
-        # as a one-row pass at its position would (shares grow with the keys: a pass's rows can
-        # straddle a growth point). The program covers the union of its rows' shares in blocks
-        # aligned as theirs are, and masks each row to its own share: a block outside it leaves the
-        # row's running sums bit for bit as they were, so a row's result does not depend on the
-        # other rows of the pass (speculative == plain greedy).
-        kv_t = pos_t + 1
-        lo_t = kv_t * 0
-        if HAS_WINDOW:  # the window's first key, rounded down to a block (the mask does the rest)
-            lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
-        chunk_t = tl.cdiv(tl.cdiv(kv_t - lo_t, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start_t = lo_t + s * chunk_t
-        end_t = tl.minimum(start_t + chunk_t, kv_t)
-        start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
-        end = tl.max(tl.where(row_valid, end_t, 0), 0)
+        start_t, end_t = _row_share(pos_t, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
         if PAGED:
             k_base = K + h * stride_kh
             v_base = V + h * stride_vh
@@ -149,6 +210,8 @@ if triton is not None:
             # pass's own keys (from its first position on) are left out. One-token passes only (the
             # launcher's choice): in a 4-token pass the prefetch made the attention ~0.6 us a layer
             # slower, with or without this pass's keys (why is not known).
+            start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
+            end = tl.max(tl.where(row_valid, end_t, 0), 0)
             older = tl.minimum(end, tl.min(tl.where(row_valid, pos_t, 2147483647), 0))
             if start < older:
                 _prefetch_block(k_base, v_base, BT, b, start, older, stride_kn, stride_vn, stride_btb, BLOCK_N, LINE,
@@ -159,42 +222,9 @@ if triton is not None:
             gdc_launch_dependents()
         q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < end
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
-            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale
-            # the row's own share; it ends at or before the row's position and the pass's last key
-            allowed = (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
-            if HAS_WINDOW:
-                allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-
-        has = l_i > 0
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse, out = _share_sums(q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, start_t, end_t, pos_t,
+                               row_valid, offs_d, d_valid, scale, window, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW,
+                               IEEE, PAGED, PAGE)
         row = (b * hq_total + h * G + g) * T + t  # index into [B, Hq, T]
         tl.store(LSE + row * NUM_SPLITS + s, lse, mask=row_valid)
         tl.store(OPART + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :], out,
@@ -208,22 +238,76 @@ if triton is not None:
             gdc_wait()
         if EARLY:
             gdc_launch_dependents()
-        offs_s = tl.arange(0, NUM_SPLITS)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
-        lse = tl.load(LSE + row * NUM_SPLITS + offs_s)
-        m = tl.max(lse, 0)
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
-        # an empty split's partial is 0 (stored so): not read, the same sum (short contexts leave most
-        # splits empty: 11 of 16 at 512 keys)
-        o = tl.load(OPART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
-                    mask=(lse != float("-inf"))[:, None] & d_valid[None, :], other=0.0)
-        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+        one = tl.arange(0, 1)
+        m = tl.full([1], float("-inf"), tl.float32)
+        l = tl.zeros([1], tl.float32)
+        o = tl.zeros([1, BLOCK_D], tl.float32)
+        for s in range(NUM_SPLITS):
+            lse = tl.load(LSE + row * NUM_SPLITS + s + one)
+            # an empty share's partial is 0 (stored so): not read (short contexts leave most empty)
+            part = tl.load(OPART + (row * NUM_SPLITS + s + one)[:, None] * D + offs_d[None, :],
+                           mask=(lse != float("-inf"))[:, None] & d_valid[None, :], other=0.0)
+            m, l, o = _fold(m, l, o, lse, part)
+        out = tl.sum(o / l[:, None], 0)
         # OUT is [B, T, HQ, D]: the layout the output projection reads, so no copy between them
         bh = row // T
         t = row % T
         dst = ((bh // HQ) * T + t) * HQ + bh % HQ
         tl.store(OUT + dst.to(tl.int64) * D + offs_d, out.to(OUT.dtype.element_ty), mask=d_valid)
+
+    @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window", "T"],
+                do_not_specialize_on_alignment=["POS", "BT", "LEN"])
+    def _chunk_kernel(Q, K, V, POS, LEN, OUT, BT,
+                      stride_qb, stride_qh, stride_qt,
+                      stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn,
+                      stride_pb, stride_btb,
+                      scale, window, T,
+                      G: tl.constexpr, D: tl.constexpr, SHARES: tl.constexpr, TQ: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                      HAS_LEN: tl.constexpr):
+        """A prompt chunk: TQ query tokens of one sequence and kv head a program, each row's shares
+        summed and folded as the split path does (the same helpers), so a prompt token's output is
+        the bits a decode step or verify pass at its position gives it."""
+        tiles = tl.cdiv(T, TQ)
+        b = tl.program_id(0) // tiles
+        tile = tl.program_id(0) % tiles
+        h = tl.program_id(1)
+        hq_total = tl.num_programs(1) * G
+        offs_m = tl.arange(0, BLOCK_M)
+        g = offs_m // TQ
+        t = tile * TQ + offs_m % TQ
+        row_valid = (offs_m < G * TQ) & (t < T)
+        if HAS_LEN:  # rows padded at their ends (a batched prompt pass): the padding is not attended
+            row_valid = row_valid & (t < tl.load(LEN + b))
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
+        if PAGED:
+            k_base = K + h * stride_kh
+            v_base = V + h * stride_vh
+        else:
+            k_base = K + b * stride_kb + h * stride_kh
+            v_base = V + b * stride_vb + h * stride_vh
+        q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(SHARES):
+            start_t, end_t = _row_share(pos_t, window, s, SHARES, BLOCK_N, HAS_WINDOW)
+            lse, part = _share_sums(q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, start_t, end_t,
+                                    pos_t, row_valid, offs_d, d_valid, scale, window, BLOCK_M, BLOCK_N, BLOCK_D,
+                                    HAS_WINDOW, IEEE, PAGED, PAGE)
+            m, l, o = _fold(m, l, o, lse, part)
+        out = o / tl.where(row_valid, l, 1.0)[:, None]
+        # OUT is [B, T, HQ, D], as the split path's
+        dst = (b * T + t).to(tl.int64) * hq_total + h * G + g
+        tl.store(OUT + dst[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=row_valid[:, None] & d_valid[None, :])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -288,7 +372,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         raise ValueError(f"decode_attention handles at most {MAX_QUERY_TOKENS} query tokens, got {t}")
     group = hq // hkv
     q = q.contiguous()
-    splits = num_splits or num_splits_for(b, hkv, q.device)
+    splits = num_splits or shares_for(hkv, q.device)
     block_m = max(16, triton.next_power_of_2(group * t))
     config = split_config(d, q.element_size())
     block_d = config["BLOCK_D"]
@@ -324,9 +408,60 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     return out.transpose(1, 2)
 
 
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                    scale: float, window: int | None = None, lengths: torch.Tensor | None = None,
+                    num_splits: int | None = None, query_tile: int | None = None) -> torch.Tensor:
+    """A prompt chunk of any length over the contiguous cache (its own keys already written): the
+    contract of `decode_attention_reference`, with each row's bits those a decode step or verify
+    pass at its position gives. `lengths` [B]: rows past a sequence's length are padding."""
+    return _launch_chunk(q, k_cache, v_cache, positions, scale, window, None, 0, lengths, num_splits, query_tile)
+
+
+def paged_chunk_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                          block_size: int, positions: torch.Tensor, scale: float, window: int | None = None,
+                          lengths: torch.Tensor | None = None, num_splits: int | None = None,
+                          query_tile: int | None = None) -> torch.Tensor:
+    """`chunk_attention` over the paged pools, through the block tables."""
+    return _launch_chunk(q, k_pool, v_pool, positions, scale, window, block_tables, block_size, lengths, num_splits,
+                         query_tile)
+
+
+def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, lengths, num_splits,
+                  query_tile) -> torch.Tensor:
+    b, hq, t, d = q.shape
+    paged = block_tables is not None
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    q = q.contiguous()
+    splits = num_splits or shares_for(hkv, q.device)
+    # about 64 rows (kv head group x query tokens) a program; BLOCK_N as the split path's, so the
+    # key blocks, and every row's sums, are the same
+    tq = query_tile or max(1, 64 // group)
+    config = split_config(d, q.element_size())
+    out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
+    if paged:
+        strides_k = (0, k_cache.stride(1), k_cache.stride(0))
+        strides_v = (0, v_cache.stride(1), v_cache.stride(0))
+        table, table_stride = block_tables, block_tables.stride(0)
+    else:
+        strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        table, table_stride = positions, 0  # unused
+    _chunk_kernel[(b * triton.cdiv(t, tq), hkv)](
+        q, k_cache, v_cache, positions, lengths if lengths is not None else positions, out, table,
+        q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
+        scale, window or 0, t,
+        G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=max(16, triton.next_power_of_2(group * tq)),
+        BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
+        IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out.transpose(1, 2)
+
+
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
 __all__ = ["decode_attention", "decode_attention_reference", "paged_decode_attention",
-           "paged_decode_attention_reference", "available", "MAX_QUERY_TOKENS"]
+           "paged_decode_attention_reference", "chunk_attention", "paged_chunk_attention", "available",
+           "MAX_QUERY_TOKENS"]
