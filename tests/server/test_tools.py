@@ -14,7 +14,9 @@ import jsonschema
 import openai
 import pytest
 
-from server_helpers import SERVED_NAME, openai_client
+from server_helpers import SERVED_NAME, live_server, openai_client
+from verispec.engine.engine import load_engine
+from verispec.server.app import create_app
 
 ALARM = {"type": "object", "properties": {
     "hour": {"type": "integer", "minimum": 0, "maximum": 23}, "label": {"type": "string", "maxLength": 8},
@@ -89,6 +91,57 @@ def test_streamed_call_assembles_to_the_non_streamed_one(client):
         message = full.choices[0].message
         assert calls == [(c.function.name, c.function.arguments) for c in message.tool_calls]
         assert content == (message.content or "") and finish == full.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def newline_then_end_client(tiny_model_dir):
+    """A server whose model, wherever the grammar lets it, writes a newline and then ends: what a real
+    model does after a call (`</tool_call>` "\\n" `<|im_end|>`). Its logits are the tiny model's plus a
+    large bias for the newline token and a smaller one for end-of-sequence."""
+    engine = load_engine(str(tiny_model_dir), dtype="float32", device="cpu")
+    (newline,) = engine.tokenizer.encode("\n")
+    eos = engine.tokenizer.eos_token_ids
+    plain_logits = engine.model.logits
+
+    def biased_logits(hidden):
+        logits = plain_logits(hidden).clone()
+        logits[..., newline] += 40.0
+        logits[..., eos] += 20.0
+        return logits
+
+    engine.model.logits = biased_logits
+    with live_server(create_app(engine, SERVED_NAME)) as srv:
+        yield openai_client(srv)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_call_with_parallel_calls_on_ends_after_the_call(newline_then_end_client, choice):
+    """parallel_tool_calls left at its default (true): a newline after the call must not force a
+    second call; the reply is one call, no leaked text, finish_reason tool_calls; streamed alike."""
+    kwargs = dict(tool_choice=choice, **BASE)
+    out = newline_then_end_client.chat.completions.create(**kwargs)
+    choice_out = out.choices[0]
+    allowed = {"get_weather"} if choice is NAMED else set(SCHEMAS)
+    assert len(check_calls(choice_out.message, allowed)) == 1, choice_out.message
+    assert choice_out.finish_reason == "tool_calls" and choice_out.message.content is None
+    content, calls, finish = assemble_stream(newline_then_end_client.chat.completions.create(stream=True, **kwargs))
+    assert calls == [(c.function.name, c.function.arguments) for c in choice_out.message.tool_calls]
+    assert content == "" and finish == "tool_calls"
+
+
+def test_named_call_is_one_call_even_with_parallel_calls_on(client):
+    for stream in (False, True):
+        kwargs = dict(tool_choice=NAMED, parallel_tool_calls=True, **BASE)
+        if stream:
+            content, calls, finish = assemble_stream(client.chat.completions.create(stream=True, **kwargs))
+        else:
+            out = client.chat.completions.create(**kwargs)
+            check_calls(out.choices[0].message, {"get_weather"})
+            content = out.choices[0].message.content or ""
+            calls = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls]
+            finish = out.choices[0].finish_reason
+        assert [name for name, _ in calls] == ["get_weather"] and content == "" and finish == "tool_calls"
 
 
 def test_json_schema_response_validates(client):

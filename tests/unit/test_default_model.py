@@ -59,36 +59,57 @@ def logs(caplog):
     logger.removeHandler(caplog.handler)
 
 
-def test_wheel_without_drafter_runs_plain_and_says_why(wheel, drafter, logs):
+def test_wheel_without_drafter_runs_plain_and_says_why(wheel, drafter):
     chosen = dm.default_model("cpu")
     assert (chosen.model, chosen.served_name, chosen.speculation) == (str(wheel), "smollm2", {})
-    assert "no EAGLE3 drafter is shipped yet" in logs.text
+    assert "plain decoding: no EAGLE3 drafter is shipped yet" in chosen.note()
 
 
-def test_drafter_without_measurement_runs_plain(wheel, drafter, logs):
+def test_drafter_without_measurement_runs_plain(wheel, drafter):
     (drafter / "config.json").write_text("{}")
     assert dm.default_model("cuda").speculation == {}
-    assert "has not been measured yet" in logs.text
+    assert "has not been measured yet" in dm.default_model("cuda").note()
 
 
-def test_measured_table_picks_per_device(wheel, drafter, logs):
+def test_measured_table_picks_per_device(wheel, drafter):
     (drafter / "config.json").write_text("{}")
     (drafter / "speculation.json").write_text(json.dumps({
         "speculation_by_device": {"cuda": {"method": "eagle3", "draft_block": 3}, "cpu": {"method": "none"}},
         "why_by_device": {"cuda": "eagle3-3 fastest", "cpu": "plain fastest"}}))
     assert dm.default_model("cuda").speculation == {"eagle3": str(drafter), "num_draft_tokens": 3}
+    assert "EAGLE3 drafter, 3 drafts per round on cuda (eagle3-3 fastest)" in dm.default_model("cuda").note()
     assert dm.default_model("cpu").speculation == {}
-    assert "plain decoding on cpu" in logs.text
+    assert "plain decoding on cpu" in dm.default_model("cpu").note()
     assert dm.default_model("mps").speculation == {}
-    assert "no speculation measured for mps" in logs.text
+    assert "no speculation measured for mps" in dm.default_model("mps").note()
 
 
-def test_missing_wheel_falls_back_to_the_demo_model_and_names_the_install(no_wheel, logs):
+def test_one_draft_is_singular(wheel, drafter):
+    (drafter / "config.json").write_text("{}")
+    (drafter / "speculation.json").write_text(json.dumps({"speculation_by_device": {"cpu": {
+        "method": "eagle3", "draft_block": 1}}}))
+    assert "EAGLE3 drafter, 1 draft per round on cpu" in dm.default_model("cpu").note()
+
+
+def test_missing_wheel_falls_back_to_the_demo_model_and_names_the_install(no_wheel):
     if demo_default.demo_model_dir() is None:
         pytest.skip("the embedded demo model is not built")
     chosen = dm.default_model("cpu")
     assert chosen.served_name == demo_default.DEMO_MODEL_NAME and chosen.model == str(demo_default.DEMO_MODEL_DIR)
-    assert SMOLLM2.install in logs.text
+    assert "the embedded demo model" in chosen.note() and SMOLLM2.install in chosen.note()
+
+
+def test_llm_and_m_smollm2_without_the_wheel_are_an_error_not_the_demo_model(no_wheel):
+    """LLM() (and -m smollm2) never fall back to the demo model, which cannot answer: the error names
+    the install command, before anything loads."""
+    from verispec import LLM
+
+    with pytest.raises(VerispecError, match="needs its wheel: " + SMOLLM2.install.replace(".", r"\.")):
+        LLM(device="cpu")
+    with pytest.raises(VerispecError, match="needs its wheel"):
+        LLM("smollm2", device="cpu")
+    with pytest.raises(VerispecError, match="needs its wheel"):
+        cli._engine_config(cli.build_parser().parse_args(["serve", "-m", "smollm2", "--device", "cpu"]))
 
 
 def test_missing_wheel_and_demo_model_is_one_error(no_wheel, monkeypatch, tmp_path):
@@ -122,13 +143,14 @@ def test_default_model_dtype_per_device_and_dtype_overrides(wheel, drafter, logs
     """SmolLM2 computes in float16 on a CPU (measured fastest there; --dtype wins), and in the
     general default elsewhere; the demo model keeps the general default."""
     assert dm.default_model("cpu").dtype == "float16" and dm.default_model("cuda").dtype is None
-    assert "in float16 (measured fastest on cpu; --dtype overrides)" in logs.text
     args = cli.build_parser().parse_args(["serve", "--device", "cpu"])
     assert cli._engine_config(args).dtype == "float16"
+    assert "model: SmolLM2-135M-Instruct (Q4_1 GGUF)" in logs.text
+    assert "in float16 (measured fastest on cpu; --dtype overrides)" in logs.text
     args = cli.build_parser().parse_args(["serve", "--device", "cpu", "--dtype", "float32"])
     assert cli._engine_config(args).dtype == "float32"
     args = cli.build_parser().parse_args(["serve", "--device", "cpu", "-m", str(wheel)])
-    assert cli._engine_config(args).dtype is None  # a named model: the general default
+    assert cli._engine_config(args).dtype is None  # a named file: the general default
     if demo_default.demo_model_dir() is not None:
         assert dm.default_model("cpu", demo=True).dtype is None
 
@@ -150,3 +172,27 @@ def test_shipped_drafter_and_its_measured_table(wheel):
         assert row["identical_to_plain_greedy"] == "16/16"
         assert row["decode_tok_per_s"] > rows["plain"]["decode_tok_per_s"]
     assert dm.default_model("cuda").speculation  # the H200 measurement chose the drafter
+
+
+def test_m_smollm2_runs_as_no_m_does(wheel, drafter):
+    """-m smollm2 is the default model: the same dtype and speculation (flags still override)."""
+    (drafter / "config.json").write_text("{}")
+    (drafter / "speculation.json").write_text(json.dumps({"speculation_by_device": {"cpu": {
+        "method": "eagle3", "draft_block": 2}}}))
+    parse = cli.build_parser().parse_args
+    default = cli._engine_config(parse(["serve", "--device", "cpu"]))
+    named = cli._engine_config(parse(["serve", "--device", "cpu", "-m", "smollm2"]))
+    assert named == default and (named.dtype, named.eagle3, named.num_draft_tokens) == ("float16", str(drafter), 2)
+    plain = cli._engine_config(parse(["generate", "--prompt", "x", "--device", "cpu", "-m", "smollm2", "--no-spec",
+                                      "--dtype", "float32"]))
+    assert (plain.model, plain.dtype, plain.eagle3) == (str(wheel), "float32", None)
+
+
+def test_model_line_names_no_serving_and_leaves_out_what_flags_override(wheel, drafter, logs):
+    (drafter / "config.json").write_text("{}")
+    (drafter / "speculation.json").write_text(json.dumps({"speculation_by_device": {"cpu": {
+        "method": "eagle3", "draft_block": 1}}}))
+    cli._engine_config(cli.build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu", "--no-spec",
+                                                      "--dtype", "float32"]))
+    assert "model: SmolLM2" in logs.text and "serving" not in logs.text
+    assert "float16" not in logs.text and "EAGLE3" not in logs.text

@@ -61,7 +61,7 @@ def size_cache(specs: list, config: EngineConfig, dtype: torch.dtype, device: to
                             "--kv-cache-gb or --gpu-memory-utilization")
     capacity = (num_blocks - 1) * block
     if capacity - lookahead < max_model_len:
-        log.info("the KV cache holds %d tokens, fewer than the %d-token context: serving a context of %d "
+        log.info("the KV cache holds %d tokens, fewer than the %d-token context: the context is %d "
                  "tokens (raise --kv-cache-gb / --gpu-memory-utilization, or set --max-model-len)",
                  capacity, max_model_len, capacity - lookahead)
         max_model_len = capacity - lookahead

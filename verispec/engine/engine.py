@@ -33,6 +33,7 @@ from verispec.engine.cache_sizing import size_cache
 from verispec.engine.client import ServedEngine
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.limits import RequestLimits
+from verispec.engine.options import check_limits
 from verispec.engine.output import OutputBuilder
 from verispec.engine.overlap import OverlappedDecode
 from verispec.engine.runner import ModelRunner
@@ -77,13 +78,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.device, self.dtype = param.device, param.dtype
         limit = model.max_position_embeddings
         self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
-        if config.prefill_step_size < 1:
-            raise VerispecError(f"--prefill-step-size must be >= 1, got {config.prefill_step_size}")
-        for flag, value in (("--max-num-seqs", config.max_num_seqs), ("--block-size", config.block_size)):
-            if value < 1:
-                raise VerispecError(f"{flag} must be >= 1, got {value}")
-        if not 0 < config.gpu_memory_utilization <= 1:
-            raise VerispecError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+        check_limits(config)
         self.eos_token_ids = tokenizer.eos_token_ids
         # Model vocabularies are often padded past the tokenizer's; those rows are never sampled.
         self.num_real_tokens = min(tokenizer.vocab_size, model.vocab_size)
@@ -151,7 +146,11 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         """The engine for config.model (a directory, hub id, .gguf file or alias), with its proposer."""
         from verispec.engine.loading import load_parts
 
-        return cls(*load_parts(config))
+        parts = load_parts(config)
+        t0 = time.perf_counter()
+        engine = cls(*parts)
+        log.startup_phase("allocating the KV cache", time.perf_counter() - t0)
+        return engine
 
     # ---- request checks (engine/limits.py, shared with the engine process's proxy) ------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

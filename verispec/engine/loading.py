@@ -33,16 +33,27 @@ def check_proposer_options(config: EngineConfig) -> None:
 
 def load_parts(config: EngineConfig) -> tuple:
     """Engine's arguments, in its order: (model, tokenizer, config, model_dir, proposer, num_drafts)."""
-    check_proposer_options(config)
+    from verispec.engine.options import check_options
+
+    check_options(config)  # every flag that needs no model, before the minute a load can take
     device = parse_device(config.device)
     dtype = parse_dtype(config.dtype, device)
-    model_dir = resolve_model(config.model)
     t0 = time.perf_counter()
+    model_dir = resolve_model(config.model)
+    t1 = time.perf_counter()
+    log.startup_phase("finding the model", t1 - t0)
     model = load_model(model_dir, dtype, device)
+    t2 = time.perf_counter()
+    log.startup_phase(f"loading the weights ({type(model).__name__}, {str(dtype).removeprefix('torch.')}, "
+                      f"{device})", t2 - t1)
     tokenizer = Tokenizer.from_dir(model_dir)
-    log.debug("loaded %s (%s, %s, %s) in %.2fs", model_dir, type(model).__name__, dtype, device,
-              time.perf_counter() - t0)
+    t3 = time.perf_counter()
+    log.startup_phase("the tokenizer", t3 - t2)
     proposer, num_drafts = build_proposer(config, model, model_dir, tokenizer)
+    t4 = time.perf_counter()
+    if proposer is not None:
+        log.startup_phase("loading the drafter", t4 - t3)
     warmup.pin_triton_cache_dir(device)  # before the load-time rewrites compile anything (see there)
     prepare_for_device(model, config.fuse_small_ops)  # after the proposer, which may share its layers
+    log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts

@@ -56,11 +56,14 @@ class OutputBuilder:
                 break
             emitted.append(tok)
             self.token_ids.append(tok)
+            if tok in self.stop_ids:
+                # an end token has no text, so it gets no logprob either: the logprob tokens join
+                # to the text, as OpenAI returns them
+                self.finish_reason = FinishReason.STOP
+                continue
             if self.params.logprobs and raw_logits is not None:
                 round_logprobs.append(token_logprobs(raw_logits[i], tok, self.params.top_logprobs))
-            if tok in self.stop_ids:
-                self.finish_reason = FinishReason.STOP
-            elif whole_round:
+            if whole_round:
                 to_text.append(tok)
             else:
                 released, stopped = self.stops.feed(self.detok.add([tok]))

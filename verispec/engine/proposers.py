@@ -67,8 +67,9 @@ def _model_drafter(config: EngineConfig, model: CausalLM, model_dir: Path, token
         drafter = load_eagle3(config.eagle3, model)
         proposer = Eagle3Proposer(drafter, model.vocab_size)
         num_drafts = config.num_draft_tokens or DEFAULT_EAGLE3_BLOCK
-        log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %d drafts per round",
-                  config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size, num_drafts)
+        log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %s per round",
+                  config.eagle3, list(drafter.cfg.aux_layer_ids), drafter.cfg.draft_vocab_size,
+                  log.count(num_drafts, "draft"))
     elif config.mtp and _is_gemma4(model):
         from verispec.spec.gemma4_assistant import assistant_proposer
 
@@ -85,7 +86,7 @@ def _model_drafter(config: EngineConfig, model: CausalLM, model_dir: Path, token
             proposer = MtpProposer(head, MtpHidden.parse(config.mtp_hidden),
                                    num_real_tokens=min(tokenizer.vocab_size, model.vocab_size))
             num_drafts = config.num_draft_tokens or DEFAULT_MTP_DRAFTS
-            log.debug("MTP head: %d drafts per round, %s hidden", num_drafts, config.mtp_hidden)
+            log.debug("MTP head: %s per round, %s hidden", log.count(num_drafts, "draft"), config.mtp_hidden)
     return proposer, num_drafts
 
 

@@ -83,9 +83,12 @@ def prewarm(engine) -> float:
     if engine.device.type == "cuda":
         warm_prompt_lengths(engine)
     t3 = time.perf_counter()
-    # where a start-up's minutes go (an empty Triton cache compiles kernels in each phase)
-    log.info("prewarm phases: CUDA graphs %.1fs, first generation %.1fs, prompt lengths %.1fs",
-             graphs_s, t2 - t1, t3 - t2)
+    # where a start-up's minutes go (an empty Triton cache compiles kernels in each phase); phases that
+    # did not run on this device are left out rather than shown as 0.0s
+    phases = ([f"CUDA graphs {graphs_s:.1f}s"] if engine.use_graphs else []) + [f"first generation {t2 - t1:.1f}s"]
+    if engine.device.type == "cuda":
+        phases.append(f"prompt lengths {t3 - t2:.1f}s")
+    log.info("prewarm phases: %s", ", ".join(phases))
     return t3 - t0
 
 

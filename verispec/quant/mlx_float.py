@@ -39,7 +39,8 @@ def decode_scales(scales: torch.Tensor, code: str) -> torch.Tensor:
     """scales [..., G] uint8 -> float32."""
     if code == "e4m3":
         return scales.view(torch.float8_e4m3fn).to(torch.float32)
-    return torch.ldexp(torch.ones((), dtype=torch.float32, device=scales.device), scales.to(torch.int32) - 127)
+    # ones of the scales' shape: a 0-d base made ldexp resize its output, which torch deprecates
+    return torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)
 
 
 def decode_values(packed: torch.Tensor, bits: int) -> torch.Tensor:

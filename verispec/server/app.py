@@ -59,13 +59,14 @@ def run_server(engine: EngineClient, host: str, port: int, api_key: str | None, 
     # is 5 ms) lets the loop answer, stream and accept between the worker's steps
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if prewarm:
-        seconds = engine.prewarm()
-        log.info("prewarm took %.2fs", seconds)
+        log.startup_phase("prewarm", engine.prewarm())
     app = create_app(engine, served_model_name, api_key, max_request_bytes)
     cache = engine.describe().cache
     if cache is not None:
         log.info("KV cache: %s", cache)
     log.info("serving %s at http://%s:%d/v1", served_model_name or engine.model_name, host, port)
+    # the whole start, from the `verispec serve` command to answering (the phases logged above add up to it)
+    log.info("start-up: ready in %.1fs since the process started", log.process_age_s())
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:

@@ -381,7 +381,7 @@ def assistant_proposer(config: EngineConfig, target: Gemma4ForCausalLM, model_di
         return None, 0
     drafter = load_assistant(where, target)
     num_drafts = config.num_draft_tokens or DEFAULT_NUM_MTP_TOKENS
-    log.debug("Gemma 4 assistant %s: %d layers reading target layers %s, %d drafts per round, window %s",
-              where, len(drafter.model.layers), drafter.cfg.settings.kv_sources, num_drafts,
+    log.debug("Gemma 4 assistant %s: %d layers reading target layers %s, %s per round, window %s",
+              where, len(drafter.model.layers), drafter.cfg.settings.kv_sources, log.count(num_drafts, "draft"),
               config.assistant_window or "all")
     return AssistantProposer(drafter, target, num_real_tokens, config.assistant_window), num_drafts

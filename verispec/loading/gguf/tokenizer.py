@@ -25,6 +25,10 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers raises many types; the user needs the path + cause
         raise VerispecError(f"could not build a tokenizer from GGUF file {path}: {exc}") from exc
+    # GGUF has no such setting and llama.cpp never cleans up; transformers' GGUF converter turns on this
+    # WordPiece clean-up (spaces before punctuation stripped), which 5.17 ignores for BPE with a warning
+    # at every start. Off, the text is what the file's vocabulary spells (and decoding takes the fast path)
+    hf.clean_up_tokenization_spaces = False
     values = checkpoint.meta.values
     template = values.get("tokenizer.chat_template")
     if template:

@@ -140,7 +140,7 @@ class HermesFormat(_BlockFormat):
 
     def grammar(self, tools, parallel, lit):
         call = f'{lit("<tool_call>")} "\\n" {lark_json(_one_of_calls(tools, "arguments"))} "\\n" {lit("</tool_call>")}'
-        return _repeated(call, '"\\n"', parallel)
+        return _repeated(call, '"\\n"', parallel, may_end_with_separator=True)
 
 
 class Qwen3XmlFormat(_BlockFormat):
@@ -177,7 +177,7 @@ class Qwen3XmlFormat(_BlockFormat):
             head = lark_literal(f"\n<function={tool['name']}>\n")
             alternatives.append(f'{lit("<tool_call>")} {head} {" ".join(params)} "</function>\\n" {lit("</tool_call>")}')
         rules.append("call: " + " | ".join(alternatives))
-        return _repeated("call", '"\\n"', parallel) + "\n" + "\n".join(rules)
+        return _repeated("call", '"\\n"', parallel, may_end_with_separator=True) + "\n" + "\n".join(rules)
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -290,11 +290,15 @@ class Gemma4Format(_BlockFormat):
         return _repeated("call", None, parallel) + "\n" + "\n".join(rules)
 
 
-def _repeated(call: str, separator: str | None, parallel: bool) -> str:
+def _repeated(call: str, separator: str | None, parallel: bool, may_end_with_separator: bool = False) -> str:
+    """One call, or calls joined by `separator`. may_end_with_separator: the separator (a newline)
+    may also close the output, since a model ends its line after a call as often as it starts
+    another: without it, that newline would force a further call."""
     if not parallel:
         return f"start: {call}"
     sep = f"{separator} " if separator else ""
-    return f"start: {call} ({sep}{call})*"
+    end = f" {separator}?" if separator and may_end_with_separator else ""
+    return f"start: {call} ({sep}{call})*{end}"
 
 
 def _xml_text(schema: dict) -> str:

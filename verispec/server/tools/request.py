@@ -110,7 +110,8 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None, template: s
         for i, fn in enumerate(functions):  # each schema the grammar embeds must be one llguidance takes
             if fn in forced and fn.get("parameters") is not None and check is not None:
                 check(json_schema_grammar(fn["parameters"], param=f"tools[{i}].function.parameters"))
-        parallel = parallel_tool_calls is not False
+        # a named function is one call, as OpenAI answers it; "required" may make several
+        parallel = parallel_tool_calls is not False and tool_choice == "required"
         plan.grammar = lark_grammar(fmt.grammar(forced, parallel, marker), f"{fmt.name} tool call", "tools")
     return plan
 

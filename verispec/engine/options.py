@@ -1,0 +1,40 @@
+"""The checks an EngineConfig passes before anything is loaded: every flag that needs no model.
+
+A bad value is one error line naming the flag, within a second of start-up, instead of after the
+model has loaded (which takes a minute on a cold machine). The checks that need the model (an MTP
+head it lacks, a drafter for another vocabulary) stay with the loading.
+"""
+from __future__ import annotations
+
+from verispec.config import EngineConfig
+from verispec.engine.draft_schedule import DraftSchedule
+from verispec.errors import VerispecError
+from verispec.loading.model_loader import parse_device, parse_dtype
+
+
+def check_limits(config: EngineConfig) -> None:
+    """The numeric flags."""
+    for flag, value in (("--prefill-step-size", config.prefill_step_size), ("--max-num-seqs", config.max_num_seqs),
+                        ("--block-size", config.block_size)):
+        if value < 1:
+            raise VerispecError(f"{flag} must be >= 1, got {value}")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise VerispecError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    if config.kv_cache_gb is not None and config.kv_cache_gb <= 0:
+        raise VerispecError(f"--kv-cache-gb must be > 0, got {config.kv_cache_gb}")
+    for flag, value in (("--max-model-len", config.max_model_len),
+                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+                        ("--num-draft-tokens", config.num_draft_tokens)):
+        if value is not None and value < 1:
+            raise VerispecError(f"{flag} must be >= 1, got {value}")
+
+
+def check_options(config: EngineConfig) -> None:
+    """Every flag that needs no model: numbers, device, dtype, draft schedule, proposer options."""
+    from verispec.engine.loading import check_proposer_options
+
+    check_limits(config)
+    device = parse_device(config.device)
+    parse_dtype(config.dtype, device)
+    DraftSchedule.parse(config.draft_schedule, config.num_draft_tokens or 1, device.type)
+    check_proposer_options(config)
