@@ -78,10 +78,10 @@ def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, max_prompt_ch
         # the grammar starts at the first output token: a thinking model answers at once
         template_kwargs = {**(template_kwargs or {}), "enable_thinking": False}
     messages = template_messages([_template_message(i, m) for i, m in enumerate(req.messages)], plan)
-    prompt_text = tokenizer.render_chat(messages, template_kwargs, tools=plan.template_tools if plan else None)
+    prompt = tokenizer.render_chat_prompt(messages, template_kwargs, tools=plan.template_tools if plan else None)
+    prompt_text = prompt.text
     check_prompt_chars(prompt_text, max_prompt_chars, engine.max_model_len, "messages")
-    # The template already wrote any BOS/special tokens into the text.
-    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt_ids = tokenizer.encode_chat(prompt)
     # The engine says "max_tokens" and "prompt"; errors name the fields this client actually sent.
     sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
             "prompt": "messages"}
