@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     serve.add_argument("-H", "--host", default="127.0.0.1")
     serve.add_argument("-p", "--port", type=int, default=9999)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /, /static and /health; "
+                            "repeat for several clients (each key's prompts are cached apart)")
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: -m as given)")
     serve.add_argument("--default-max-tokens", type=int, default=8192,
                        help="max_tokens when a request gives none (capped by the context)")
@@ -310,6 +312,14 @@ def _check_port_free(host: str, port: int) -> None:
             raise VerispecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
+def check_api_keys(keys: list[str] | None) -> None:
+    for key in keys or []:
+        if not key or key != key.strip() or not key.isprintable():
+            # the key itself is not echoed: error output ends up in logs
+            raise VerispecError("--api-key must be a non-empty key without spaces at its ends or control "
+                                f"characters (one of {len(keys)} given is not)")
+
+
 def use_engine_process(flag: bool | None, device: str | None) -> bool:
     """--engine-process / --no-engine-process, else the measured default: a process of its own
     with CUDA (8 HTTP clients of the demo model on the H200: 4.34-4.57x one client's throughput
@@ -328,6 +338,7 @@ def cmd_serve(args) -> int:
 
     if args.max_request_bytes < 1:
         raise VerispecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    check_api_keys(args.api_key)
     _check_port_free(args.host, args.port)
     served = args.served_model_name or args.model
     config = _engine_config(args)  # no -m: picks the default model and its served name

@@ -39,6 +39,9 @@ class SamplingParams:
     # constrained decoding: output must match this grammar (verispec.grammar.spec builds one from a
     # JSON schema, "any JSON object" or a tool-call syntax); EOS is allowed only where it is complete
     grammar: GrammarSpec | None = None
+    # Not a sampling setting, but per request: prefix-cache blocks are shared only between requests
+    # with the same salt (None: the unsalted cache). The server salts by API key and `cache_salt`.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

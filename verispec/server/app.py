@@ -22,9 +22,10 @@ from verispec.server.schema import request_field_names
 from verispec.server.state import ServerState
 
 
-def create_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | list[str] | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, merge_chunks: bool = True) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as model `served_model_name` (default: engine.model_name).
+    api_key: one key or several (each client its own; the prefix cache is shared per key).
     merge_chunks=False streams every engine chunk as its own delta even when they pile up (tests
     whose engine double scripts the chunk boundaries)."""
     state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine, merge_chunks),
@@ -43,8 +44,9 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, api_k
     app.include_router(build_page_router(state))
     install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:  # outside the body limit: a client without the key is refused before any reading
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:  # outside the body limit: a client without the key is refused before any reading
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts 401s too
     return app
 
@@ -52,7 +54,7 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, api_k
 SWITCH_INTERVAL_S = 0.001
 
 
-def run_server(engine: EngineClient, host: str, port: int, api_key: str | None, served_model_name: str | None,
+def run_server(engine: EngineClient, host: str, port: int, api_key: str | list[str] | None, served_model_name: str | None,
                prewarm: bool, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """Prewarm (so the first request pays no warm-up and /health means ready), then serve until stopped."""
     # The engine's worker and the event loop share the GIL; a 1 ms switch interval (Python's default

@@ -63,6 +63,9 @@ class GenerationRequest(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        default=None, description="prefix-cache blocks are shared only with requests of the same API key "
+        "that send the same salt (as vLLM's cache_salt)")
 
     @property
     def include_usage(self) -> bool:
