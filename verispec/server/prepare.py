@@ -170,6 +170,8 @@ def _check_common(req: GenerationRequest, engine: EngineClient) -> int:
                               param="stop")
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, engine.vocab_size, "stop_token_ids")
+    if req.logit_bias:
+        check_token_ids([int(t) for t in req.logit_bias], engine.vocab_size, "logit_bias")
     return num_choices
 
 
@@ -214,7 +216,8 @@ def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: b
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
     return SamplingParams(max_tokens=max_tokens, stop=_stop_list(req.stop),
                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
-                          logprobs=logprobs, top_logprobs=top_logprobs, **kwargs)
+                          logprobs=logprobs, top_logprobs=top_logprobs,
+                          logit_bias={int(t): bias for t, bias in (req.logit_bias or {}).items()}, **kwargs)
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
