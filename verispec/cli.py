@@ -112,7 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     serve.add_argument("-H", "--host", default="127.0.0.1")
     serve.add_argument("-p", "--port", type=int, default=9999)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /, /static and /health; "
+                            "repeat for several clients (each key's prompts are cached apart)")
+    serve.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                       help="Host names answered besides localhost and the bound address (comma-separated or "
+                            "repeated; '.example.com' for a domain and its subdomains, '*' for any)")
+    serve.add_argument("--cors-origins", action="append", default=None, metavar="ORIGINS",
+                       help="origins whose web pages may call the API from a browser, e.g. "
+                            "https://app.example.com (comma-separated or repeated; '*' for any; default: none)")
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: -m as given)")
     serve.add_argument("--default-max-tokens", type=int, default=8192,
                        help="max_tokens when a request gives none (capped by the context)")
@@ -360,6 +368,37 @@ def _check_port_free(host: str, port: int) -> None:
             raise VerispecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
+def check_api_keys(keys: list[str] | None) -> None:
+    for key in keys or []:
+        if not key or key != key.strip() or not key.isprintable():
+            # the key itself is not echoed: error output ends up in logs
+            raise VerispecError("--api-key must be a non-empty key without spaces at its ends or control "
+                                f"characters (one of {len(keys)} given is not)")
+
+
+def browser_flags(allowed_hosts: list[str] | None, cors_origins: list[str] | None) -> tuple[list[str], list[str]]:
+    """--allowed-hosts and --cors-origins, split at commas and checked before the model loads."""
+    from verispec.server.host_check import check_allowed_host
+
+    hosts = _split_list(allowed_hosts)
+    origins = _split_list(cors_origins)
+    try:
+        for host in hosts:
+            check_allowed_host(host)
+    except ValueError as exc:
+        raise VerispecError(str(exc)) from exc
+    for origin in origins:
+        scheme, sep, rest = origin.partition("://")
+        if origin != "*" and (scheme not in ("http", "https") or not sep or not rest or "/" in rest):
+            raise VerispecError(f"--cors-origins takes origins such as https://app.example.com or "
+                                f"http://localhost:3000 (scheme and host, no path), or '*'; got {origin!r}")
+    return hosts, origins
+
+
+def _split_list(values: list[str] | None) -> list[str]:
+    return [item.strip() for value in values or [] for item in value.split(",") if item.strip()]
+
+
 def use_engine_process(flag: bool | None, device: str | None) -> bool:
     """--engine-process / --no-engine-process, else the measured default: a process of its own
     with CUDA (8 HTTP clients of the demo model on the H200: 4.34-4.57x one client's throughput
@@ -378,6 +417,8 @@ def cmd_serve(args) -> int:
 
     if args.max_request_bytes < 1:
         raise VerispecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    check_api_keys(args.api_key)
+    allowed_hosts, cors_origins = browser_flags(args.allowed_hosts, args.cors_origins)
     _check_port_free(args.host, args.port)
     served = args.served_model_name or args.model
     config = _engine_config(args)  # no -m: picks the default model and its served name
@@ -389,7 +430,8 @@ def cmd_serve(args) -> int:
     else:
         engine = Engine.load(config)
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=served, prewarm=not args.no_prewarm, max_request_bytes=args.max_request_bytes)
+               served_model_name=served, prewarm=not args.no_prewarm, max_request_bytes=args.max_request_bytes,
+               allowed_hosts=allowed_hosts, cors_origins=cors_origins)
     return 0
 
 

@@ -65,9 +65,10 @@ def keyed_server(engine):
         yield srv
 
 
-def test_api_key_required_on_v1_only(keyed_server):
+def test_api_key_required_everywhere_but_the_page_and_health(keyed_server):
     url = keyed_server.url
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}, {"Authorization": "Basic sesame"},
+                    {"Authorization": "Bearer"}, {"Authorization": "Bearersesame"}):
         response = httpx.post(url + "/v1/chat/completions", headers=headers,
                               json={"model": SERVED_NAME, "messages": USER_MESSAGES, "max_tokens": 2})
         assert response.status_code == 401
@@ -76,10 +77,17 @@ def test_api_key_required_on_v1_only(keyed_server):
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.post(url + "/v1/chat/completions", content="{bad json").status_code == 401
     assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
+    assert httpx.get(url + "/").status_code == 200
+    for path in ("/metrics", "/openapi.json", "/docs"):  # what they tell is for key holders too
+        assert httpx.get(url + path).status_code == 401, path
+    keyed = {"Authorization": "Bearer sesame"}
+    assert httpx.get(url + "/metrics", headers=keyed).status_code == 200
+    assert httpx.get(url + "/openapi.json", headers=keyed).status_code == 200
+    for scheme in ("bearer", "BEARER", "Bearer "):  # the scheme is case-insensitive (RFC 9110)
+        assert httpx.get(url + "/v1/models", headers={"Authorization": f"{scheme} sesame"}).status_code == 200
 
     with pytest.raises(openai.AuthenticationError):
         openai_client(keyed_server, api_key="wrong").models.list()
     good = openai_client(keyed_server, api_key="sesame")
     assert good.chat.completions.create(model=SERVED_NAME, messages=USER_MESSAGES, max_tokens=2).choices
-    assert 'status="401"' in httpx.get(url + "/metrics").text
+    assert 'status="401"' in httpx.get(url + "/metrics", headers=keyed).text

@@ -72,8 +72,10 @@ def test_malformed_json(http):
     assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_json_body_without_content_type(http):
-    assert http.post("/v1/chat/completions", content=json.dumps(CHAT)).status_code == 200
+def test_json_body_without_content_type_is_415(http):
+    """A page on any site may send a body without a content type and no CORS preflight: refused."""
+    response = http.post("/v1/chat/completions", content=json.dumps(CHAT))
+    assert_error(response, 415, code="unsupported_media_type")
 
 
 def test_bad_completion_requests(http):
@@ -154,4 +156,4 @@ def test_crash_mid_stream_sends_error_event_then_done(http, client, engine, monk
 def test_form_content_type_says_to_send_json(http):
     response = http.post("/v1/chat/completions", content=json.dumps(CHAT),
                          headers={"content-type": "application/x-www-form-urlencoded"})
-    assert "Content-Type: application/json" in assert_error(response, 400)["message"]
+    assert "Content-Type: application/json" in assert_error(response, 415, code="unsupported_media_type")["message"]

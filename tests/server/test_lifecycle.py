@@ -122,7 +122,7 @@ def test_serve_max_request_bytes_flag(tiny_model_dir, monkeypatch, capsys):
 
     async def post(size: int) -> int:
         transport = httpx.ASGITransport(app=served[0])
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             body = {"model": SERVED_NAME, "prompt": "x" * size, "max_tokens": 1}
             return (await c.post("/v1/completions", json=body)).status_code
 

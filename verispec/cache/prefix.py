@@ -3,7 +3,8 @@ cache reuses those blocks instead of computing them again.
 
 Identity. A full block is named by a chained hash: blake2b over its parent block's hash and its
 own token ids, so equal hashes mean equal tokens at equal positions from the start (K/V depend on
-nothing else). Every full, committed block of every sequence is registered under its hash in the
+nothing else). The first block's parent is the request's salt (`root_hash`): only requests with
+the same salt share blocks. Every full, committed block of every sequence is registered under its hash in the
 `BlockAllocator`, which keeps blocks nobody holds until their memory is needed (LRU).
 
 A hit of M tokens (whole blocks) shares those blocks and starts the prefill at position M. At
@@ -38,6 +39,16 @@ from verispec import log
 from verispec.cache.paged import BlockAllocator, PagedPools
 
 ROOT_HASH = b"verispec-prefix-v1"
+
+
+def root_hash(salt: str | None) -> bytes:
+    """The parent of a sequence's first block: a salt starts a chain no other salt's blocks can
+    match, so requests with different salts never share (or learn of) each other's blocks."""
+    if salt is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(ROOT_HASH, digest_size=16)
+    digest.update(salt.encode("utf-8", "surrogatepass"))
+    return digest.digest()
 
 
 def chain_hashes(token_ids: list[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:

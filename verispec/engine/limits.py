@@ -1,4 +1,5 @@
-"""What a request may ask of an engine: its prompt's token ids and how many new tokens fit. One
+"""What a request may ask of an engine: its prompt's token ids, the token ids its parameters name,
+and how many new tokens fit. One
 place for the checks, run by the Engine itself and, in the server's process, by the proxy of an
 engine running in its own process (engine/process.py), before any response starts."""
 from __future__ import annotations
@@ -16,7 +17,12 @@ class RequestLimits:
     default_max_tokens: int  # new tokens when a request names no max_tokens (capped by the room left)
 
     def max_new_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The number of new tokens this request may produce; raises on a request that cannot fit."""
+        """The number of new tokens this request may produce; raises on a request that cannot fit (or
+        whose logit_bias names a token outside the vocabulary: a bad index would fail a whole step)."""
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids in [0, {self.vocab_size}); got {bad[:5]}",
+                                      param="logit_bias")
         if num_prompt_tokens < 1:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
         room = self.max_model_len - num_prompt_tokens

@@ -63,7 +63,7 @@ class OverlappedDecode:
             return False  # a sequence waits or is mid-prompt: its prefill needs the scheduler every step
         for seq in seqs:
             p = seq.params
-            if (not p.greedy or p.has_penalties or p.logprobs or seq.constraint is not None
+            if (not p.greedy or p.adjusts_logits or p.logprobs or seq.constraint is not None
                     or seq.drafting or seq.remaining_tokens < 2):
                 return False
         return True

@@ -13,7 +13,7 @@ import time
 from enum import Enum
 from typing import Callable
 
-from verispec.cache.prefix import ROOT_HASH, chain_hashes
+from verispec.cache.prefix import chain_hashes, root_hash
 from verispec.engine.output import OutputBuilder
 from verispec.sampling.params import SamplingParams
 from verispec.engine.types import GenerationChunk, GenerationStats
@@ -51,6 +51,7 @@ class Sequence:
         # demand: tokens only ever append), blocks of the table registered so far, the hit this
         # admission took (consumed by the first prefill chunk), the latest decode-time snapshot
         self._block_hashes: list[bytes] = []
+        self._root_hash = root_hash(params.cache_salt)
         self.num_registered = 0
         self.prefix_hit = None
         self.decode_snapshot: bytes | None = None
@@ -79,7 +80,7 @@ class Sequence:
         have = len(self._block_hashes)
         if count > have:
             size = self.block_size
-            parent = self._block_hashes[-1] if have else ROOT_HASH
+            parent = self._block_hashes[-1] if have else self._root_hash
             self._block_hashes += chain_hashes(self.token_ids[have * size:count * size], size, parent)
         return self._block_hashes[:count]
 

@@ -128,13 +128,13 @@ class StepUpdate:
         # what each grammar allows, computed on the host while the verify pass runs; raw logits stay for logprobs
         logits = grammar.mask(out.logits, drafts) if grammar is not None else out.logits
         greedy_choices = None
-        if any(s.params.greedy and not s.params.has_penalties for s in seqs):
+        if any(s.params.greedy and not s.params.adjusts_logits for s in seqs):
             greedy_choices = logits.argmax(-1).tolist()  # one device sync for the whole batch
         synced_at = time.perf_counter()
         results = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts)):
             n = len(draft.token_ids) + 1
-            plain_greedy = seq.params.greedy and not seq.params.has_penalties
+            plain_greedy = seq.params.greedy and not seq.params.adjusts_logits
             choices = greedy_choices[b] if greedy_choices is not None else None
             results.append(self._accept(draft, None if plain_greedy else logits[b, :n], seq, choices))
         out.cache.commit([accepted + 1 for accepted, _ in results])
@@ -181,7 +181,7 @@ class StepUpdate:
         drafts, params, history = draft.token_ids, seq.params, seq.history
 
         def penalised(i: int) -> torch.Tensor:
-            if not params.has_penalties or i == 0:
+            if not params.adjusts_logits or i == 0:
                 return apply_penalties(logits[i], params, history)
             history.add(drafts[:i])
             try:
@@ -189,7 +189,7 @@ class StepUpdate:
             finally:
                 history.remove(drafts[:i])
 
-        if params.greedy and not params.has_penalties:
+        if params.greedy and not params.adjusts_logits:
             return verify_greedy(drafts, lambda i: greedy_choices[i])
         if params.greedy:
             return verify_greedy(drafts, lambda i: int(torch.argmax(penalised(i))))

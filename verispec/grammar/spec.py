@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from verispec.errors import InvalidRequestError
+from verispec.grammar.satisfiable import unsatisfiable_ref
 
 # json.dumps' default layout (", " and ": "), no other whitespace: what models saw most in training,
 # and bounded (a flexible-whitespace grammar lets a weak model emit blank lines until max_tokens).
@@ -32,6 +33,12 @@ def json_schema_grammar(schema: dict, param: str = "response_format") -> Grammar
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"'{param}': a JSON schema must be an object, got {type(schema).__name__}",
                                   param=param)
+    endless = unsatisfiable_ref(schema)
+    if endless is not None:
+        raise InvalidRequestError(
+            f"'{param}': no finite JSON value satisfies this schema: '{endless}' requires itself without end "
+            "(a required property, or an array of minItems >= 1, that refers back to it); make the "
+            "recursion optional", param=param)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
     except ValueError as exc:

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from verispec.errors import InvalidRequestError, VerispecError
+from verispec.loading.control_text import ControlTextMask, MaskedPrompt, control_spellings
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -25,6 +26,7 @@ class Tokenizer:
         self._special_ids = set(hf_tokenizer.all_special_ids)
         self._byte_level = _is_byte_level(hf_tokenizer)
         self._backend_decode = _backend_decode(hf_tokenizer)
+        self._control_spellings = control_spellings(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_eos: list[int] | None = None) -> "Tokenizer":
@@ -92,10 +94,25 @@ class Tokenizer:
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}",
                                       param="messages") from exc
 
-    def chat_prompt_ids(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        text = self.render_chat(messages, chat_template_kwargs)
-        # The template already wrote any BOS/special tokens into the text.
-        return text, self.encode(text, add_special_tokens=False)
+    def render_chat_prompt(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                           tools: list | None = None) -> MaskedPrompt:
+        """The rendered prompt, not yet tokenized (`encode_chat` does that). A control token's spelling
+        inside the messages or tools stays text (loading/control_text.py): only the template writes
+        control tokens."""
+        mask = ControlTextMask(self._control_spellings)
+        masked_messages, masked_tools = mask.mask(messages), mask.mask(tools)
+        return MaskedPrompt(self.render_chat(masked_messages, chat_template_kwargs, tools=masked_tools), mask)
+
+    def encode_chat(self, prompt: MaskedPrompt) -> list[int]:
+        if not prompt.mask.found:
+            # The template already wrote any BOS/special tokens into the text.
+            return self.encode(prompt.rendered, add_special_tokens=False)
+        return prompt.mask.encode(prompt.rendered, self.hf)
+
+    def chat_prompt_ids(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                        tools: list | None = None) -> tuple[str, list[int]]:
+        prompt = self.render_chat_prompt(messages, chat_template_kwargs, tools)
+        return prompt.text, self.encode_chat(prompt)
 
     def prompt_opens_thinking(self, prompt_text: str) -> bool:
         """True when the template itself opened <think>: generation starts inside reasoning."""

@@ -1,6 +1,7 @@
 """SamplingParams: what one request asks of the engine, validated once at the edge."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,8 @@ GREEDY_TEMPERATURE = 1e-5
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # torch.Generator.manual_seed takes exactly this range (anything else is an OverflowError in a step).
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# logit_bias values, as OpenAI's: -100 bans a token in practice, +100 all but forces it.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass
@@ -36,9 +39,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # token id -> added to its logit after penalties, before temperature and filters; verification
+    # uses the biased logits too, so with speculation on the biased distribution is the target's
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # constrained decoding: output must match this grammar (verispec.grammar.spec builds one from a
     # JSON schema, "any JSON object" or a tool-call syntax); EOS is allowed only where it is complete
     grammar: GrammarSpec | None = None
+    # Not a sampling setting, but per request: prefix-cache blocks are shared only between requests
+    # with the same salt (None: the unsalted cache). The server salts by API key and `cache_salt`.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,10 +86,19 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        low, high = LOGIT_BIAS_RANGE
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token_id!r}")
+            if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+                    or not low <= bias <= high):
+                raise bad("logit_bias", f"values must be numbers between {low:g} and {high:g}, got {bias!r} "
+                          f"for token {token_id}")
         if self.top_logprobs and not self.logprobs:
             self.logprobs = True
 
     @property
-    def has_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the target's logits (sampler.apply_penalties)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))

@@ -23,7 +23,7 @@ class TokenLogprob:
 
 
 class TokenHistory:
-    """Counts of prompt and generated tokens, for penalties. Counts are kept on the host and the
+    """Counts of prompt and generated tokens, for penalties, and the request's logit bias as a tensor. Counts are kept on the host and the
     device tensors built only when a penalty reads them: most requests have no penalties, and a
     device update per token per sequence would cost a kernel launch each in a batched step."""
 
@@ -34,6 +34,7 @@ class TokenHistory:
         self.counts: Counter[int] = Counter()
         self._in_prompt: torch.Tensor | None = None
         self._output_counts: torch.Tensor | None = None  # built from `counts`, dropped when they change
+        self._bias: torch.Tensor | None = None
 
     def add(self, token_ids: list[int]) -> None:
         if token_ids:
@@ -55,6 +56,16 @@ class TokenHistory:
                 self._in_prompt[torch.tensor(ids, dtype=torch.long, device=self.device)] = True
         return self._in_prompt
 
+    def bias(self, logit_bias: dict[int, float]) -> torch.Tensor:  # [V] float32
+        """The request's logit_bias (fixed for its life) as a dense row, built once."""
+        if self._bias is None:
+            bias = torch.zeros(self.vocab_size, dtype=torch.float32)
+            for token_id, value in logit_bias.items():
+                if 0 <= token_id < self.vocab_size:
+                    bias[token_id] = float(value)
+            self._bias = bias.to(self.device)
+        return self._bias
+
     @property
     def output_counts(self) -> torch.Tensor:  # [V] int32
         if self._output_counts is None:
@@ -69,10 +80,18 @@ class TokenHistory:
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
-    """logits [V] (float32) -> penalised logits [V]."""
-    if not params.has_penalties:
+    """logits [V] (float32) -> penalised and biased logits [V]."""
+    if not params.adjusts_logits:
         return logits
-    logits = logits.clone()
+    logits = _penalised(logits, params, history)
+    if params.logit_bias:
+        logits = logits + history.bias(params.logit_bias).to(logits.dtype)
+    return logits
+
+
+def _penalised(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    if not (params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty):
+        return logits
     counts = history.output_counts
     seen_output = counts > 0
     if params.repetition_penalty != 1.0:

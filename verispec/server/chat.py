@@ -6,6 +6,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from verispec.engine.types import GenerationChunk
+from verispec.server.cache_scope import cache_salt
 from verispec.server.errors import client_gone
 from verispec.server.generation import CollectedGeneration, all_finished, collect, first_chunk, observed_generation
 from verispec.server.input_checks import reject_unpaired_surrogates_in
@@ -26,6 +27,7 @@ async def chat_completion(state: ServerState, request: Request, body: ChatComple
     check_model(body.model, state.served_model_name)
     tokenizer = state.engine.tokenizer
     prepared = await state.bridge.run_blocking(prepare_chat, body, state.engine, state.max_prompt_chars)
+    prepared.params.cache_salt = cache_salt(request.scope, body.cache_salt)
     # Only thinking models get their output split; for others "<think>" is just text.
     parses_reasoning = tokenizer.supports_thinking
     chunks = observed_generation(state, request, prepared)

@@ -5,6 +5,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from verispec.engine.types import GenerationChunk
+from verispec.server.cache_scope import cache_salt
 from verispec.server.errors import client_gone
 from verispec.server.generation import all_finished, collect, first_chunk, observed_generation
 from verispec.server.input_checks import reject_unpaired_surrogates_in
@@ -21,6 +22,7 @@ async def completion(state: ServerState, request: Request, body: CompletionReque
     check_model(body.model, state.served_model_name)
     tokenizer = state.engine.tokenizer
     prepared = await state.bridge.run_blocking(prepare_completion, body, state.engine, state.max_prompt_chars)
+    prepared.params.cache_salt = cache_salt(request.scope, body.cache_salt)
     echo_text = prepared.prompt_text if body.echo else ""
     chunks = observed_generation(state, request, prepared)
 

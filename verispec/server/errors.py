@@ -50,12 +50,23 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
+# Client text quoted in an error is cut to this: a 1 MB model name must not come back as a 1 MB 404.
+MAX_QUOTED_CHARS = 100
+
+
+def shorten(text: str | None, limit: int = MAX_QUOTED_CHARS) -> str | None:
+    """Client text to quote in an error message, cut with a note of its full length."""
+    if text is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
 def model_not_found(requested: str, served: str) -> APIError:
-    return APIError(404, f"the model '{requested}' does not exist; this server serves '{served}'",
+    return APIError(404, f"the model '{shorten(requested)}' does not exist; this server serves '{served}'",
                     param="model", code="model_not_found")
 
 
@@ -138,7 +149,7 @@ def install_error_handlers(app: FastAPI, field_names: set[str]) -> None:
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and wrong methods, in the same shape as every other error.
         # Keeps the exception's headers: a 405 says which methods the route takes (Allow).
-        message = f"{exc.detail}: {request.method} {request.url.path}"
+        message = f"{exc.detail}: {shorten(request.method)} {shorten(request.url.path)}"
         return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -62,6 +62,7 @@ def _errors(*statuses: int) -> dict:
     reasons = {400: "invalid request (a bad field, named in `param`)",
                401: "missing or wrong API key (with --api-key)",
                404: "unknown model", 413: "request body over --max-request-bytes",
+               415: "a body sent without 'Content-Type: application/json'",
                499: "the client closed the connection (never read)",
                500: "internal error"}
     return {status: {"model": ErrorResponse, "description": reasons[status]} for status in statuses}
@@ -77,7 +78,7 @@ SSE_CONTENT = {"text/event-stream": {"schema": {
 GENERATION_RESPONSES: dict = {
     200: {"model": CompletionResponse, "content": SSE_CONTENT,
           "description": "the completion, or with stream: true its chunks as server-sent events"},
-    **_errors(400, 401, 404, 413, 500),
+    **_errors(400, 401, 404, 413, 415, 500),
 }
 MODEL_RESPONSES: dict = _errors(401, 404)
 

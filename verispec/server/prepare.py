@@ -78,10 +78,10 @@ def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, max_prompt_ch
         # the grammar starts at the first output token: a thinking model answers at once
         template_kwargs = {**(template_kwargs or {}), "enable_thinking": False}
     messages = template_messages([_template_message(i, m) for i, m in enumerate(req.messages)], plan)
-    prompt_text = tokenizer.render_chat(messages, template_kwargs, tools=plan.template_tools if plan else None)
+    prompt = tokenizer.render_chat_prompt(messages, template_kwargs, tools=plan.template_tools if plan else None)
+    prompt_text = prompt.text
     check_prompt_chars(prompt_text, max_prompt_chars, engine.max_model_len, "messages")
-    # The template already wrote any BOS/special tokens into the text.
-    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt_ids = tokenizer.encode_chat(prompt)
     # The engine says "max_tokens" and "prompt"; errors name the fields this client actually sent.
     sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
             "prompt": "messages"}
@@ -170,6 +170,8 @@ def _check_common(req: GenerationRequest, engine: EngineClient) -> int:
                               param="stop")
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, engine.vocab_size, "stop_token_ids")
+    if req.logit_bias:
+        check_token_ids([int(t) for t in req.logit_bias], engine.vocab_size, "logit_bias")
     return num_choices
 
 
@@ -214,7 +216,8 @@ def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: b
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
     return SamplingParams(max_tokens=max_tokens, stop=_stop_list(req.stop),
                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
-                          logprobs=logprobs, top_logprobs=top_logprobs, **kwargs)
+                          logprobs=logprobs, top_logprobs=top_logprobs,
+                          logit_bias={int(t): bias for t, bias in (req.logit_bias or {}).items()}, **kwargs)
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

@@ -14,17 +14,21 @@ from verispec.server.schema import ChatCompletionRequest, CompletionRequest
 from verispec.server.state import ServerState
 
 
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+JSON_BODY_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})  # the routes that read a JSON body
+
+
 def build_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
+    @router.post(CHAT_PATH, responses=GENERATION_RESPONSES)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         try:
             return await chat_completion(state, request, body)
         except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
             return as_api_error(exc, " on /v1/chat/completions").response()
 
-    @router.post("/v1/completions", responses=GENERATION_RESPONSES)
+    @router.post(COMPLETIONS_PATH, responses=GENERATION_RESPONSES)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
         try:
             return await completion(state, request, body)
@@ -48,6 +52,8 @@ def build_router(state: ServerState) -> APIRouter:
     async def health() -> dict:
         # The server only starts listening after prewarm, so answering at all means ready.
         return {"status": "ok"}
+
+    router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # what uptime monitors send
 
     @router.get("/metrics", response_class=PlainTextResponse,
                 responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},

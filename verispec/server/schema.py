@@ -14,11 +14,31 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 # NaN and Infinity are not JSON, but Python's parser reads them; no sampling parameter means anything there.
 FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+# logit_bias: a JSON object's keys are strings, so token ids come as decimal text (OpenAI's shape)
+TOKEN_ID_TEXT = r"^[0-9]{1,10}$"
+LOGIT_BIAS_DOCUMENT = {"type": "object", "propertyNames": {"pattern": TOKEN_ID_TEXT},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
+LogitBias = Annotated[dict[Annotated[StrictStr, Field(pattern=TOKEN_ID_TEXT)],
+                           Annotated[StrictFloat, Field(allow_inf_nan=False, ge=-100, le=100)]],
+                      WithJsonSchema(LOGIT_BIAS_DOCUMENT)]
+
+
+# response_format is checked field by field in server/tools/request.py (errors name e.g.
+# response_format.json_schema.schema); the document states the same shapes, so it allows no body
+# the server answers with a 400 (`{}` has no type).
+RESPONSE_FORMAT_DOCUMENT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}},
+]}
+ResponseFormat = Annotated[dict[str, Any], WithJsonSchema(RESPONSE_FORMAT_DOCUMENT)]
 
 
 class ContentPart(BaseModel):
@@ -56,6 +76,8 @@ class GenerationRequest(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    logit_bias: LogitBias | None = Field(
+        default=None, description="token id -> a bias from -100 to 100 added to its logit (with speculation too)")
     # Optional flags accept null: many clients send every field, unset ones as null.
     ignore_eos: StrictBool | None = None
     n: StrictInt | None = Field(default=None, description="choices to generate, 1 to 16; with a seed, "
@@ -63,6 +85,9 @@ class GenerationRequest(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        default=None, description="prefix-cache blocks are shared only with requests of the same API key "
+        "that send the same salt (as vLLM's cache_salt)")
 
     @property
     def include_usage(self) -> bool:
@@ -80,7 +105,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: StrictStr | dict[str, Any] | None = Field(default=None, description="none, auto, required, "
                                                            "or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = Field(default=None, description="{\"type\": \"text\" | "
+    response_format: ResponseFormat | None = Field(default=None, description="{\"type\": \"text\" | "
                                                    "\"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}")
 
 
