@@ -85,6 +85,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's size in GiB (CPU default 2; on CUDA it replaces --gpu-memory-utilization)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
+    p.add_argument("--numerics", default="exact", metavar="{exact,fast}",
+                   help="exact (default): a token's result does not depend on the batch, speculation, prompt "
+                        "chunking or prefix cache (our own GEMM and attention kernels on CUDA); fast: torch's "
+                        "GEMMs and flash attention for prompts, whose results may change with the load")
     p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
                    help="drafts per round by batch size, e.g. '1:3,8:1,32:0' (default: k below 9 sequences, 1 "
                         "below 32, none from 32)")
@@ -233,6 +237,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
+    bench.add_argument("--numerics", default="exact", choices=("exact", "fast"),
+                       help="offline: the engine's numerics (default exact; see `serve --help`)")
     bench.add_argument("--no-overlap-decode", action="store_true",
                        help="offline: wait for each plain decode step before queuing the next")
     bench.add_argument("--quant", default=None, metavar="FORMAT",
@@ -335,7 +341,7 @@ def _engine_config(args):
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
                           draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache,
-                          **_model_free_config(args))
+                          numerics=args.numerics, **_model_free_config(args))
     check_options(config)
     if chosen is not None:
         log.info("model: %s", chosen.note(dtype_applied=user_dtype is None, speculation_applied=not user_spec))
@@ -453,7 +459,7 @@ def cmd_generate(args) -> int:
         _, prompt_ids = tok.chat_prompt_ids(messages)
     if args.json:
         result = engine.generate_all(prompt_ids, params)
-        print(json.dumps(result.as_json(), ensure_ascii=False))
+        print(json.dumps({**result.as_json(), "numerics": engine.describe().numerics}, ensure_ascii=False))
         return 0
     stats = None
     for chunk in engine.generate(prompt_ids, params):
@@ -492,7 +498,7 @@ def cmd_bench(args) -> int:
         model=args.model, shape=args.shape, url=args.url, serve=tuple(args.serve or ()),
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
         dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
-        cuda_graphs=not args.no_cuda_graphs, overlap_decode=not args.no_overlap_decode,
+        numerics=args.numerics, cuda_graphs=not args.no_cuda_graphs, overlap_decode=not args.no_overlap_decode,
         out=Path(args.out) if args.out else None,
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,

@@ -75,6 +75,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the free GPU memory (after weights) the KV cache takes
     kv_cache_gb: float | None = None  # the KV cache's size in GiB (CPU default 2; on CUDA overrides the fraction)
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
+    # "exact": a token's result does not depend on the pass it is computed in (batch, speculation,
+    # prompt chunking, prefix cache; docs/serving.md); "fast": torch's own GEMMs and flash attention
+    numerics: str = "exact"
     # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
     overlap_decode: bool | None = None
     batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`)

@@ -141,6 +141,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
             max_model_len: int | None = None) -> tuple[Engine, str | None]:
     opts, target = setup.opts, setup.target
     config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs,
+                          numerics=opts.numerics,
                           overlap_decode=None if opts.overlap_decode else False,
                           max_num_seqs=max_num_seqs or max(opts.concurrency or (1,)), prefix_cache=prefix_cache,
                           max_model_len=max_model_len or max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
@@ -189,7 +190,7 @@ def _new_engine(target: Target, config: EngineConfig, proposer=None, num_drafts:
     """An engine on the target, its model first rewritten for the device as the loader does (once:
     later engines on the same model find nothing left to do)."""
     warmup.pin_triton_cache_dir(next(target.model.parameters()).device)  # before anything compiles
-    prepare_for_device(target.model, config.fuse_small_ops)
+    prepare_for_device(target.model, config.fuse_small_ops, config.numerics)
     return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=num_drafts)
 
 

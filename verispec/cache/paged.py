@@ -278,7 +278,8 @@ class BatchCache:
 
     def __init__(self, pools: PagedPools, block_tables: torch.Tensor, positions: torch.Tensor,
                  state_slots: torch.Tensor | None, num_keys: int, use_kernel: bool = False,
-                 row_starts: list[int] | None = None, row_lengths: list[int] | None = None):
+                 row_starts: list[int] | None = None, row_lengths: list[int] | None = None,
+                 prompt_kernel: bool = False):
         self.pools = pools
         self.block_tables = block_tables
         self.positions = positions
@@ -287,7 +288,9 @@ class BatchCache:
         self.use_kernel = use_kernel
         self.row_starts = row_starts
         self.row_lengths = row_lengths
+        self.prompt_kernel = prompt_kernel  # prompt chunks: kernels/decode_attention.py `paged_chunk_attention`
         self._valid_rows: torch.Tensor | None = None
+        self._row_lengths_tensor: torch.Tensor | None = None
         self.block_size = pools.block_size
         self.write_slots = slot_table(block_tables, positions, self.block_size).reshape(-1)  # [B * T]
         self._read_slots: torch.Tensor | None = None
@@ -302,6 +305,13 @@ class BatchCache:
             lengths = torch.tensor(self.row_lengths, device=self.positions.device)
             self._valid_rows = torch.arange(t, device=self.positions.device)[None] < lengths[:, None]
         return self._valid_rows
+
+    def padded_row_lengths(self) -> torch.Tensor | None:
+        """row_lengths on the device when some row is padded (None: every row is real)."""
+        t = self.positions.shape[1]
+        if self._row_lengths_tensor is None and self.row_lengths is not None and any(n != t for n in self.row_lengths):
+            self._row_lengths_tensor = torch.tensor(self.row_lengths, device=self.positions.device)
+        return self._row_lengths_tensor
 
     # ---- attention layers -------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -46,6 +46,8 @@ class EngineDescription:
     device_name: str | None  # the GPU's name (None on a CPU)
     dtype: str | None  # "bfloat16", "float32" (None: not known)
     cache: str | None = None  # the KV cache and batch in one line for the startup log (None: no paged cache)
+    # "exact" where a token's result does not depend on its pass (CUDA with --numerics exact), else "fast"
+    numerics: str = "fast"
 
 
 @runtime_checkable
@@ -114,7 +116,13 @@ class ServedEngine:
     def describe(self) -> EngineDescription:
         return EngineDescription(method=self.method, num_drafts=int(self.num_drafts), device=str(self.device),
                                  device_name=self.gpu_name(), dtype=str(self.dtype).removeprefix("torch."),
-                                 cache=self._describe_cache())
+                                 cache=self._describe_cache(), numerics=self.numerics)
+
+    @property
+    def numerics(self) -> str:
+        """The numerics in effect: "exact" needs our kernels, so CUDA (docs/serving.md)."""
+        exact = self.config.numerics == "exact" and torch.device(self.device).type == "cuda"
+        return "exact" if exact else "fast"
 
     def gpu_name(self) -> str | None:
         """The GPU's name (None on a CPU)."""

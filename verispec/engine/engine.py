@@ -131,7 +131,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
                                    prefix=self.prefix, batch_prefill=cfg.batch_prefill)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
-                                  use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer)
+                                  use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer,
+                                  prompt_kernel=cfg.numerics == "exact" and split_k.available(self.device))
         if self.prefix is not None:
             # a drafter with K/V rows of its own recomputes its row at a hit's last position
             self.prefix.keep_features = self.proposer is not None and self.proposer.pools is not None

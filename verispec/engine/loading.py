@@ -54,6 +54,6 @@ def load_parts(config: EngineConfig) -> tuple:
     if proposer is not None:
         log.startup_phase("loading the drafter", t4 - t3)
     warmup.pin_triton_cache_dir(device)  # before the load-time rewrites compile anything (see there)
-    prepare_for_device(model, config.fuse_small_ops)  # after the proposer, which may share its layers
+    prepare_for_device(model, config.fuse_small_ops, config.numerics)  # after the proposer, which may share its layers
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts

@@ -12,6 +12,9 @@ from verispec.errors import VerispecError
 from verispec.loading.model_loader import parse_device, parse_dtype
 
 
+NUMERICS = ("exact", "fast")
+
+
 def check_limits(config: EngineConfig) -> None:
     """The numeric flags."""
     for flag, value in (("--prefill-step-size", config.prefill_step_size), ("--max-num-seqs", config.max_num_seqs),
@@ -22,6 +25,8 @@ def check_limits(config: EngineConfig) -> None:
         raise VerispecError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
     if config.kv_cache_gb is not None and config.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {config.kv_cache_gb}")
+    if config.numerics not in NUMERICS:
+        raise VerispecError(f"--numerics must be one of {', '.join(NUMERICS)}, got {config.numerics!r}")
     for flag, value in (("--max-model-len", config.max_model_len),
                         ("--max-num-batched-tokens", config.max_num_batched_tokens),
                         ("--num-draft-tokens", config.num_draft_tokens)):

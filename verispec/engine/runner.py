@@ -32,11 +32,13 @@ class PassOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pools: PagedPools, num_real_tokens: int, use_kernel: bool,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, prompt_kernel: bool = False):
         self.model = model
         self.pools = pools
         self.num_real_tokens = num_real_tokens
         self.use_kernel = use_kernel  # split-K kernel over the block tables for short passes (CUDA)
+        # prompt chunks attend with the kernel whose rows are the split-K kernel's bits (exact numerics)
+        self.prompt_kernel = prompt_kernel
         p = next(model.parameters())
         self.device = p.device
         self.graphs = None  # BatchGraphs (CUDA), set by the engine at prewarm
@@ -104,7 +106,8 @@ class ModelRunner:
     def batch_cache(self, seqs: list[Sequence], positions: torch.Tensor, num_keys: int,
                     row_starts: list[int] | None = None, row_lengths: list[int] | None = None) -> BatchCache:
         return BatchCache(self.pools, self.block_tables(seqs), positions, self.state_slots(seqs), num_keys,
-                          self.use_kernel, row_starts=row_starts, row_lengths=row_lengths)
+                          self.use_kernel, row_starts=row_starts, row_lengths=row_lengths,
+                          prompt_kernel=self.prompt_kernel)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], counts: list[int], capture: tuple[int, ...],

@@ -149,9 +149,27 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        return _finish(m_i, l_i, acc)
+
+    @triton.jit
+    def _finish(m_i, l_i, acc):
+        """A share's running sums as (log-sum-exp, its weighted values)."""
         has = l_i > 0
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         return lse, acc / tl.where(has, l_i, 1.0)[:, None]
+
+    @triton.jit
+    def _fold_finished(m, l, o, m_i, l_i, acc, rows):
+        """For `rows`: their running share finished, folded into (m, l, o), and restarted."""
+        lse, part = _finish(m_i, l_i, acc)
+        m2, l2, o2 = _fold(m, l, o, lse, part)
+        m = tl.where(rows, m2, m)
+        l = tl.where(rows, l2, l)
+        o = tl.where(rows[:, None], o2, o)
+        m_i = tl.where(rows, float("-inf"), m_i)
+        l_i = tl.where(rows, 0.0, l_i)
+        acc = tl.where(rows[:, None], 0.0, acc)
+        return m, l, o, m_i, l_i, acc
 
     @triton.jit
     def _fold(m, l, o, lse, part):
@@ -294,15 +312,57 @@ if triton is not None:
             v_base = V + b * stride_vb + h * stride_vh
         q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+        # one pass over the keys (so the loads pipeline): a row's shares start at block boundaries,
+        # so at a block that opens a new share the row's running sums are finished, folded and
+        # restarted, exactly as its split-path program would have summed and folded them
+        kv_t = pos_t + 1
+        lo_t = kv_t * 0
+        if HAS_WINDOW:
+            lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
+        chunk_t = tl.cdiv(tl.cdiv(kv_t - lo_t, SHARES), BLOCK_N) * BLOCK_N
+        start = tl.min(tl.where(row_valid, lo_t, 2147483647), 0)
+        end = tl.max(tl.where(row_valid, kv_t, 0), 0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s in range(SHARES):
-            start_t, end_t = _row_share(pos_t, window, s, SHARES, BLOCK_N, HAS_WINDOW)
-            lse, part = _share_sums(q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, start_t, end_t,
-                                    pos_t, row_valid, offs_d, d_valid, scale, window, BLOCK_M, BLOCK_N, BLOCK_D,
-                                    HAS_WINDOW, IEEE, PAGED, PAGE)
-            m, l, o = _fold(m, l, o, lse, part)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        share = tl.full([BLOCK_M], -1, tl.int32)  # the share the running sums belong to (-1: none yet)
+        for n0 in range(start, end, BLOCK_N):
+            in_row = row_valid & (n0 >= lo_t) & (n0 < kv_t)
+            share_n = (n0 - lo_t) // chunk_t
+            opens = in_row & (share >= 0) & (share_n != share)
+            if tl.max(opens.to(tl.int32), 0) > 0:
+                m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, opens)
+            share = tl.where(in_row, share_n, share)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < end
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
+            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * scale
+            allowed = in_row[:, None] & (offs_n[None, :] < kv_t[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
+            qk = tl.where(allowed, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, share >= 0)
         out = o / tl.where(row_valid, l, 1.0)[:, None]
         # OUT is [B, T, HQ, D], as the split path's
         dst = (b * T + t).to(tl.int64) * hq_total + h * G + g

@@ -93,11 +93,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True) -> None:
+def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: str = "exact") -> None:
     """The model rewrites made once for its device, after loading and before an engine sizes its
     KV cache, in this order: q/k/v and gate/up merged into one GEMM each, and on CUDA the small ops
     compiled (`fuse_small_ops`); then each quantized layer bound to its kernel (verispec.quant.prepare,
-    which converts a merged layer once). Calling it again changes nothing."""
+    which converts a merged layer once); under exact numerics on CUDA, the dense linear layers bound
+    to the row-invariant kernel. Calling it again changes nothing."""
     from verispec import quant
     from verispec.kernels import decode_attention
 
@@ -112,6 +113,10 @@ def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True) -> None:
         else:
             model.fuse_small_ops()  # compiled on first use: prewarm pays for it
     quant.prepare(model)
+    if numerics == "exact" and device.type == "cuda":
+        from verispec.models.layers.exact import use_row_invariant_linears
+
+        use_row_invariant_linears(model)
 
 
 def _our_name(model: CausalLM, ckpt_name: str) -> str:

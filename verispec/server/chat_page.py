@@ -67,6 +67,7 @@ def describe_server(state: ServerState) -> dict:
         "device": info.device,
         "device_name": info.device_name,
         "dtype": info.dtype,
+        "numerics": info.numerics,
         "max_model_len": state.engine.max_model_len,
         "version": state.system_fingerprint,
     }

@@ -65,6 +65,10 @@ class ServerMetrics:
         self.num_drafts = Gauge("verispec_spec_drafts_per_round", "Drafts per sequence chosen for the last decode "
                                 "step from the batch size (--draft-schedule)", registry=self.registry)
 
+        self.numerics = Gauge("verispec_numerics_info", "1 for the numerics the engine runs: exact (a token's result "
+                              "does not depend on the batch, speculation or cache) or fast", ["mode"],
+                              registry=self.registry)
+
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         endpoint = endpoint_label(path)
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -60,6 +60,7 @@ def build_router(state: ServerState) -> APIRouter:
                                  "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         state.metrics.observe_engine(state.engine.load_stats())
+        state.metrics.numerics.labels(mode=state.engine.describe().numerics).set(1)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router
@@ -71,4 +72,5 @@ def _only(responses: dict, *statuses: int) -> dict:
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.served_model_name, "object": "model", "created": state.started_at,
-            "owned_by": "verispec", "max_model_len": state.engine.max_model_len}
+            "owned_by": "verispec", "max_model_len": state.engine.max_model_len,
+            "numerics": state.engine.describe().numerics}

@@ -153,6 +153,12 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
         pools = cache.pools
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window)
+    if cache.row_lengths is not None and cache.prompt_kernel and q.is_cuda:
+        # exact numerics: each prompt token's rows are the bits its decode step gives it
+        pools = cache.pools
+        return split_k.paged_chunk_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
+                                             pools.block_size, inputs.positions, scale, window,
+                                             cache.padded_row_lengths())
     k, v = cache.gather(layer)
     if cache.row_lengths is not None:
         # prompt chunks (one sequence's, or several padded at their ends): each sequence attends

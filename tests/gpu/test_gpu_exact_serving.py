@@ -1,0 +1,116 @@
+"""Exact numerics on CUDA in bfloat16: a request's tokens and logprobs are bit for bit the same
+alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 others, with 64-token
+prompt chunks, without the prefix cache, under preemption, eagerly, and speculating with replays of
+its own output that are always right and always wrong. Llama, Qwen3 (q/k norms) and Gemma 3
+(sliding windows, soft-capped logits), tiny random checkpoints with the engine's real kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.replay import KeyedReplay, first_divergence
+from tools.tiny import build_tiny_gemma3, build_tiny_model, corpus_text
+from verispec.config import EngineConfig
+from verispec.engine.engine import Engine
+from verispec.sampling.params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NEW_TOKENS = 48
+PROMPT_TOKENS = [17, 70, 129, 250, 300, 33, 190, 96]
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048)
+FAMILIES = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("gpu-exact")
+    build_tiny_model(root / "llama", "llama", tokenizer_dir=tokenizer_dir, **SHAPE)
+    build_tiny_model(root / "qwen3", "qwen3", tokenizer_dir=tokenizer_dir, head_dim=64, **SHAPE)
+    build_tiny_gemma3(root / "gemma3", tokenizer_dir=tokenizer_dir, hidden_size=256, intermediate_size=512,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+    return root
+
+
+def load(root, family: str, **fields) -> Engine:
+    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.25), **fields)
+    engine = Engine.load(EngineConfig(model=str(root / family), dtype="bfloat16", device="cuda", max_model_len=1024,
+                                      **fields))
+    assert engine.describe().numerics == "exact"
+    if engine.config.cuda_graphs:
+        engine.capture_graphs()
+    return engine
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+
+def prompts_of(engine: Engine) -> list[list[int]]:
+    ids = engine.tokenizer.encode(corpus_text(20_000))
+    return [ids[i * 300:i * 300 + n] for i, n in enumerate(PROMPT_TOKENS)]
+
+
+def record(result) -> tuple:
+    """Tokens and logprobs (with the top 2), compared bit for bit."""
+    return result.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in result.logprobs]
+
+
+def check(got: list, want: list, what: str) -> None:
+    bad = [(i, first_divergence(g[0], w[0])) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{what}: (prompt, first differing token) {bad}"
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    """{family: (prompts, each prompt generated alone, first in a fresh engine)}."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            engine = load(root, family)
+            prompts = prompts_of(engine)
+            cache[family] = engine, prompts, [record(engine.generate_all(p, params())) for p in prompts]
+        return cache[family]
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(root, reference, family):
+    engine, prompts, alone = reference(family)
+    check([record(engine.generate_all(p, params())) for p in prompts], alone, "repeated (full prefix hits)")
+    check([record(r) for r in engine.generate_batch(prompts, params())], alone, "all 8 together")
+    for first in (0, 3, 5):
+        group = prompts[first:first + 3]
+        check([record(r) for r in engine.generate_batch(group, params())], alone[first:first + 3], "3 together")
+    # a partial hit: each prompt's first half is cached (by the runs above), its new tail is not
+    longer = [p + p[: len(p) // 2] for p in prompts]
+    fresh = load(root, family, prefix_cache=False)
+    want = [record(fresh.generate_all(p, params())) for p in longer]
+    check([record(engine.generate_all(p, params())) for p in longer], want, "partial prefix hits")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", ["chunks-of-64", "no-prefix-cache", "eager", "preempted"])
+def test_engine_settings_do_not_change_a_request(root, reference, family, case):
+    _, prompts, alone = reference(family)
+    fields = {"chunks-of-64": dict(prefill_step_size=64), "no-prefix-cache": dict(prefix_cache=False),
+              "eager": dict(cuda_graphs=False), "preempted": dict(kv_cache_gb=0.0015)}[case]
+    engine = load(root, family, **fields)
+    check([record(r) for r in engine.generate_batch(prompts, params())], alone, case)
+    if case == "preempted":
+        assert engine.load_stats()["preemptions"] > 0, "the small cache preempted nobody"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("replay", ["right", "wrong"])
+def test_speculation_does_not_change_a_request(reference, family, replay):
+    base, prompts, alone = reference(family)
+    continuations = {tuple(p): a[0] for p, a in zip(prompts, alone)}
+    engine = Engine(base.model, base.tokenizer, base.config, base.model_dir,
+                    proposer=KeyedReplay(continuations, base.model.vocab_size, wrong_at=lambda i: replay == "wrong"),
+                    num_drafts=3)
+    engine.capture_graphs()
+    check([record(r) for r in engine.generate_batch(prompts, params())], alone, f"replay {replay}, together")
+    check([record(engine.generate_all(p, params())) for p in prompts[:3]], alone[:3], f"replay {replay}, alone")

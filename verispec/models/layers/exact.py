@@ -1,0 +1,42 @@
+"""Exact numerics: every dense linear layer of a model on CUDA runs kernels/linear.py, whose rows
+are summed the same way at every row count, instead of cuBLAS, which picks its kernel (and so a
+row's summation order) by the pass's shape. With the norms, the q/k preparation and the attention
+kernels (also a row's bits whatever its pass), a token's logits do not depend on the batch, the
+speculation width, the prompt chunking or the prefix cache (docs/serving.md, "Exact numerics")."""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from verispec import log
+from verispec.kernels import linear as kernel
+
+
+def _row_invariant_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return kernel.linear(x, self.weight, self.bias)
+
+
+def weight_reason(layer: nn.Linear) -> str | None:
+    """Why this layer's products cannot run the row-invariant kernel (None: they can)."""
+    w = layer.weight
+    return kernel.unsupported_reason(torch.empty(0, w.shape[1], dtype=w.dtype, device=w.device), w)
+
+
+def use_row_invariant_linears(model: nn.Module) -> int:
+    """Binds every plain nn.Linear whose weight the kernel takes to it (once; again is a no-op) and
+    returns how many; the others keep torch's product, each reason logged once under
+    VERISPEC_DEBUG=1 (their rows may then depend on the pass)."""
+    bound, reasons = 0, set()
+    for module in model.modules():
+        if type(module) is not nn.Linear:
+            continue
+        reason = weight_reason(module)
+        if reason is None:
+            module.forward = types.MethodType(_row_invariant_forward, module)
+            bound += 1
+        elif reason not in reasons:
+            reasons.add(reason)
+            log.debug("a linear layer keeps torch's product under exact numerics: %s", reason)
+    return bound
