@@ -71,5 +71,8 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
     # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
     overlap_decode: bool | None = None
+    # on a CPU, a step's prompt tokens are sized so the step takes about this long (engine/prefill_pacer.py;
+    # None: 1 s, 0: off, chunks of --prefill-step-size within the token budget as on a GPU)
+    prefill_step_seconds: float | None = None
     batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`)
     draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)
