@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from verispec.server.chat import chat_completion
 from verispec.server.completions import completion
-from verispec.server.errors import as_api_error
+from verispec.server.errors import as_api_error, engine_unavailable
 from verispec.server.input_checks import reject_unpaired_surrogates
 from verispec.server.openapi import GENERATION_RESPONSES, MODEL_RESPONSES, ModelCard, ModelList
 from verispec.server.prepare import check_model
@@ -20,6 +20,7 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         try:
+            _check_engine_alive(state)  # before any tokenizing: a dead engine answers at once
             return await chat_completion(state, request, body)
         except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
             return as_api_error(exc, " on /v1/chat/completions").response()
@@ -27,6 +28,7 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
         try:
+            _check_engine_alive(state)
             return await completion(state, request, body)
         except Exception as exc:
             return as_api_error(exc, " on /v1/completions").response()
@@ -45,18 +47,30 @@ def build_router(state: ServerState) -> APIRouter:
         return JSONResponse(_model_card(state))
 
     @router.get("/health")
-    async def health() -> dict:
-        # The server only starts listening after prewarm, so answering at all means ready.
-        return {"status": "ok"}
+    async def health() -> Response:
+        # The server only starts listening after prewarm, so answering at all means ready, unless
+        # the engine has died since (its process killed): then 503, and the server is stopping.
+        failure = state.engine.failure()
+        if failure is not None:
+            return engine_unavailable(failure).response()
+        return JSONResponse({"status": "ok"})
 
     @router.get("/metrics", response_class=PlainTextResponse,
                 responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                                  "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
-        state.metrics.observe_engine(state.engine.load_stats())
+        load = await state.engine_stats.read()
+        if load is not None:
+            state.metrics.observe_engine(load)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router
+
+
+def _check_engine_alive(state: ServerState) -> None:
+    failure = state.engine.failure()
+    if failure is not None:
+        raise engine_unavailable(failure)
 
 
 def _only(responses: dict, *statuses: int) -> dict:
