@@ -339,6 +339,12 @@ def cmd_serve(args) -> int:
     served = args.served_model_name or args.model
     config = _engine_config(args)  # no -m: picks the default model and its served name
     served = served or args.default_served_name
+    from verispec.demo.default import default_device_type
+
+    if default_device_type(config.device) == "cpu":
+        from verispec.engine.cpu_threads import set_serving_threads
+
+        set_serving_threads()
     if use_engine_process(args.engine_process, config.device):
         from verispec.engine.process import EngineProcess
 

@@ -20,6 +20,7 @@ class EnvSettings:
     hf_offline: bool = False
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
+    omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` leaves the CPU thread count to it
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -33,6 +34,7 @@ class EnvSettings:
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
             use_fla=_env_flag("VERISPEC_FLA", default=True),
+            omp_num_threads=env.get("OMP_NUM_THREADS") or None,
         )
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.server.server_helpers import engine_client_gaps, live_server, openai_client
 from verispec.config import EngineConfig
@@ -232,6 +233,7 @@ def test_serve_default_engine_process_by_device(tiny_model_dir, monkeypatch, fla
     monkeypatch.setattr(Engine, "load", staticmethod(load))
     monkeypatch.setattr(demo_default, "default_device_type", lambda device: device_type)
     monkeypatch.setattr(app_module.uvicorn.Server, "run", lambda self, *a, **kw: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # serve leaves this process's threads
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

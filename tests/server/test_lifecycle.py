@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from server_helpers import SERVED_NAME, USER_MESSAGES
 from verispec.engine.types import FinishReason
@@ -110,6 +111,7 @@ def test_serve_max_request_bytes_flag(tiny_model_dir, monkeypatch, capsys):
     from verispec.server import app as app_module
 
     served = []
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # serve leaves this process's threads
     monkeypatch.setattr(app_module.uvicorn.Server, "run", lambda self, *a, **kw: served.append(self.config.app))
     with socket.socket() as s:  # a port that is free now
         s.bind(("127.0.0.1", 0))
