@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights/activations dtype: bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
+    p.add_argument("--prefill-step-seconds", type=float, default=None, metavar="S",
+                   help="on a CPU, size each step's prompt tokens so a step takes about S seconds, the longest "
+                        "gap a decoding stream waits beside a long prompt (default 1; 0: off)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=None, help="default sampling seed")
@@ -327,6 +330,9 @@ def _engine_config(args):
     if args.num_draft_tokens is not None and not (args.mtp or args.eagle3 or args.suffix or args.ngram):
         raise VerispecError("--num-draft-tokens sets the drafts per round: it needs a proposer (--eagle3 DIR, --mtp, "
                             "--suffix or --ngram)")
+    step_seconds = getattr(args, "prefill_step_seconds", None)
+    if step_seconds is not None and not step_seconds >= 0:
+        raise VerispecError(f"--prefill-step-seconds must be >= 0, got {step_seconds}")
     if args.kv_cache_gb is not None and args.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -336,6 +342,7 @@ def _engine_config(args):
                           cuda_graphs=not args.no_cuda_graphs,
                           overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
                           batch_prefill=not getattr(args, "no_batch_prefill", False),
+                          prefill_step_seconds=step_seconds,
                           mtp=args.mtp, mtp_hidden=args.mtp_hidden or "post-norm", mtp_model=args.mtp_model,
                           assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
@@ -429,6 +436,12 @@ def cmd_serve(args) -> int:
     served = args.served_model_name or args.model
     config = _engine_config(args)  # no -m: picks the default model and its served name
     served = served or args.default_served_name
+    from verispec.demo.default import default_device_type
+
+    if default_device_type(config.device) == "cpu":
+        from verispec.engine.cpu_threads import set_serving_threads
+
+        set_serving_threads()
     if use_engine_process(args.engine_process, config.device):
         from verispec.engine.process import EngineProcess
 

@@ -20,6 +20,7 @@ class EnvSettings:
     hf_offline: bool = False
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
+    omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` leaves the CPU thread count to it
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -33,6 +34,7 @@ class EnvSettings:
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
             use_fla=_env_flag("VERISPEC_FLA", default=True),
+            omp_num_threads=env.get("OMP_NUM_THREADS") or None,
         )
 
 
@@ -80,5 +82,8 @@ class EngineConfig:
     numerics: str = "exact"
     # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
     overlap_decode: bool | None = None
+    # on a CPU, a step's prompt tokens are sized so the step takes about this long (engine/prefill_pacer.py;
+    # None: 1 s, 0: off, chunks of --prefill-step-size within the token budget as on a GPU)
+    prefill_step_seconds: float | None = None
     batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`)
     draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)

@@ -21,3 +21,7 @@ class UnsupportedModelError(VerispecError):
 
 class InvalidRequestError(VerispecError):
     """A generation request with out-of-range or contradictory parameters."""
+
+
+class EngineUnavailableError(VerispecError):
+    """The engine can no longer run requests (its process died): the server answers 503."""

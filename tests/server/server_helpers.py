@@ -244,6 +244,9 @@ class EngineDouble:
     def prewarm(self) -> float:
         return 0.0
 
+    def failure(self) -> str | None:
+        return None
+
     def shutdown(self) -> None:
         pass
 

@@ -15,7 +15,8 @@ from verispec.engine.engine import Engine
 from verispec.loading.tokenizer import Tokenizer
 
 MEMBERS = ["tokenizer", "model_name", "max_model_len", "vocab_size", "grammars", "default_seed", "describe",
-           "check_prompt_ids", "resolve_max_tokens", "submit", "load_stats", "prewarm", "shutdown", "close"]
+           "check_prompt_ids", "resolve_max_tokens", "submit", "load_stats", "failure", "prewarm", "shutdown",
+           "close"]
 
 
 def test_the_protocol_names_what_the_server_uses():

@@ -9,8 +9,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
+import torch
 
 from tests.server.server_helpers import engine_client_gaps, live_server, openai_client
 from verispec.config import EngineConfig
@@ -18,7 +20,7 @@ from verispec.engine.client import EngineClient
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
 from verispec.engine.process import EngineProcess, EngineProcessError
-from verispec.errors import InvalidRequestError, ModelNotFoundError
+from verispec.errors import EngineUnavailableError, InvalidRequestError, ModelNotFoundError
 from verispec.server.app import create_app
 
 MAX_TOKENS = 12
@@ -125,6 +127,77 @@ def test_a_dead_engine_process_fails_its_requests(qwen3_dir):
         engine.close()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float) -> httpx.Response:
+    return httpx.get(url, timeout=timeout)
+
+
+def test_a_stopped_or_dead_engine_process_never_freezes_or_hides(qwen3_dir, monkeypatch):
+    """`verispec serve --engine-process` (run_server): with the child stopped (SIGSTOP), /health and
+    /metrics still answer (nothing on the event loop waits for the child); once it is killed,
+    /health is a 503 naming why, a request a 503 OpenAI-style error, and the server stops with an
+    error (the command exits non-zero) instead of hiding a dead engine."""
+    from verispec.server import lifecycle
+    from verispec.server.app import run_server
+
+    monkeypatch.setattr(lifecycle, "ENGINE_DEATH_GRACE_S", 10.0)  # room for the checks below
+    engine = EngineProcess(engine_config(qwen3_dir))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    outcome = {}
+
+    def serve() -> None:
+        try:
+            run_server(engine, "127.0.0.1", port, None, "tiny", prewarm=False)
+        except Exception as exc:  # noqa: BLE001 - what the command would report
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if get(url + "/health", 1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server never became healthy"
+                time.sleep(0.1)
+
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            assert get(url + "/health", 10).json() == {"status": "ok"}
+            assert get(url + "/metrics", 20).status_code == 200  # the last load it knew, not a 30 s wait
+            assert get(url + "/health", 10).status_code == 200
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (health := get(url + "/health", 10)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still says ok after the engine died"
+            time.sleep(0.05)
+        assert health.status_code == 503
+        error = health.json()["error"]
+        assert error["code"] == "engine_unavailable" and "engine process exited" in error["message"]
+        reply = httpx.post(url + "/v1/chat/completions", timeout=10,
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable_error"
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the server kept running without its engine"
+        assert isinstance(outcome.get("error"), EngineUnavailableError)
+    finally:
+        engine.close()
+        thread.join(timeout=30)
+
+
 def test_a_loading_error_is_raised_in_the_parent(tmp_path):
     with pytest.raises(ModelNotFoundError):
         EngineProcess(engine_config(tmp_path / "no-such-model"))
@@ -159,7 +232,8 @@ def test_serve_default_engine_process_by_device(tiny_model_dir, monkeypatch, fla
     monkeypatch.setattr(process_module, "EngineProcess", FakeProcess)
     monkeypatch.setattr(Engine, "load", staticmethod(load))
     monkeypatch.setattr(demo_default, "default_device_type", lambda device: device_type)
-    monkeypatch.setattr(app_module.uvicorn, "run", lambda app, host, port, **kw: None)
+    monkeypatch.setattr(app_module.uvicorn.Server, "run", lambda self, *a, **kw: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # serve leaves this process's threads
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

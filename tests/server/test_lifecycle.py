@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from server_helpers import SERVED_NAME, USER_MESSAGES
 from verispec.engine.types import FinishReason
@@ -89,8 +90,8 @@ def test_run_server_prewarms_before_listening(monkeypatch, scripted_engine):
 
     calls = []
     monkeypatch.setattr(scripted_engine, "prewarm", lambda: calls.append("prewarm") or 0.01)
-    monkeypatch.setattr(app_module.uvicorn, "run",
-                        lambda app, host, port, **kw: calls.append(("listen", host, port, app.title)))
+    monkeypatch.setattr(app_module.uvicorn.Server, "run", lambda self, *a, **kw: calls.append(
+        ("listen", self.config.host, self.config.port, self.config.app.title)))
     app_module.run_server(scripted_engine, host="127.0.0.1", port=12345, api_key=None,
                           served_model_name="m", prewarm=True)
     assert calls == ["prewarm", ("listen", "127.0.0.1", 12345, "verispec")]
@@ -110,7 +111,8 @@ def test_serve_max_request_bytes_flag(tiny_model_dir, monkeypatch, capsys):
     from verispec.server import app as app_module
 
     served = []
-    monkeypatch.setattr(app_module.uvicorn, "run", lambda app, host, port, **kw: served.append(app))
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # serve leaves this process's threads
+    monkeypatch.setattr(app_module.uvicorn.Server, "run", lambda self, *a, **kw: served.append(self.config.app))
     with socket.socket() as s:  # a port that is free now
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

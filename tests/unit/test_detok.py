@@ -162,6 +162,82 @@ def test_stop_matcher_random_against_reference():
         assert (released, stopped) == reference_stop(text, stops), (text, stops, chunks)
 
 
+class CountingStop(str):
+    """A stop string that counts the characters a matcher reads of it (one per index, a slice's length)."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        part = str.__getitem__(self, index)
+        CountingStop.reads += len(part)
+        return part
+
+
+def test_stop_matching_is_linear_in_the_new_text():
+    """31 long stops that the text follows for thousands of characters (a stop equal to the
+    output plus one more character): each token's work stays a few character reads per stop,
+    however much is held back (the old matcher re-searched all held text on every token)."""
+    num_chars, num_stops = 1000, 31
+    output = "".join("ab🙂"[i % 3] for i in range(num_chars))
+    stops = [CountingStop(output + "\u0000" + str(i)) for i in range(num_stops)]
+    m = StopMatcher(stops)
+    CountingStop.reads = 0
+    assert all(m.feed(c) == ("", False) for c in output)
+    # KMP: at most two characters of a stop read per character fed, two per failure-table entry
+    assert 0 < CountingStop.reads <= 4 * num_chars * num_stops
+    assert m.num_held == num_chars
+    assert m.feed("x") == (output + "x", False)
+    assert m.num_held == 0
+
+
+def test_held_back_text_is_bounded_by_the_longest_stop():
+    rng = random.Random(4)
+    stops = ["ab" * 20, "aab" * 5, "🙂a🙂"]
+    m = StopMatcher(stops)
+    for _ in range(5000):
+        released, stopped = m.feed("".join(rng.choice("ab🙂") for _ in range(rng.randrange(1, 4))))
+        if stopped:
+            m = StopMatcher(stops)
+        assert m.num_held <= m.max_len - 1
+
+
+def test_overlapping_and_unicode_stops_spanning_tokens():
+    # the stop's own prefix repeats inside it: a failed partial match must not skip a real one
+    assert run_matcher(["aab"], ["a", "a", "a", "b", "c"]) == (["", "", "a", ""], True)
+    assert run_matcher(["abab"], ["ab", "a", "bab"]) == (["", "", ""], True)
+    assert run_matcher(["🙂👍🏽"], ["x🙂", "👍", "🏽y"]) == (["x", "", ""], True)
+    assert run_matcher(["日本語"], ["日本", "の日", "本語です"]) == (["", "日本の", ""], True)
+    # one stop inside another: the earliest start wins when both end in one feed
+    assert "".join(run_matcher(["xyz", "y"], ["x", "yz"])[0]) == ""
+    assert "".join(run_matcher(["xyz", "yq"], ["xy", "q"])[0]) == "x"
+
+
+def test_stop_matcher_random_unicode_against_reference():
+    """Stops whose own prefixes repeat (the case a resumable search gets wrong first), unicode
+    characters, random chunking: the released text always equals the whole-text reference."""
+    rng = random.Random(5)
+    alphabet = "aa🙂é"
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 4))]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(1, 10))))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        m = StopMatcher(stops)
+        released, fed, stopped = "", "", False
+        for c in chunks:
+            fed += c
+            out, stopped = m.feed(c)
+            released += out
+            if stopped:
+                break
+            assert released == fed[:len(fed) - longest_partial(fed, stops)], (stops, chunks)
+        if stopped:
+            # cut before the earliest stop in the text fed so far
+            assert (released, stopped) == reference_stop(fed, stops), (text, stops, chunks)
+        else:
+            assert released + m.flush() == text
+
+
 # ---- OutputBuilder --------------------------------------------------------------------------
 
 def builder(tok: Tokenizer, max_new: int = 100, **params) -> OutputBuilder:

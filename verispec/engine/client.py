@@ -92,7 +92,11 @@ class EngineClient(Protocol):
         """Start a request (a bad one raises here); chunks reach `sink` from another thread; `cancel` stops it."""
 
     def load_stats(self) -> dict:
-        """Scheduler and cache load for /metrics (running, waiting, kv_blocks_used/total, preemptions, ...)."""
+        """Scheduler and cache load for /metrics (running, waiting, kv_blocks_used/total, preemptions, ...).
+        May block (an engine process answers over its pipe): the server calls it off the event loop."""
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer run requests (its process died), or None while it can. Never blocks."""
 
     def prewarm(self) -> float:
         """Warm up (kernels, graphs) so the first request pays nothing extra; returns the seconds taken."""
@@ -128,6 +132,10 @@ class ServedEngine:
         """The GPU's name (None on a CPU)."""
         device = torch.device(self.device)
         return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+    def failure(self) -> str | None:
+        """An engine in this process fails only with the process itself."""
+        return None
 
     def close(self) -> None:
         """An engine in this process holds nothing beyond its requests: as shutdown()."""

@@ -13,6 +13,11 @@ instead of 40-48 tok/s (docs/benchmarks.md).
 soft pause: the pool is rebuilt if that thread computes again). The engine calls it after it is
 built and after each submit (the caller's thread may have made small tensors there); its worker
 thread's own pool goes away when the worker exits after an idle spell.
+
+`threads_for_host()`: how many threads that pool gets when serving. A parallel region waits for
+its slowest thread; with one thread per core, any other busy thread on the host (the server's
+event loop, tokenizing, a neighbour) deschedules a helper mid-region and every region stalls
+(2 threads on a busy 2-core host decoded 10-20x slower than 1). One core is left free.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import os
 import threading
 
 from verispec import log
+from verispec.config import env
 
 OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")  # GNU, Intel, LLVM: each implements OpenMP 5's pause
 OMP_PAUSE_SOFT = 1
@@ -78,3 +84,32 @@ def release_thread_pool() -> bool:
     if rc != 0:
         log.debug("omp_pause_resource_all returned %d: this thread's OpenMP pool stays", rc)
     return rc == 0
+
+
+def threads_for_host(num_cpus: int) -> int:
+    """Compute threads for a serving engine on `num_cpus` usable CPUs: all but one, at least one."""
+    return max(1, num_cpus - 1)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_serving_threads() -> int | None:
+    """`verispec serve` on a CPU: threads_for_host() unless OMP_NUM_THREADS says otherwise. Also
+    exported, so an engine process (spawned, a fresh interpreter) starts with the same count.
+    Returns the count set (None: left to OMP_NUM_THREADS)."""
+    import torch
+
+    if env().omp_num_threads is not None:
+        return None
+    num_threads = threads_for_host(usable_cpus())
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    torch.set_num_threads(num_threads)
+    log.info("CPU compute threads: %d of %d usable CPUs (OMP_NUM_THREADS sets another count)", num_threads,
+             usable_cpus())
+    return num_threads

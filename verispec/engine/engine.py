@@ -37,6 +37,7 @@ from verispec.engine.options import check_limits
 from verispec.engine.output import OutputBuilder
 from verispec.engine.overlap import OverlappedDecode
 from verispec.engine.runner import ModelRunner
+from verispec.engine.prefill_pacer import prefill_pacer_for
 from verispec.engine.scheduler import Scheduler, StepPlan, default_token_budget
 from verispec.engine.sequence import Sequence
 from verispec.engine.types import GenerationChunk, GenerationResult
@@ -128,8 +129,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                                       keep_features=False)
         batched = cfg.max_num_batched_tokens or default_token_budget(
             sum(p.numel() for p in self.model.parameters()), self.device.type, cfg.prefill_step_size)
+        self.pacer = prefill_pacer_for(self.device, cfg.prefill_step_seconds)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
-                                   prefix=self.prefix, batch_prefill=cfg.batch_prefill)
+                                   prefix=self.prefix, batch_prefill=cfg.batch_prefill, pacer=self.pacer)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer,
                                   prompt_kernel=cfg.numerics == "exact" and split_k.available(self.device))
@@ -320,11 +322,15 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.runner.apply(plan.cache_ops)
         if plan.empty:
             return
+        start = time.perf_counter()
         try:
             self._run(plan)
         except Exception as exc:  # noqa: BLE001 - handed to each affected request
             log.exception("engine step failed; failing its %d sequences", len(plan.prefills) + len(plan.decodes))
             self.update.fail([s for s, _ in plan.prefills] + plan.decodes, exc)
+            return
+        if self.pacer is not None and plan.prefill_groups:
+            self.pacer.observe(sum(n for _, n in plan.prefills), time.perf_counter() - start)
 
     def _run(self, plan: StepPlan) -> None:
         for group in plan.prefill_groups:

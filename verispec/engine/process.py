@@ -17,7 +17,10 @@ Shape (vLLM's engine core over ZMQ is the same idea; ours is a multiprocessing P
   CANCEL_POLL_S. Errors the child meets while starting a request (a grammar its library refuses)
   come back through the sink as the request's first item: the server's first_chunk() turns
   them into an HTTP error.
-- if the child dies, every open request fails with an error saying so, and later submits are refused.
+- if the child dies, every open request fails with an error saying so, later submits are refused,
+  and `failure()` says why (the server's /health turns 503 and it exits: server/lifecycle.py).
+- nothing the server calls blocks on the child: messages to it go through an outbox that a sender
+  thread writes to the pipe (a stopped child's full pipe blocks that thread, not the event loop).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from verispec.config import EngineConfig
 from verispec.engine.client import ServedEngine
 from verispec.engine.limits import RequestLimits
 from verispec.sampling.params import SamplingParams
-from verispec.errors import VerispecError
+from verispec.errors import EngineUnavailableError
 
 CANCEL_POLL_S = 0.05  # how often the parent looks for requests whose client left
 START_TIMEOUT_S = 3600.0  # loading a large model from a slow disk, or downloading it
@@ -49,7 +52,10 @@ STOP_TIMEOUT_S = 10.0
 SWITCH_INTERVAL_S = 0.001
 
 
-class EngineProcessError(VerispecError):
+STATS_TIMEOUT_S = 5.0  # /metrics asks off the event loop; a stopped child must not hold that thread long
+
+
+class EngineProcessError(EngineUnavailableError):
     """The engine's process failed to start or exited."""
 
 
@@ -215,6 +221,9 @@ class EngineProcess(ServedEngine):
         self._ids = itertools.count()
         self._dead: str | None = None
         self._stopping = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_outbox, name="verispec-engine-writer", daemon=True)
+        self._sender.start()
         self._reader = threading.Thread(target=self._read, name="verispec-engine-reader", daemon=True)
         self._reader.start()
         log.debug("engine process %d ready in %.1fs", self._process.pid, time.perf_counter() - t0)
@@ -261,12 +270,22 @@ class EngineProcess(ServedEngine):
         return rid
 
     def _send(self, message) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (BrokenPipeError, EOFError, OSError) as exc:
-            self._fail_all(f"the engine process is gone ({exc})")
-            raise EngineProcessError(self._dead) from exc
+        """Queue a message for the child; never blocks (a dead child raises)."""
+        if self._dead is not None:
+            raise EngineProcessError(self._dead)
+        self._outbox.put(message)
+
+    def _send_outbox(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            try:
+                with self._send_lock:
+                    self._conn.send(message)
+            except (BrokenPipeError, EOFError, OSError) as exc:
+                self._fail_all(f"the engine process is gone ({exc})")
+                return
 
     def _read(self) -> None:
         """Hands chunks to sinks; between messages, forwards the cancellations of clients that left."""
@@ -344,10 +363,14 @@ class EngineProcess(ServedEngine):
         return value
 
     def load_stats(self) -> dict:
-        return self._call("load_stats", timeout=30.0)
+        return self._call("load_stats", timeout=STATS_TIMEOUT_S)
 
     def prefix_cache_stats(self) -> dict | None:
-        return self._call("prefix_cache_stats", timeout=30.0)
+        return self._call("prefix_cache_stats", timeout=STATS_TIMEOUT_S)
+
+    def failure(self) -> str | None:
+        """Why the child can no longer run requests (None while it can, and once closed on purpose)."""
+        return None if self._stopping else self._dead
 
     def prewarm(self) -> float:
         return self._call("prewarm")
@@ -382,4 +405,6 @@ class EngineProcess(ServedEngine):
                 log.info("the engine process did not stop in %.0fs: killing it", STOP_TIMEOUT_S)
                 self._process.kill()
                 self._process.join(timeout=STOP_TIMEOUT_S)
+        self._outbox.put(None)
+        self._sender.join(timeout=STOP_TIMEOUT_S)
         self._conn.close()

@@ -21,6 +21,7 @@ from typing import Callable, Union
 from verispec import log
 from verispec.cache.paged import BlockAllocator, SlotAllocator
 from verispec.cache.prefix import PrefixCache
+from verispec.engine.prefill_pacer import PrefillPacer
 from verispec.engine.sequence import Sequence, SequenceStatus
 
 
@@ -129,7 +130,7 @@ class Scheduler:
 
     def __init__(self, blocks: BlockAllocator, slots: SlotAllocator | None, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
-                 batch_prefill: bool = True):
+                 batch_prefill: bool = True, pacer: PrefillPacer | None = None):
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
@@ -137,6 +138,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix
         self.batch_prefill = batch_prefill
+        self.pacer = pacer  # on a CPU: caps a step's prompt tokens by time (engine/prefill_pacer.py)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -222,6 +224,8 @@ class Scheduler:
             else:
                 plan.decodes.append(seq)
         budget = self.max_num_batched_tokens - len(plan.decodes) * width
+        if self.pacer is not None:
+            budget = min(budget, self.pacer.token_budget())
         for seq in [s for s in self.running if s.in_prefill]:
             if seq.status is SequenceStatus.RUNNING:  # not preempted meanwhile
                 budget -= self._plan_chunk(plan, chunks, seq, budget)

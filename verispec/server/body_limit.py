@@ -2,11 +2,16 @@
 
 A declared Content-Length over the cap is refused without reading a byte; a chunked body is
 counted as it arrives and refused at the first byte past the cap, so a client cannot make the
-server buffer (and then parse and tokenize) an arbitrarily large body.
+server buffer (and then parse and tokenize) an arbitrarily large body. A body that stops arriving
+is a 408 after BODY_READ_TIMEOUT_S, so a half-sent request does not hold its connection forever.
 """
 from __future__ import annotations
 
+import asyncio
+
 from verispec.server.errors import APIError
+
+BODY_READ_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body
 
 # Room for a full long-context prompt as JSON (256K tokens of escaped non-ASCII text is ~3 MB)
 # while a hostile 100 MB body is refused at once.
@@ -16,6 +21,11 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
                          "(verispec serve --max-request-bytes)", code="request_too_large")
+
+
+def body_timed_out() -> APIError:
+    return APIError(408, f"the request body stopped arriving: nothing came for {BODY_READ_TIMEOUT_S:.0f}s",
+                    code="request_timeout")
 
 
 class BodyLimitMiddleware:
@@ -36,7 +46,11 @@ class BodyLimitMiddleware:
         messages = []
         num_bytes = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await body_timed_out().response()(scope, receive, send)
+                return
             messages.append(message)
             if message["type"] != "http.request":
                 break  # the client left; the app sees the disconnect

@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec import log
-from verispec.errors import InvalidRequestError
+from verispec.errors import EngineUnavailableError, InvalidRequestError
 
 
 class ErrorType(str, Enum):
     INVALID_REQUEST = "invalid_request_error"  # OpenAI uses this for 400, 401 and 404 alike
     INTERNAL = "internal_error"
+    UNAVAILABLE = "service_unavailable_error"  # the engine died: the server is stopping
 
 
 class APIError(Exception):
@@ -65,6 +66,11 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, param=param, code=code)
 
 
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(503, f"the engine cannot run requests: {reason}; this server is stopping (restart it)",
+                    ErrorType.UNAVAILABLE, code="engine_unavailable")
+
+
 def model_not_found(requested: str, served: str) -> APIError:
     return APIError(404, f"the model '{shorten(requested)}' does not exist; this server serves '{served}'",
                     param="model", code="model_not_found")
@@ -79,6 +85,8 @@ def as_api_error(exc: BaseException, where: str = "") -> APIError:
     """Any exception from preparing or running a request -> the error the client sees."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineUnavailableError):
+        return engine_unavailable(exc.message)
     if isinstance(exc, InvalidRequestError):
         log.debug("bad request%s: %s (param=%s)", where, exc.message, exc.param)
         return invalid_request(exc.message, param=exc.param, code=exc.code)

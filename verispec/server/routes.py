@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from verispec.server.chat import chat_completion
 from verispec.server.completions import completion
-from verispec.server.errors import as_api_error
+from verispec.server.errors import as_api_error, engine_unavailable
 from verispec.server.input_checks import reject_unpaired_surrogates
 from verispec.server.openapi import GENERATION_RESPONSES, MODEL_RESPONSES, ModelCard, ModelList
 from verispec.server.prepare import check_model
@@ -24,6 +24,7 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post(CHAT_PATH, responses=GENERATION_RESPONSES)
     async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
         try:
+            _check_engine_alive(state)  # before any tokenizing: a dead engine answers at once
             return await chat_completion(state, request, body)
         except Exception as exc:  # answered here so a crash is a 500 JSON, not a re-raised traceback
             return as_api_error(exc, " on /v1/chat/completions").response()
@@ -31,6 +32,7 @@ def build_router(state: ServerState) -> APIRouter:
     @router.post(COMPLETIONS_PATH, responses=GENERATION_RESPONSES)
     async def create_completion(request: Request, body: CompletionRequest) -> Response:
         try:
+            _check_engine_alive(state)
             return await completion(state, request, body)
         except Exception as exc:
             return as_api_error(exc, " on /v1/completions").response()
@@ -49,9 +51,13 @@ def build_router(state: ServerState) -> APIRouter:
         return JSONResponse(_model_card(state))
 
     @router.get("/health")
-    async def health() -> dict:
-        # The server only starts listening after prewarm, so answering at all means ready.
-        return {"status": "ok"}
+    async def health() -> Response:
+        # The server only starts listening after prewarm, so answering at all means ready, unless
+        # the engine has died since (its process killed): then 503, and the server is stopping.
+        failure = state.engine.failure()
+        if failure is not None:
+            return engine_unavailable(failure).response()
+        return JSONResponse({"status": "ok"})
 
     router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # what uptime monitors send
 
@@ -59,11 +65,19 @@ def build_router(state: ServerState) -> APIRouter:
                 responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                                  "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
-        state.metrics.observe_engine(state.engine.load_stats())
+        load = await state.engine_stats.read()
+        if load is not None:
+            state.metrics.observe_engine(load)
         state.metrics.numerics.labels(mode=state.engine.describe().numerics).set(1)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router
+
+
+def _check_engine_alive(state: ServerState) -> None:
+    failure = state.engine.failure()
+    if failure is not None:
+        raise engine_unavailable(failure)
 
 
 def _only(responses: dict, *statuses: int) -> dict:

@@ -8,6 +8,7 @@ from importlib import metadata
 
 from verispec.engine.client import EngineClient
 from verispec.server.bridge import EngineBridge
+from verispec.server.engine_stats import EngineStatsReader
 from verispec.server.metrics import ServerMetrics
 
 
@@ -24,6 +25,7 @@ class ServerState:
     served_model_name: str
     bridge: EngineBridge
     max_prompt_chars: int  # longer prompts are refused before tokenizing (input_checks.max_prompt_chars)
+    engine_stats: EngineStatsReader  # the engine's load for /metrics, read off the event loop
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     started_at: int = field(default_factory=lambda: int(time.time()))
     system_fingerprint: str = field(default_factory=lambda: f"verispec-{_version()}")
