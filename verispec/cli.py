@@ -86,8 +86,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
     p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
-                   help="drafts per round by batch size, e.g. '1:3,8:1,32:0' (default: k below 9 sequences, 1 "
-                        "below 32, none from 32)")
+                   help="drafts per round by batch size, the same for every sequence, e.g. '1:3,8:1,32:0' "
+                        "(default: chosen per sequence per round from the costs and each sequence's acceptance)")
+    p.add_argument("--draft-costs", default=None, metavar="FILE|measure",
+                   help="what the adaptive draft choice weighs: a cost table `verispec bench --write-draft-costs` "
+                        "wrote, or 'measure' (time the engine's verify and draft passes at start-up); default: an "
+                        "analytic model per device")
     p.add_argument("--no-spec", action="store_true",
                    help="decode without speculation (the embedded demo model speculates by default)")
 
@@ -317,8 +321,25 @@ def _engine_config(args):
                         assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
-                        draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache,
+                        draft_schedule=args.draft_schedule, draft_costs=_draft_costs(args),
+                        prefix_cache=not args.no_prefix_cache,
                         **_model_free_config(args))
+
+
+def _draft_costs(args) -> str | None:
+    """--draft-costs, checked now: a table file is read (and refused in one line) before any model loads."""
+    from verispec.engine.draft_costs import TableCosts
+    from verispec.engine.draft_policy import MEASURE
+
+    value = getattr(args, "draft_costs", None)
+    if value is None:
+        return None
+    if args.draft_schedule:
+        raise VerispecError("--draft-costs weighs the adaptive draft choice and --draft-schedule replaces it; "
+                            "use one of them")
+    if value != MEASURE:
+        TableCosts.load(value)
+    return value
 
 
 def _model_free_config(args) -> dict:
