@@ -213,7 +213,8 @@ def _add_bench_parser(sub) -> None:
     where.add_argument("--url", default=None, help="HTTP: an OpenAI-compatible server, e.g. http://127.0.0.1:9999")
     where.add_argument("--serve", action="append", default=None, metavar="ARGS",
                        help="HTTP: boot `verispec serve ARGS` for this configuration (repeatable: one per config)")
-    bench.add_argument("--methods", default=None, help="offline: comma-separated methods (ar, eagle3; default ar)")
+    bench.add_argument("--methods", default=None,
+                       help="offline: comma-separated methods (ar, eagle3, mtp, suffix; default ar)")
     bench.add_argument("--contexts", default="512", help="comma-separated prompt lengths in tokens (default 512; 4k = 4096)")
     bench.add_argument("--concurrency", default=None, metavar="N,...",
                        help="sequences at once, e.g. 1,8,32,64: offline a batch of N prompts submitted together, "
@@ -239,6 +240,16 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--prefix-cache", action="store_true",
                        help="offline: measure the prefix cache (a repeated prompt's TTFT, a 10-turn conversation's "
                             "computed prompt tokens, decode speed when nothing hits) against it turned off")
+    bench.add_argument("--workload", default="random", metavar="NAME",
+                       help="what the prompts ask: random (random words; default), edit (rename in a code file, "
+                            "reply with the file), quote (answer with quotes from a document), json (re-emit JSON with "
+                            "one field changed): built from text shipped with verispec, where --suffix pays")
+    bench.add_argument("--write-draft-costs", default=None, metavar="FILE",
+                       help="offline: time the speculative method's verify passes (at each --concurrency N, default "
+                            "1, x widths 1..k+1) and drafting into a table for `serve --draft-costs FILE`")
+    bench.add_argument("--draft-schedule", default=None, metavar="B:K,...|adaptive",
+                       help="offline: drafts per round as `serve --draft-schedule`, or 'adaptive' (the engine's "
+                            "per-sequence choice); default: k drafts at every --concurrency N, else adaptive")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -438,7 +449,7 @@ def cmd_bench(args) -> int:
 
     from verispec.bench import run_bench
     from verispec.bench.options import (BenchOptions, Endpoint, parse_concurrency, parse_contexts, parse_methods,
-                                        parse_peers)
+                                        parse_peers, parse_workload)
 
     http = bool(args.url or args.serve)
     for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3),
@@ -463,7 +474,9 @@ def cmd_bench(args) -> int:
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
         seed=args.seed, json_schema=args.json_schema,
-        prefix_cache=args.prefix_cache, **kwargs)
+        prefix_cache=args.prefix_cache, workload=parse_workload(args.workload),
+        write_draft_costs=Path(args.write_draft_costs) if args.write_draft_costs else None,
+        draft_schedule=args.draft_schedule, **kwargs)
     run_bench(opts)
     return 0
 

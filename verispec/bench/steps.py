@@ -107,7 +107,9 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
             return [d.token_ids for d in proposer.propose(seqs, [k] * len(seqs), [greedy] * len(seqs),
                                                           [None] * len(seqs))]
 
-        drafts = propose_all()
+        # a model-free proposer drafts only what matches (maybe nothing): padded to k, the verify pass
+        # is timed at its full width
+        drafts = [(d + [token] * k)[:k] for d in propose_all()]
         context = len(prompt_ids)
 
         def decode_step():
