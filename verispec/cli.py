@@ -93,8 +93,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "chunking or prefix cache (our own GEMM and attention kernels on CUDA); fast: torch's "
                         "GEMMs and flash attention for prompts, whose results may change with the load")
     p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
-                   help="drafts per round by batch size, e.g. '1:3,8:1,32:0' (default: k below 9 sequences, 1 "
-                        "below 32, none from 32)")
+                   help="drafts per round by batch size, the same for every sequence, e.g. '1:3,8:1,32:0' "
+                        "(default: chosen per sequence per round from the costs and each sequence's acceptance)")
+    p.add_argument("--draft-costs", default=None, metavar="FILE|measure",
+                   help="what the adaptive draft choice weighs: a cost table `verispec bench --write-draft-costs` "
+                        "wrote, or 'measure' (time the engine's verify and draft passes at start-up); default: an "
+                        "analytic model per device")
     p.add_argument("--no-spec", action="store_true",
                    help="decode without speculation (the embedded demo model speculates by default)")
 
@@ -225,7 +229,7 @@ def _add_bench_parser(sub) -> None:
     where.add_argument("--serve", action="append", default=None, metavar="ARGS",
                        help="HTTP: boot `verispec serve ARGS` for this configuration (repeatable: one per config)")
     bench.add_argument("--methods", default=None,
-                       help="offline: comma-separated methods (ar, eagle3, mtp; default ar)")
+                       help="offline: comma-separated methods (ar, eagle3, mtp, suffix; default ar)")
     bench.add_argument("--contexts", default="512", help="comma-separated prompt lengths in tokens (default 512; 4k = 4096)")
     bench.add_argument("--concurrency", default=None, metavar="N,...",
                        help="sequences at once, e.g. 1,8,32,64: offline a batch of N prompts submitted together, "
@@ -253,6 +257,16 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--prefix-cache", action="store_true",
                        help="offline: measure the prefix cache (a repeated prompt's TTFT, a 10-turn conversation's "
                             "computed prompt tokens, decode speed when nothing hits) against it turned off")
+    bench.add_argument("--workload", default="random", metavar="NAME",
+                       help="what the prompts ask: random (random words; default), edit (rename in a code file, "
+                            "reply with the file), quote (answer with quotes from a document), json (re-emit JSON with "
+                            "one field changed): built from text shipped with verispec, where --suffix pays")
+    bench.add_argument("--write-draft-costs", default=None, metavar="FILE",
+                       help="offline: time the speculative method's verify passes (at each --concurrency N, default "
+                            "1, x widths 1..k+1) and drafting into a table for `serve --draft-costs FILE`")
+    bench.add_argument("--draft-schedule", default=None, metavar="B:K,...|adaptive",
+                       help="offline: drafts per round as `serve --draft-schedule`, or 'adaptive' (the engine's "
+                            "per-sequence choice); default: k drafts at every --concurrency N, else adaptive")
     bench.add_argument("--compare", default=None, help="offline: also run a peer on the same model (transformers)")
     bench.add_argument("--bandwidth", type=float, default=None, metavar="TB/s",
                        help="memory bandwidth for the roofline (default: measured on CUDA, n/a elsewhere)")
@@ -347,12 +361,29 @@ def _engine_config(args):
                           assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
-                          draft_schedule=args.draft_schedule, prefix_cache=not args.no_prefix_cache,
+                          draft_schedule=args.draft_schedule, draft_costs=_draft_costs(args),
+                          prefix_cache=not args.no_prefix_cache,
                           numerics=args.numerics, **_model_free_config(args))
     check_options(config)
     if chosen is not None:
         log.info("model: %s", chosen.note(dtype_applied=user_dtype is None, speculation_applied=not user_spec))
     return config
+
+
+def _draft_costs(args) -> str | None:
+    """--draft-costs, checked now: a table file is read (and refused in one line) before any model loads."""
+    from verispec.engine.draft_costs import TableCosts
+    from verispec.engine.draft_policy import MEASURE
+
+    value = getattr(args, "draft_costs", None)
+    if value is None:
+        return None
+    if args.draft_schedule:
+        raise VerispecError("--draft-costs weighs the adaptive draft choice and --draft-schedule replaces it; "
+                            "use one of them")
+    if value != MEASURE:
+        TableCosts.load(value)
+    return value
 
 
 def _model_free_config(args) -> dict:
@@ -491,7 +522,7 @@ def cmd_bench(args) -> int:
 
     from verispec.bench import run_bench
     from verispec.bench.options import (BenchOptions, Endpoint, parse_concurrency, parse_contexts, parse_methods,
-                                        parse_peers)
+                                        parse_peers, parse_workload)
 
     http = bool(args.url or args.serve)
     for flag, value in (("--methods", args.methods), ("--compare", args.compare), ("--eagle3", args.eagle3),
@@ -516,7 +547,9 @@ def cmd_bench(args) -> int:
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,
         seed=args.seed, json_schema=args.json_schema,
-        prefix_cache=args.prefix_cache, **kwargs)
+        prefix_cache=args.prefix_cache, workload=parse_workload(args.workload),
+        write_draft_costs=Path(args.write_draft_costs) if args.write_draft_costs else None,
+        draft_schedule=args.draft_schedule, **kwargs)
     run_bench(opts)
     return 0
 

@@ -86,4 +86,9 @@ class EngineConfig:
     # None: 1 s, 0: off, chunks of --prefill-step-size within the token budget as on a GPU)
     prefill_step_seconds: float | None = None
     batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`)
-    draft_schedule: str | None = None  # drafts per round by batch size, "1:3,8:1,32:0" (None: measured default)
+    # drafts per round: by batch size, "1:3,8:1,32:0", the same for every sequence (None: chosen per
+    # sequence per round from the costs below and each sequence's acceptance, engine/draft_policy.py)
+    draft_schedule: str | None = None
+    # what that choice weighs (engine/draft_costs.py): a table file `verispec bench --write-draft-costs`
+    # wrote, "measure" (the engine's own passes timed at start-up), or None (an analytic model per device)
+    draft_costs: str | None = None

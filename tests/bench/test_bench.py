@@ -202,7 +202,7 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "nope"], "--shape 'nope' is not a known shape (available shapes: "),
-    (["--shape", "tiny", "--methods", "ar,warp"], "--methods: 'warp' is not an available method (available: ar, eagle3, mtp)"),
+    (["--shape", "tiny", "--methods", "ar,warp"], "--methods: 'warp' is not an available method (available: ar, eagle3, mtp, suffix)"),
     (["--shape", "tiny", "--methods", "mtp", "--device", "cpu"], "--methods mtp: model type 'qwen3' has no MTP head"),
     (["--shape", "tiny", "--compare", "vllm"], "--compare: 'vllm' is not supported"),
     (["--shape", "tiny", "--contexts", "4k,abc"], "--contexts: 'abc' is not a number"),

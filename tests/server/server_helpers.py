@@ -239,7 +239,7 @@ class EngineDouble:
 
     def load_stats(self) -> dict:
         return {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0, "preemptions": 0,
-                "num_drafts": 0, "prefix_cache": None}
+                "drafts": None, "prefix_cache": None}
 
     def prewarm(self) -> float:
         return 0.0

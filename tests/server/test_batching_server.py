@@ -42,7 +42,8 @@ def test_concurrent_requests_run_in_one_batch_and_match_alone(engine, client):
 def test_metrics_show_the_scheduler(http, engine):
     text = http.get("/metrics").text
     for name in ("verispec_num_requests_running", "verispec_num_requests_waiting", "verispec_kv_cache_usage_ratio",
-                 "verispec_num_preemptions_total", "verispec_spec_drafts_per_round"):
+                 "verispec_num_preemptions_total", "verispec_spec_drafts_per_round",
+                 "verispec_spec_sequences_drafting_zero"):
         assert name in text
     assert f'verispec_kv_cache_blocks{{state="total"}} {float(engine.blocks.num_usable)}' in text
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,12 @@ class ReplayProposer(KeyedReplay):
         super().__init__(continuation, vocab_size, wrong_at=lambda i: not right_at(i))
 
 
-def spec_engine(base: Engine, proposer: Proposer, num_drafts: int) -> Engine:
-    """A second engine over the same loaded target, speculating with `proposer`."""
-    return Engine(base.model, base.tokenizer, base.config, base.model_dir, proposer=proposer, num_drafts=num_drafts)
+def spec_engine(base: Engine, proposer: Proposer, num_drafts: int, adaptive: bool = False) -> Engine:
+    """A second engine over the same loaded target, speculating with `proposer`: num_drafts drafts
+    every round (what verification is tested with), or adaptive: up to num_drafts, chosen per
+    sequence per round by cost and acceptance (the engine's default)."""
+    config = base.config if adaptive else replace(base.config, draft_schedule=f"1:{num_drafts}")
+    return Engine(base.model, base.tokenizer, config, base.model_dir, proposer=proposer, num_drafts=num_drafts)
 
 
 def greedy(max_tokens: int = 64, **kw) -> SamplingParams:

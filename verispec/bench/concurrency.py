@@ -85,7 +85,7 @@ def run_batch(engine, prompts: list[list[int]], gen_tokens: int, grammar=None) -
         "drafted": drafted,
         "accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
-        "num_drafts": engine.last_num_drafts,
+        "num_drafts": engine.draft_policy.stats.last_mean,  # the last round's mean per sequence
         "preemptions": engine.scheduler.num_preemptions,
     }
 

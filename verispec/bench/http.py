@@ -28,6 +28,7 @@ from typing import Iterator
 from verispec.bench.options import BenchOptions, Endpoint
 from verispec.bench.progress import Progress
 from verispec.bench.prompts import text_prompt
+from verispec.bench.workloads import workload_prompt
 from verispec.bench.report import BenchReport, run_metadata
 from verispec.errors import VerispecError
 
@@ -321,7 +322,8 @@ def run_http(opts: BenchOptions) -> BenchReport:
             base = first.get(r["context"])
             r["speedup_vs_first"] = r["decode_tok_s"] / base if base and r["decode_tok_s"] else None
     meta = run_metadata(opts)
-    meta.update({"endpoint": opts.endpoint.value, "configs": [c for c, _ in configs], "models": models})
+    meta.update({"endpoint": opts.endpoint.value, "configs": [c for c, _ in configs], "models": models,
+                 "workload": opts.workload.value})
     return BenchReport("http", meta, rows)
 
 
@@ -356,7 +358,7 @@ def _measure(client: ServerClient, label: str, index: int, opts: BenchOptions, p
         before = client.spec_counters()
         results: list[RequestResult] = []
         for repeat in range(opts.repeats):
-            prompt = text_prompt(tag, context, repeat, words)
+            prompt = workload_prompt(opts.workload, tag, context, repeat, words)
             r = client.stream(prompt, opts.gen_tokens)
             results.append(r)
             if r.prompt_tokens:  # aim the next prompt closer to the context
@@ -404,7 +406,8 @@ def _measure_clients(client: ServerClient, label: str, index: int, opts: BenchOp
         for n in opts.concurrency:
             groups = []
             for repeat in range(opts.repeats):
-                prompts = [text_prompt(tag, context, 1000 * n + 100 * repeat + i, words) for i in range(n)]
+                prompts = [workload_prompt(opts.workload, tag, context, 1000 * n + 100 * repeat + i, words)
+                           for i in range(n)]
                 before = client.spec_counters()
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=n) as pool:

@@ -18,6 +18,7 @@ from verispec.bench.build import Target, load_target, random_eagle3, random_mtp_
 from verispec.bench.options import BenchOptions, Method, Peer
 from verispec.bench.progress import Progress
 from verispec.bench.prompts import token_prompt, tokenized_prompt
+from verispec.bench.workloads import Workload, tokenized_workload_prompt
 from verispec.bench.report import BenchReport, run_metadata
 from verispec.bench.roofline import mean_decode_context, roofline_tok_s, token_bytes
 from verispec.bench.shapes import default_eagle3_shape, eagle3_config, get_shape
@@ -78,11 +79,16 @@ def run_offline(opts: BenchOptions) -> BenchReport:
     rows: list[dict] = []
     drafter_note = None
     graphs: dict[str, bool] = {}
+    wrote_costs = False
     try:
         for method in opts.methods:
             engine, note = _engine(setup, method)
             drafter_note = note or drafter_note
             graphs[method.value] = _capture_graphs(engine)
+            if opts.write_draft_costs is not None and method.speculative and not wrote_costs:
+                _write_draft_costs(setup, engine)
+                wrote_costs = True
+                progress.note(f"wrote the draft-cost table {opts.write_draft_costs}")
             for context in opts.contexts:
                 for constraint in (None, grammar) if grammar is not None else (None,):
                     if opts.concurrency:
@@ -110,6 +116,8 @@ def run_offline(opts: BenchOptions) -> BenchReport:
         "cuda_graphs": graphs,
         "overlap_decode": opts.overlap_decode and any(graphs.values()),
         "json_schema": opts.json_schema,
+        "workload": opts.workload.value,
+        "draft_costs_table": str(opts.write_draft_costs) if opts.write_draft_costs else None,
     })
     if grammar is not None and target.random:
         meta["tokenizer"] = (f"a {target.model.vocab_size}-token byte vocabulary (bench/vocabulary.py) for the "
@@ -146,9 +154,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
                           max_num_seqs=max_num_seqs or max(opts.concurrency or (1,)), prefix_cache=prefix_cache,
                           max_model_len=max_model_len or max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
                           max_num_batched_tokens=max(opts.prefill_step_size, 2048),
-                          # a bench run with several N keeps speculation on at every N (the schedule's
-                          # choice is what --draft-schedule measures); the default schedule otherwise
-                          draft_schedule=f"1:{opts.draft_block}" if opts.concurrency else None)
+                          draft_schedule=_draft_schedule(opts))
     if method is Method.AR:
         return _new_engine(target, config), None
     if method is Method.EAGLE3:
@@ -167,6 +173,10 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
                     f"{raw['draft_vocab_size']}, {shape.layer_type} layer of hidden {raw['transformer_layer_config']['hidden_size']}")
         proposer = Eagle3Proposer(drafter, target.model.vocab_size)
         return _new_engine(target, config, proposer, opts.draft_block), note
+    if method is Method.SUFFIX:
+        from verispec.spec.suffix import SuffixOptions, SuffixProposer
+
+        return _new_engine(target, config, SuffixProposer(SuffixOptions()), opts.draft_block), "suffix decoding"
     if method is Method.MTP:
         from verispec.spec.mtp import MtpProposer, load_mtp_head, supports_mtp
 
@@ -184,6 +194,25 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
         proposer = MtpProposer(head, num_real_tokens=min(target.tokenizer.vocab_size, target.model.vocab_size))
         return _new_engine(target, config, proposer, opts.draft_block), note
     raise VerispecError(f"method {method.value} has no offline runner")
+
+
+def _draft_schedule(opts: BenchOptions) -> str | None:
+    """--draft-schedule as given ("adaptive": the engine's own per-sequence choice); none given, a run
+    with several N keeps speculation on at every N (k drafts each), a single-sequence run adapts."""
+    if opts.draft_schedule is not None:
+        return None if opts.draft_schedule == "adaptive" else opts.draft_schedule
+    return f"1:{opts.draft_block}" if opts.concurrency else None
+
+
+def _write_draft_costs(setup: Setup, engine: Engine) -> None:
+    """--write-draft-costs: the engine's verify passes and drafting timed at each --concurrency N
+    (default 1) into the table `serve --draft-costs FILE` reads."""
+    from verispec.engine.cost_measure import measure_costs
+
+    opts = setup.opts
+    costs = measure_costs(engine, batches=list(opts.concurrency or (1,)))
+    costs.save(opts.write_draft_costs, device=str(setup.device), dtype=str(setup.dtype).removeprefix("torch."),
+               model=setup.target.name, method=engine.method, num_drafts=engine.num_drafts)
 
 
 def _new_engine(target: Target, config: EngineConfig, proposer=None, num_drafts: int = 0) -> Engine:
@@ -208,6 +237,8 @@ def _prompt(setup: Setup, context: int, repeat: int) -> list[int]:
     target = setup.target
     if target.random:
         return token_prompt(context, repeat, target.model.vocab_size, setup.opts.seed)
+    if setup.opts.workload is not Workload.RANDOM:
+        return tokenized_workload_prompt(target.tokenizer, setup.opts.workload, "offline", context, repeat)
     return tokenized_prompt(target.tokenizer, "offline", context, repeat)
 
 

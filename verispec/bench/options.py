@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from verispec.bench.workloads import Workload
 from verispec.errors import VerispecError
 
 
@@ -14,6 +15,7 @@ class Method(str, Enum):
     AR = "ar"  # plain autoregressive decoding
     EAGLE3 = "eagle3"  # EAGLE3 drafter (random of the real drafter shape, or --eagle3 DIR)
     MTP = "mtp"  # Qwen3.5/3.6's own MTP head (the checkpoint's, or random of its shape)
+    SUFFIX = "suffix"  # model-free suffix decoding (spec/suffix.py): pays on the edit/quote/json workloads
 
     @property
     def speculative(self) -> bool:
@@ -124,6 +126,13 @@ def load_json_schema(value: str) -> dict:
     return schema
 
 
+def parse_workload(text: str) -> Workload:
+    try:
+        return Workload(text)
+    except ValueError:
+        raise VerispecError(f"--workload: '{text}' is not a workload (available: {_names(Workload)})") from None
+
+
 def _split(text: str, flag: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
@@ -163,6 +172,9 @@ class BenchOptions:
     quant: str | None = None  # offline: quantize the target's weights first (verispec/quant/in_memory.py)
     json_schema: str | None = None  # offline: also measure every run under this schema (a file, or "builtin")
     prefix_cache: bool = False  # offline: measure the prefix cache instead (bench/prefix.py)
+    workload: Workload = Workload.RANDOM  # what the prompts ask for (bench/workloads.py)
+    write_draft_costs: Path | None = None  # offline: time verify/draft passes into a draft-cost table here
+    draft_schedule: str | None = None  # offline: the engine's --draft-schedule ("adaptive": its default choice)
 
     @property
     def http(self) -> bool:
@@ -184,6 +196,21 @@ class BenchOptions:
             raise VerispecError("--prefix-cache is measured without --compare or --json-schema")
         if self.prefix_cache and self.http and self.endpoint is not Endpoint.CHAT:
             raise VerispecError("--prefix-cache over HTTP replays chat conversations: use --endpoint chat")
+        if self.workload is not Workload.RANDOM and self.shape:
+            raise VerispecError(f"--workload {self.workload.value} asks a model to copy text: it needs a checkpoint's "
+                                "tokenizer (-m MODEL, --url or --serve), not random --shape weights")
+        if self.workload is not Workload.RANDOM and self.prefix_cache:
+            raise VerispecError("--prefix-cache replays its own conversations: use it without --workload")
+        if self.write_draft_costs is not None and (self.http or not self.methods or
+                                                   not any(m.speculative for m in self.methods)):
+            raise VerispecError("--write-draft-costs times a proposer's passes offline: use it with -m / --shape "
+                                "and a speculative --methods (eagle3, mtp, suffix)")
+        if self.draft_schedule not in (None, "adaptive"):
+            if self.http:
+                raise VerispecError("--draft-schedule is for offline runs; over HTTP the server's flags pick it")
+            from verispec.engine.draft_schedule import DraftSchedule
+
+            DraftSchedule.parse(self.draft_schedule, self.draft_block)
         if self.url and not self.url.startswith(("http://", "https://")):
             raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
         return self

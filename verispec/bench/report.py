@@ -102,7 +102,7 @@ OFFLINE_COLUMNS = [
     ("aggregate_tok_s", "aggregate tok/s", _num, False),
     ("per_request_tok_s", "per-request tok/s", _num, False),
     ("ttft_p99_ms", "TTFT p99 ms", _num, False),
-    ("num_drafts", "drafts/round", str, False),
+    ("num_drafts", "drafts/round", lambda v: "" if v is None else f"{v:.2f}", False),
     ("speedup_vs_batch1", "vs batch 1", lambda v: "" if v is None else f"{v:.2f}x", False),
     ("ttft_ms", "TTFT ms", _num, True),
     ("prefill_tok_s", "prefill tok/s", _num, True),

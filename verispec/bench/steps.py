@@ -20,11 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.engine.cost_measure import prefilled_sequence
 from verispec.engine.engine import Engine
-from verispec.engine.output import OutputBuilder
 from verispec.sampling.params import SamplingParams
-from verispec.sampling.sampler import TokenHistory
-from verispec.engine.sequence import Sequence
 from verispec.spec.proposer import TargetStep
 
 WARMUP_STEPS = 3
@@ -90,35 +88,6 @@ def _interleaved_median_ms(fns, iters: int, device: torch.device) -> list[float]
     return [statistics.median(taken) for taken in times]
 
 
-def prefilled_sequence(engine: Engine, prompt_ids: list[int], k: int) -> Sequence:
-    """A sequence prefilled through the engine's own runner (not queued: the bench drives steps
-    itself), holding blocks for k+1 more positions, its proposer observing as in generation."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=k + 2, ignore_eos=True)
-    history = TokenHistory(engine.model.vocab_size, prompt_ids, engine.device)
-    out = OutputBuilder(engine.tokenizer, greedy, k + 2, history, engine.eos_token_ids)
-    seq = Sequence(prompt_ids, greedy, k + 2, out, None, "bench", sink=lambda chunk: None)
-    if not engine.scheduler.reserve(seq, len(prompt_ids) + k + 1):
-        raise RuntimeError("the KV cache has no room for the step-cost sequences")
-    engine.runner.apply(engine.scheduler.take_cache_ops())
-    if engine.scheduler.slots is not None:
-        seq.state_slot = engine.scheduler.slots.allocate()
-        engine.pools.clear_state(seq.state_slot)
-    proposer = engine.proposer
-    if proposer is not None:
-        proposer.start(seq)
-        seq.drafting = True
-    capture = engine.runner.capture_layers
-    result = engine.runner.prefill([seq], [len(prompt_ids)], capture, keep_all_rows=proposer is not None)
-    seq.num_cached = len(prompt_ids)
-    token = int(torch.argmax(result.logits[0, -1]))
-    seq.out.token_ids.append(token)
-    if proposer is not None:
-        step = TargetStep(prompt_ids, 0, result.hidden[0], [a[0] for a in result.aux], token,
-                          result.pre_norm[0] if result.pre_norm is not None else None)
-        proposer.observe([(seq, step)])
-    return seq
-
-
 def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch: int = 1) -> StepCosts:
     """Prefill `batch` copies of `prompt_ids` through the engine (the proposer observing, as in
     generation), then time decode, verify and draft steps over all of them at that context.
@@ -138,7 +107,9 @@ def measure_step_costs(engine: Engine, prompt_ids: list[int], iters: int, batch:
             return [d.token_ids for d in proposer.propose(seqs, [k] * len(seqs), [greedy] * len(seqs),
                                                           [None] * len(seqs))]
 
-        drafts = propose_all()
+        # a model-free proposer drafts only what matches (maybe nothing): padded to k, the verify pass
+        # is timed at its full width
+        drafts = [(d + [token] * k)[:k] for d in propose_all()]
         context = len(prompt_ids)
 
         def decode_step():

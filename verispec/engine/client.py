@@ -110,7 +110,7 @@ class EngineClient(Protocol):
 
 class ServedEngine:
     """The EngineClient members that Engine and EngineProcess derive from their public attributes:
-    config, budget (cache.paged.CacheBudget), draft_schedule, method, num_drafts, device, dtype,
+    config, budget (cache.paged.CacheBudget), draft_policy, method, num_drafts, device, dtype,
     max_model_len. A subclass that knows its GPU's name without asking CUDA overrides gpu_name()."""
 
     @property
@@ -143,7 +143,7 @@ class ServedEngine:
 
     def _describe_cache(self) -> str:
         budget = self.budget
-        drafts = f"; drafts per round by batch size {self.draft_schedule.describe()}" if self.num_drafts else ""
+        drafts = f"; {self.draft_policy.describe()}" if self.num_drafts else ""
         return (f"{budget.num_tokens} tokens in {budget.num_blocks - 1} blocks of {budget.block_size} "
                 f"({budget.bytes_total / 2**30:.2f} GiB); up to {self.config.max_num_seqs} sequences at once, "
                 f"context {self.max_model_len} tokens{drafts}")

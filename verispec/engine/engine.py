@@ -31,7 +31,7 @@ from verispec.config import EngineConfig, env
 from verispec.engine import constrained, cpu_threads, warmup
 from verispec.engine.cache_sizing import size_cache
 from verispec.engine.client import ServedEngine
-from verispec.engine.draft_schedule import DraftSchedule
+from verispec.engine.draft_policy import MEASURE, AdaptiveDrafts, DraftPolicy, draft_policy
 from verispec.engine.limits import RequestLimits
 from verispec.engine.options import check_limits
 from verispec.engine.output import OutputBuilder
@@ -88,7 +88,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.num_drafts = num_drafts if proposer is not None else 0
         if proposer is not None and num_drafts < 1:
             raise VerispecError(f"the number of drafts per round must be >= 1, got {num_drafts}")
-        self.draft_schedule = DraftSchedule.parse(config.draft_schedule, self.num_drafts, self.device.type)
+        self.draft_policy: DraftPolicy = draft_policy(config, proposer, self.num_drafts, self.device.type)
+        # --draft-costs measure: timed at the first step, after prewarm has captured the CUDA graphs
+        self._costs_pending = config.draft_costs == MEASURE and isinstance(self.draft_policy, AdaptiveDrafts)
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
         self._setup_cache()
@@ -96,7 +98,6 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._worker_lock = threading.Lock()
-        self.last_num_drafts = 0  # drafts per sequence chosen for the last decode step (/metrics)
         # per round: (sequences, tokens per sequence, draft+inputs ms, launch ms, device wait ms, host after ms)
         self.round_timings: collections.deque = collections.deque(maxlen=4096)
         self.update = StepUpdate(self.scheduler, self.runner, self.grammars)
@@ -299,7 +300,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + self._inbox.qsize(),
                 "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_usable,
-                "preemptions": s.num_preemptions, "num_drafts": self.last_num_drafts,
+                "preemptions": s.num_preemptions, "drafts": self.draft_policy.stats.as_dict(),
                 "prefix_cache": self.prefix_cache_stats()}
 
     def prefix_cache_stats(self) -> dict | None:
@@ -318,7 +319,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         the engine goes on."""
         self._drain_inbox()
         self._finish_cancelled()
-        plan = self.scheduler.schedule(self.draft_schedule.drafts_for)
+        if self._costs_pending:
+            self.measure_draft_costs()
+        plan = self.scheduler.schedule(self.draft_policy.choose)
         self.runner.apply(plan.cache_ops)
         if plan.empty:
             return
@@ -337,9 +340,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             self._prefill(group)
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
-            self.last_num_drafts = plan.num_drafts
-            if not (self.overlap.eligible(decodes, plan.num_drafts) and self.overlap.run(decodes)):
-                self._round(decodes, plan.num_drafts)
+            counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
+            if not (self.overlap.eligible(decodes, max(counts)) and self.overlap.run(decodes)):
+                self._round(decodes, counts)
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler
@@ -361,12 +364,13 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         out = self.runner.prefill(seqs, [n for _, n in group], self.runner.capture_layers, keep_all_rows=drafting)
         self.update.prefilled(group, starts, out)
 
-    def _round(self, seqs: list[Sequence], num_drafts: int) -> None:
-        """One speculative round over every decoding sequence: drafts, one target pass, then per
-        sequence verification, commit of the accepted rows, and output."""
-        profile = num_drafts > 0 and env().eagle3_profile
+    def _round(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
+        """One speculative round over every decoding sequence (num_drafts[b] drafts for seqs[b]):
+        drafts, one target pass, then per sequence verification, commit of the accepted rows, and
+        output."""
+        profile = any(num_drafts) and env().eagle3_profile
         t0 = time.perf_counter()
-        counts = [min(num_drafts, s.remaining_tokens - 1) if s.drafting else 0 for s in seqs]
+        counts = [min(k, s.remaining_tokens - 1) if s.drafting else 0 for s, k in zip(seqs, num_drafts)]
         drafts = self.runner.propose(seqs, counts)
         grammar = constrained.RoundGrammar.of(self.grammars, seqs)  # None: no sequence is constrained
         if grammar is not None:
@@ -379,10 +383,11 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         out = self.runner.verify(seqs, inputs.rows, self.runner.capture_layers)
         t_launched = time.perf_counter()
         accepted, t_synced = self.update.verified(seqs, inputs, out, grammar)
+        self.draft_policy.observe(seqs, [len(d.token_ids) for d in inputs.drafts], accepted)
         if profile:
             _sync(self.device)
-            log.info("[round] %d sequences: draft %.2f ms (k=%d), verify and update %.2f ms, accepted %s",
-                     len(seqs), (t_drafted - t0) * 1000, num_drafts, (time.perf_counter() - t_drafted) * 1000,
+            log.info("[round] %d sequences: draft %.2f ms (k=%s), verify and update %.2f ms, accepted %s",
+                     len(seqs), (t_drafted - t0) * 1000, counts, (time.perf_counter() - t_drafted) * 1000,
                      accepted)
         # where a round's time goes (bench --concurrency reports medians): drafting and building the
         # inputs, launching the target pass, waiting for the device, and the per-sequence host work after
@@ -390,6 +395,21 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.round_timings.append((len(seqs), len(inputs.rows[0]), (t_launch - t0) * 1000,
                                    (t_launched - t_launch) * 1000, (t_synced - t_launched) * 1000,
                                    (now - t_synced) * 1000))
+
+    def measure_draft_costs(self) -> None:
+        """Time this engine's verify and draft passes into the adaptive draft choice's cost table
+        (engine/cost_measure.py); on the worker thread, before any request decodes."""
+        from verispec.engine.cost_measure import measure_costs
+
+        self._costs_pending = False
+        t0 = time.perf_counter()
+        try:
+            costs = measure_costs(self)
+        except RuntimeError as exc:  # e.g. a KV cache too small for the timed sequences
+            log.warning("draft costs not measured (%s); the analytic model stays", exc)
+            return
+        self.draft_policy.costs = costs
+        log.info("draft costs measured in %.1fs: %s", time.perf_counter() - t0, costs.describe())
 
     # ---- warm-up (engine/warmup.py) -----------------------------------------------------------------
     def prewarm(self) -> float:

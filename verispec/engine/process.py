@@ -70,7 +70,7 @@ class EngineInfo:
     eos_token_ids: list[int]
     method: str
     num_drafts: int
-    draft_schedule: object  # engine.draft_schedule.DraftSchedule
+    draft_policy: object  # engine.draft_policy.DraftPolicy (as at start: describe() reads it)
     budget: object  # cache.paged.CacheBudget
     device: str
     dtype: str
@@ -99,7 +99,7 @@ def _child_main(config: EngineConfig, conn) -> None:
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     conn.send(("ready", EngineInfo(engine.model_name, str(engine.model_dir), engine.config, engine.limits,
                                    list(engine.eos_token_ids), engine.method, engine.num_drafts,
-                                   engine.draft_schedule, engine.budget, str(engine.device),
+                                   engine.draft_policy, engine.budget, str(engine.device),
                                    str(engine.dtype).removeprefix("torch."),
                                    torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None)))
     sender = threading.Thread(target=_send_outbox, args=(outbox, conn), name="verispec-engine-sender", daemon=True)
@@ -205,7 +205,7 @@ class EngineProcess(ServedEngine):
         self.config, self.model_name, self.model_dir = info.config, info.model_name, Path(info.model_dir)
         self.limits, self.method, self.num_drafts = info.limits, info.method, info.num_drafts
         self.max_model_len, self.vocab_size = info.limits.max_model_len, info.limits.vocab_size
-        self.draft_schedule, self.budget = info.draft_schedule, info.budget
+        self.draft_policy, self.budget = info.draft_policy, info.budget
         self.device, self.dtype = torch.device(info.device), getattr(torch, info.dtype)
         self.device_name = info.device_name
         self.tokenizer = Tokenizer.from_dir(self.model_dir)

@@ -1,8 +1,8 @@
 """The scheduler: which sequences run in the next step, and how many tokens each.
 
 Waiting sequences are admitted in arrival order while `max_num_seqs` and free KV blocks allow.
-Each step gives every decoding sequence one verify pass of k+1 tokens (k drafts, chosen from the
-batch size) and spends the rest of the token budget (`max_num_batched_tokens`) on prompt chunks,
+Each step gives every decoding sequence one verify pass of k+1 tokens (k drafts each, chosen by
+the engine's draft policy) and spends the rest of the token budget (`max_num_batched_tokens`) on prompt chunks,
 so a long prompt never stalls the running decodes. When a decoding sequence needs a block and none
 is free, the newest running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue, to be prefilled again over everything it has so far (recomputation). Nothing
@@ -82,7 +82,12 @@ class StepPlan:
 
     prefill_groups: list[list[tuple[Sequence, int]]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
-    num_drafts: int = 0  # drafts per decoding sequence this step
+    drafts: list[int] = field(default_factory=list)  # drafts each of `decodes` gets this step
+
+    @property
+    def width(self) -> int:
+        """Tokens per sequence in the verify pass: 1 + the most drafts any sequence gets."""
+        return 1 + max(self.drafts, default=0)
     cache_ops: list[CacheOp] = field(default_factory=list)
 
     @property
@@ -209,13 +214,15 @@ class Scheduler:
         return victim
 
     # ---- one step ----------------------------------------------------------------------------------
-    def schedule(self, drafts_for_batch: Callable[[int], int]) -> StepPlan:
+    def schedule(self, choose_drafts: Callable[[list[Sequence]], list[int]]) -> StepPlan:
+        """choose_drafts(decoding sequences) -> drafts for each (engine/draft_policy.py)."""
         plan = StepPlan()
         chunks: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.running if not s.in_prefill]
-        plan.num_drafts = drafts_for_batch(len(decoding)) if decoding else 0
-        width = plan.num_drafts + 1
-        for seq in decoding:
+        counts = choose_drafts(decoding) if decoding else []
+        # every row of the verify pass is padded to the widest, and padding writes into its own blocks
+        width = 1 + max(counts, default=0)
+        for seq, k in zip(decoding, counts):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below by an older sequence
             while not self._grow(seq, seq.num_cached + width):
@@ -223,6 +230,7 @@ class Scheduler:
                     break
             else:
                 plan.decodes.append(seq)
+                plan.drafts.append(k)
         budget = self.max_num_batched_tokens - len(plan.decodes) * width
         if self.pacer is not None:
             budget = min(budget, self.pacer.token_budget())

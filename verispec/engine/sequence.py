@@ -56,6 +56,10 @@ class Sequence:
         self.prefix_hit = None
         self.decode_snapshot: bytes | None = None
         self.drafting = False  # the engine's proposer holds state for it (started, not yet released)
+        # the adaptive draft choice's view of it (engine/draft_policy.py): its running acceptance
+        # (engine/acceptance.AcceptanceEstimate, made at its first round) and rounds since it last drafted
+        self.acceptance = None
+        self.rounds_without_drafts = 0
         self.constraint = None  # its grammar's matcher (grammar/constraint.py), when constrained
         self.num_preemptions = 0
         self.arrival = time.perf_counter()

@@ -62,8 +62,12 @@ class ServerMetrics:
         self.prefix_blocks = Gauge("verispec_prefix_cache_blocks", "KV blocks registered in the prefix cache: "
                                    "held by running sequences, or idle (kept until their memory is needed)",
                                    ["state"], registry=self.registry)
-        self.num_drafts = Gauge("verispec_spec_drafts_per_round", "Drafts per sequence chosen for the last decode "
-                                "step from the batch size (--draft-schedule)", registry=self.registry)
+        self.num_drafts = Gauge("verispec_spec_drafts_per_round", "Mean drafts per sequence chosen for the last "
+                                "decode step (adaptive per sequence, or --draft-schedule)", registry=self.registry)
+        self.zero_drafts = Gauge("verispec_spec_sequences_drafting_zero", "Decoding sequences given no drafts in "
+                                 "the last decode step", registry=self.registry)
+        self.draft_choices = Gauge("verispec_spec_draft_choices_total", "Sequence-rounds by the drafts chosen for "
+                                   "them, since start", ["drafts"], registry=self.registry)
 
         self.numerics = Gauge("verispec_numerics_info", "1 for the numerics the engine runs: exact (a token's result "
                               "does not depend on the batch, speculation or cache) or fast", ["mode"],
@@ -93,7 +97,12 @@ class ServerMetrics:
         self.kv_blocks.labels(state="used").set(load["kv_blocks_used"])
         self.kv_blocks.labels(state="total").set(load["kv_blocks_total"])
         self.preemptions.set(load["preemptions"])
-        self.num_drafts.set(load["num_drafts"])
+        drafts = load.get("drafts")
+        if drafts is not None:
+            self.num_drafts.set(drafts["mean"])
+            self.zero_drafts.set(drafts["zero"])
+            for k, count in drafts["histogram"].items():
+                self.draft_choices.labels(drafts=str(k)).set(count)
         prefix = load.get("prefix_cache")
         if prefix is not None:
             self.prefix_lookups.set(prefix["queried_tokens"])

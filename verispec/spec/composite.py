@@ -30,6 +30,8 @@ class LongestDraft(Proposer):
         if len(readers) > 1:  # each reads the pass's captured streams by position in its own list
             raise ValueError("a composite proposer takes at most one drafter that reads target layers")
         self.capture_layers = readers[0].capture_layers if readers else ()
+        # the costliest member's: the model drafter runs for every sequence the cheaper one leaves short
+        self.draft_cost_fraction = max(m.proposer.draft_cost_fraction for m in members)
 
     @property
     def pools(self):

@@ -106,6 +106,10 @@ class Proposer(ABC):
     # the drafter's own K/V rows, indexed by the target's block tables (None: it keeps none); the
     # engine zeroes and copies their blocks with the target's
     pools: PagedPools | None = None
+    # one chained drafting step over some sequences, as a fraction of a target pass over them: what
+    # the adaptive draft choice charges before anything is measured (a captured EAGLE3 step measured
+    # 0.03-0.09 of a decode step on the H200; docs/speculative-decoding.md)
+    draft_cost_fraction: float = 0.06
 
     def bind(self, target: TargetCache) -> None:
         """Called once, when the engine has sized the target's cache, before any sequence starts."""

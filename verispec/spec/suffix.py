@@ -83,6 +83,8 @@ class OutputCache:
 class _CopyingProposer(Proposer):
     """Per sequence, an index over its prompt and output so far, grown by what it commits."""
 
+    draft_cost_fraction = 0.0  # host lookups only, no device pass
+
     def __init__(self):
         self._own: dict[int, SuffixIndex] = {}
 
