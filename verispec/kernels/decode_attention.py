@@ -109,6 +109,45 @@ if triton is not None:
         return start_t, tl.minimum(start_t + chunk_t, kv_t)
 
     @triton.jit
+    def _row_sums(p, IEEE: tl.constexpr):
+        """Each row of p summed by a matrix product with a column of ones: the tensor cores' chain
+        over the keys, whatever the tile's shape and the warps' layout (tl.sum's order follows the
+        layout, which changes with the rows a program holds: a prompt tile against a decode step's)."""
+        ones = tl.full([p.shape[1], 16], 1.0, p.dtype)
+        if IEEE:
+            sums = tl.dot(p, ones, input_precision="ieee")
+        else:
+            sums = tl.dot(p, ones, input_precision="tf32")
+        first = tl.arange(0, 16)[None, :] == 0
+        return tl.sum(tl.where(first, sums, 0.0), 1)  # one column: adding zeros is exact
+
+    @triton.jit
+    def _attend_block(m_i, l_i, acc, q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, offs_n, end, allowed,
+                      offs_d, d_valid, scale, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
+        """One block of keys `offs_n` added to the rows' running softmax sums (rows attend where
+        `allowed`; elsewhere their sums stay bit for bit as they were)."""
+        n_valid = offs_n < end
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
+        k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(allowed, qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + _row_sums(p, IEEE)
+        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
     def _share_sums(q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, start_t, end_t, pos_t, row_valid,
                     offs_d, d_valid, scale, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
@@ -124,31 +163,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < end
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
-            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale
             allowed = (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
             if HAS_WINDOW:
                 allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb,
+                                          offs_n, end, allowed, offs_d, d_valid, scale, IEEE, PAGED, PAGE)
         return _finish(m_i, l_i, acc)
 
     @triton.jit
@@ -331,37 +350,17 @@ if triton is not None:
         share = tl.full([BLOCK_M], -1, tl.int32)  # the share the running sums belong to (-1: none yet)
         for n0 in range(start, end, BLOCK_N):
             in_row = row_valid & (n0 >= lo_t) & (n0 < kv_t)
-            share_n = (n0 - lo_t) // chunk_t
+            share_n = ((n0 - lo_t) // chunk_t).to(tl.int32)
             opens = in_row & (share >= 0) & (share_n != share)
             if tl.max(opens.to(tl.int32), 0) > 0:
                 m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, opens)
             share = tl.where(in_row, share_n, share)
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < end
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
-            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * scale
             allowed = in_row[:, None] & (offs_n[None, :] < kv_t[:, None])
             if HAS_WINDOW:
                 allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
-            qk = tl.where(allowed, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb,
+                                          offs_n, end, allowed, offs_d, d_valid, scale, IEEE, PAGED, PAGE)
         m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, share >= 0)
         out = o / tl.where(row_valid, l, 1.0)[:, None]
         # OUT is [B, T, HQ, D], as the split path's
@@ -470,11 +469,13 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     scale: float, window: int | None = None, lengths: torch.Tensor | None = None,
-                    num_splits: int | None = None, query_tile: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, query_tile: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
     """A prompt chunk of any length over the contiguous cache (its own keys already written): the
     contract of `decode_attention_reference`, with each row's bits those a decode step or verify
     pass at its position gives. `lengths` [B]: rows past a sequence's length are padding."""
-    return _launch_chunk(q, k_cache, v_cache, positions, scale, window, None, 0, lengths, num_splits, query_tile)
+    return _launch_chunk(q, k_cache, v_cache, positions, scale, window, None, 0, lengths, num_splits, query_tile,
+                         num_warps)
 
 
 def paged_chunk_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -487,16 +488,18 @@ def paged_chunk_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
 
 def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, lengths, num_splits,
-                  query_tile) -> torch.Tensor:
+                  query_tile, num_warps=None) -> torch.Tensor:
     b, hq, t, d = q.shape
     paged = block_tables is not None
     hkv = k_cache.shape[1]
     group = hq // hkv
     q = q.contiguous()
     splits = num_splits or shares_for(hkv, q.device)
-    # about 64 rows (kv head group x query tokens) a program; BLOCK_N as the split path's, so the
-    # key blocks, and every row's sums, are the same
-    tq = query_tile or max(1, 64 // group)
+    # about 128 rows (kv head group x query tokens) a program on 8 warps: fastest of 16-128 rows on
+    # the H200 (docs/benchmarks.md); BLOCK_N as the split path's, so the key blocks, and every
+    # row's sums, are the same
+    tq = query_tile or max(1, 128 // group)
+    block_m = max(16, triton.next_power_of_2(group * tq))
     config = split_config(d, q.element_size())
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     if paged:
@@ -511,10 +514,12 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         q, k_cache, v_cache, positions, lengths if lengths is not None else positions, out, table,
         q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
         scale, window or 0, t,
-        G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=max(16, triton.next_power_of_2(group * tq)),
+        G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=block_m,
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=num_warps or (8 if block_m >= 128 else config["num_warps"]),
+        # 128 rows staged 3 deep need 237,696 bytes of shared memory where an H200 has 232,448
+        num_stages=2 if block_m >= 128 else config["num_stages"])
     return out.transpose(1, 2)
 
 
