@@ -3,6 +3,7 @@
 Allow header of a 405), and schema-invalid requests are refused with a 4xx."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,53 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(fuzz_server, tmp
     run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME_S + 120, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert httpx.get(fuzz_server.url + "/health", timeout=10).status_code == 200
+
+
+# Pieces that hostile text is made of: control-token spellings, emoji (4 UTF-8 bytes), combining
+# marks (folded by normalizers), whitespace runs (where prompts are cut to be counted), JSON-ish text.
+HOSTILE_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "system\n", "\U0001F600",
+                  "e\u0301", "\u0000", " " * 64, "\n\n", "{\"a\": [", "\ue000", "x" * 300, "word "]
+
+
+def hostile_text(max_pieces: int):
+    from hypothesis import strategies as st
+
+    return st.lists(st.sampled_from(HOSTILE_PIECES) | st.text(max_size=8), max_size=max_pieces).map("".join)
+
+
+def test_hostile_fields_never_break_the_server(fuzz_server):
+    """Random mixes of hostile text in messages, prompts and stops, with random logit_bias (NaN and
+    infinities included): every answer is a 200 or an OpenAI-style 4xx, and /health stays 200."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    bias_value = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-100, 100, "1", None])
+    bias_key = st.integers(-5, 2**40).map(str) | st.text(max_size=4)
+    fields = st.fixed_dictionaries({}, optional={
+        "stop": st.lists(hostile_text(40), max_size=34),
+        "logit_bias": st.dictionaries(bias_key, bias_value, max_size=5),
+        "n": st.integers(1, 3), "temperature": st.sampled_from([0, 1.0])})
+    chat = st.builds(lambda content, extra: ("/v1/chat/completions",
+                                             {"messages": [{"role": "user", "content": content}], **extra}),
+                     hostile_text(200), fields)
+    completion = st.builds(lambda prompt, extra: ("/v1/completions", {"prompt": prompt or "x", **extra}),
+                           hostile_text(200), fields)
+
+    statuses: list[int] = []
+    with httpx.Client(base_url=fuzz_server.url, timeout=60) as http:
+        @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.one_of(chat, completion))
+        def check(request):
+            path, body = request
+            body = {"model": SERVED_NAME, "max_tokens": 4, **body}
+            response = http.post(path, content=json.dumps(body, allow_nan=True),
+                                 headers={"content-type": "application/json"})
+            assert response.status_code in (200, 400), response.text[:2000]
+            statuses.append(response.status_code)
+            if response.status_code == 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            assert http.get("/health").status_code == 200
+
+        check()
+    assert {200, 400} <= set(statuses)  # the mixes reach generation, not only the checks

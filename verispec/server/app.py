@@ -20,13 +20,13 @@ from verispec.server.content_type import JsonContentTypeMiddleware
 from verispec.server.engine_stats import EngineStatsReader
 from verispec.server.errors import install_error_handlers
 from verispec.server.host_check import HostCheckMiddleware, HostPolicy
-from verispec.server.input_checks import max_prompt_chars
 from verispec.server.lifecycle import EngineWatch, close_engine, uvicorn_config
 from verispec.server.metrics import MetricsMiddleware
 from verispec.server.openapi import install_openapi
 from verispec.server.routes import JSON_BODY_PATHS, build_router
 from verispec.server.schema import request_field_names
 from verispec.server.state import ServerState
+from verispec.server.token_budget import PromptBudget
 
 
 def create_app(engine: EngineClient, served_model_name: str | None = None, api_key: str | list[str] | None = None,
@@ -41,7 +41,7 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, api_k
     whose engine double scripts the chunk boundaries). owns_engine: the app's shutdown closes the
     engine (`verispec serve`: uvicorn re-raises SIGTERM after its shutdown, so code after it never runs)."""
     state = ServerState(engine, served_model_name or engine.model_name, EngineBridge(engine, merge_chunks),
-                        max_prompt_chars(engine.tokenizer, engine.max_model_len), EngineStatsReader(engine))
+                        PromptBudget.for_tokenizer(engine.tokenizer, engine.max_model_len), EngineStatsReader(engine))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
@@ -20,11 +19,9 @@ from fastapi import Request
 from verispec.engine.client import EngineClient
 from verispec.sampling.params import SamplingParams
 from verispec.engine.types import GenerationChunk, merge_chunks
+from verispec.server.prepare_lanes import PrepareLanes
 
 DISCONNECT_POLL_S = 0.2
-# Rendering templates and tokenizing run here: a long prompt takes seconds, which must not stall
-# the event loop (/health, other clients' streams). Few threads: this is CPU work.
-PREPARE_THREADS = 2
 T = TypeVar("T")
 
 
@@ -54,12 +51,13 @@ class EngineBridge:
         self.engine = engine
         self.merge_chunks = merge_chunks  # see generate_choices
         self._running: set[threading.Event] = set()  # cancel events of queued/running generations
-        self._prepare_executor = ThreadPoolExecutor(max_workers=PREPARE_THREADS,
-                                                    thread_name_prefix="verispec-prepare")
+        # Rendering templates and tokenizing take seconds for a long prompt, which must not stall the
+        # event loop (/health, other clients' streams), nor other clients' preparation.
+        self.prepare_lanes = PrepareLanes()
 
-    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
-        """`fn(*args)` on a preparation thread (template rendering, tokenizing), off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_executor, fn, *args)
+    async def run_blocking(self, body_bytes: int, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` off the event loop, on the preparation lane for a request body of that size."""
+        return await self.prepare_lanes.run(body_bytes, fn, *args)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        cancel: threading.Event | None = None) -> AsyncIterator[GenerationChunk]:
@@ -138,7 +136,7 @@ class EngineBridge:
     def shutdown(self) -> None:
         for cancel in list(self._running):
             cancel.set()
-        self._prepare_executor.shutdown(wait=False, cancel_futures=True)
+        self.prepare_lanes.shutdown()
         self.engine.shutdown()
 
 

@@ -23,10 +23,12 @@ from verispec.server.tools.streaming import ToolStreamParser
 
 async def chat_completion(state: ServerState, request: Request, body: ChatCompletionRequest) -> Response:
     # A walk over every string of the body: long for a multi-megabyte prompt, so off the event loop.
-    await state.bridge.run_blocking(reject_unpaired_surrogates_in, body)
+    body_bytes = len(await request.body())  # already read (and kept) to parse `body`
+    await state.bridge.run_blocking(body_bytes, reject_unpaired_surrogates_in, body)
     check_model(body.model, state.served_model_name)
     tokenizer = state.engine.tokenizer
-    prepared = await state.bridge.run_blocking(prepare_chat, body, state.engine, state.max_prompt_chars)
+    prepared = await state.bridge.run_blocking(body_bytes, prepare_chat, body, state.engine,
+                                              state.prompt_budget)
     prepared.params.cache_salt = cache_salt(request.scope, body.cache_salt)
     # Only thinking models get their output split; for others "<think>" is just text.
     parses_reasoning = tokenizer.supports_thinking

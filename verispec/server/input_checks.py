@@ -1,10 +1,9 @@
 """Checks on hostile or malformed input that the request models cannot express: text that is not
-valid Unicode, seeds torch cannot take, token ids outside the vocabulary, and prompts too long to
-be worth tokenizing."""
+valid Unicode, seeds torch cannot take, token ids outside the vocabulary, template arguments that
+would change the renderer (prompts too long for the context: token_budget.py)."""
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 from pydantic import BaseModel
@@ -14,9 +13,6 @@ from verispec.server.errors import invalid_request
 # torch.Generator.manual_seed takes exactly this range (anything else is an OverflowError).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
-# A tokenizer's normalizer can fold several characters into one (NFKC composes "e" + U+0301 into
-# "é"), so a token may stand for more characters than its own text has; this margin covers that.
-NORMALIZATION_SLACK = 4
 
 
 def reject_unpaired_surrogates_in(body: BaseModel) -> None:
@@ -67,23 +63,6 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise invalid_request(f"'{param}' must hold token ids in [0, {vocab_size}); got {bad[:5]}", param=param)
-
-
-def max_prompt_chars(tokenizer, max_model_len: int) -> int:
-    """More characters than this cannot fit the context whatever they tokenize to, so such a
-    prompt is refused before tokenizing it (which takes seconds per megabyte)."""
-    hf = getattr(tokenizer, "hf", None)
-    if hf is None:  # a tokenizer that cannot list its vocabulary (bench stubs): no early refusal
-        return sys.maxsize
-    longest_token = max((len(piece) for piece in hf.get_vocab()), default=1)
-    return max_model_len * max(longest_token, 1) * NORMALIZATION_SLACK
-
-
-def check_prompt_chars(text: str, limit: int, max_model_len: int, param: str) -> None:
-    if len(text) > limit:
-        raise invalid_request(
-            f"the prompt has {len(text)} characters, more than any prompt that fits this model's context "
-            f"length of {max_model_len} tokens can have ({limit})", param=param, code="context_length_exceeded")
 
 
 def check_chat_template_kwargs(kwargs: dict | None, tokenizer) -> None:

@@ -10,9 +10,9 @@ from verispec.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.grammar.spec import GrammarSpec
 from verispec.server.errors import invalid_request, model_not_found
-from verispec.server.input_checks import (check_chat_template_kwargs, check_prompt_chars, check_seed,
-                                         check_token_ids)
+from verispec.server.input_checks import check_chat_template_kwargs, check_seed, check_token_ids
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
+from verispec.server.token_budget import PromptBudget
 from verispec.server.tools.request import (ToolPlan, plan_response_format, plan_tools, special_token_marker,
                                            template_messages)
 
@@ -58,7 +58,7 @@ def check_model(requested: str | None, served_name: str) -> None:
         raise model_not_found(requested, served_name)
 
 
-def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, max_prompt_chars: int) -> PreparedRequest:
+def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, budget: PromptBudget) -> PreparedRequest:
     """Blocking (renders the template and tokenizes): the server runs it off the event loop."""
     tokenizer = engine.tokenizer
     num_choices = _check_common(req, engine)
@@ -80,7 +80,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, max_prompt_ch
     messages = template_messages([_template_message(i, m) for i, m in enumerate(req.messages)], plan)
     prompt = tokenizer.render_chat_prompt(messages, template_kwargs, tools=plan.template_tools if plan else None)
     prompt_text = prompt.text
-    check_prompt_chars(prompt_text, max_prompt_chars, engine.max_model_len, "messages")
+    budget.check(prompt_text, tokenizer.encode, "messages")
     prompt_ids = tokenizer.encode_chat(prompt)
     # The engine says "max_tokens" and "prompt"; errors name the fields this client actually sent.
     sent = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
@@ -109,7 +109,7 @@ def _output_grammar(req: ChatCompletionRequest, plan: ToolPlan | None, check: Ca
     return grammar
 
 
-def prepare_completion(req: CompletionRequest, engine: EngineClient, max_prompt_chars: int) -> PreparedRequest:
+def prepare_completion(req: CompletionRequest, engine: EngineClient, budget: PromptBudget) -> PreparedRequest:
     """Blocking (tokenizes): the server runs it off the event loop."""
     tokenizer = engine.tokenizer
     num_choices = _check_common(req, engine)
@@ -124,7 +124,7 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient, max_prompt_
                               param="echo")
     prompt = _single_prompt(req.prompt)
     if isinstance(prompt, str):
-        check_prompt_chars(prompt, max_prompt_chars, engine.max_model_len, "prompt")
+        budget.check(prompt, tokenizer.encode, "prompt")
         # A raw prompt gets the tokenizer's own BOS, as Hugging Face and vLLM do.
         prompt_ids, prompt_text = tokenizer.encode(prompt, add_special_tokens=True), prompt
     else:

@@ -10,6 +10,7 @@ from verispec.engine.client import EngineClient
 from verispec.server.bridge import EngineBridge
 from verispec.server.engine_stats import EngineStatsReader
 from verispec.server.metrics import ServerMetrics
+from verispec.server.token_budget import PromptBudget
 
 
 def _version() -> str:
@@ -24,7 +25,7 @@ class ServerState:
     engine: EngineClient  # Engine, EngineProcess, or a test double: engine/client.py
     served_model_name: str
     bridge: EngineBridge
-    max_prompt_chars: int  # longer prompts are refused before tokenizing (input_checks.max_prompt_chars)
+    prompt_budget: PromptBudget  # prompts that cannot fit the context, refused before full tokenization
     engine_stats: EngineStatsReader  # the engine's load for /metrics, read off the event loop
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     started_at: int = field(default_factory=lambda: int(time.time()))
