@@ -9,6 +9,8 @@ import torch
 
 from verispec.kernels import decode_attention as attention
 from verispec.kernels import linear as lin
+from verispec.quant import mlx_affine
+from verispec.quant.kernels import exact
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -69,3 +71,16 @@ def test_prompt_attention_is_the_decode_steps_bits(window):
     ref = attention.decode_attention_reference(q.double(), k.double(), v.double(),
                                                torch.arange(length, device="cuda")[None], scale, window)
     assert float((whole.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (8, 64), (3, 64)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1536, 576)])
+def test_quantized_rows_are_the_same_fused_and_through_the_decoded_weight(bits, group, n, k):
+    gen = torch.Generator().manual_seed(n + bits)
+    w = (torch.randn(n, k, generator=gen) * 0.02).cuda().to(torch.bfloat16)
+    packed, scales, biases = mlx_affine.quantize(w, mlx_affine.AffineSpec(bits, group))
+    x = torch.randn(300, k, device="cuda").to(torch.bfloat16)
+    alone = torch.cat([exact.exact_linear(x[i:i + 1], packed, scales, biases, bits, group, False) for i in range(8)])
+    for m in (2, 8, 9, 16, 33, 64, 65, 129, 300):  # fused up to 64 rows, the decoded weight's GEMM past that
+        assert torch.equal(exact.exact_linear(x[:m], packed, scales, biases, bits, group, False)[:min(m, 8)],
+                           alone[:min(m, 8)]), m

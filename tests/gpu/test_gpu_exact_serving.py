@@ -1,8 +1,9 @@
 """Exact numerics on CUDA in bfloat16: a request's tokens and logprobs are bit for bit the same
 alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 others, with 64-token
 prompt chunks, without the prefix cache, under preemption, eagerly, and speculating with replays of
-its own output that are always right and always wrong. Llama, Qwen3 (q/k norms) and Gemma 3
-(sliding windows, soft-capped logits), tiny random checkpoints with the engine's real kernels."""
+its own output that are always right and always wrong. Llama, Qwen3 (q/k norms), Gemma 3 (sliding
+windows, soft-capped logits) and Qwen3 in MLX 4- and 8-bit, tiny random checkpoints with the
+engine's real kernels."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from tests.gpu.replay import KeyedReplay, first_divergence
 from tools.tiny import build_tiny_gemma3, build_tiny_model, corpus_text
+from verispec.cli import main as cli_main
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
@@ -20,7 +22,8 @@ NEW_TOKENS = 48
 PROMPT_TOKENS = [17, 70, 129, 250, 300, 33, 190, 96]
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048)
-FAMILIES = ["llama", "qwen3", "gemma3"]
+# the last two: Qwen3 quantized (`verispec quantize`), whose layers run quant/kernels/exact.py
+FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-mlx-4bit", "qwen3-mlx-8bit"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,9 @@ def root(tmp_path_factory, tokenizer_dir):
     build_tiny_model(root / "qwen3", "qwen3", tokenizer_dir=tokenizer_dir, head_dim=64, **SHAPE)
     build_tiny_gemma3(root / "gemma3", tokenizer_dir=tokenizer_dir, hidden_size=256, intermediate_size=512,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+    for quant in ("mlx-4bit", "mlx-8bit"):
+        assert cli_main(["quantize", "-m", str(root / "qwen3"), "--format", quant, "--out",
+                         str(root / f"qwen3-{quant}")]) == 0
     return root
 
 

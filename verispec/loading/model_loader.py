@@ -112,7 +112,7 @@ def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: s
             log.debug("small-op fusion off: Triton is not installed")
         else:
             model.fuse_small_ops()  # compiled on first use: prewarm pays for it
-    quant.prepare(model)
+    quant.prepare(model, exact_numerics=numerics == "exact" and device.type == "cuda")
     if numerics == "exact" and device.type == "cuda":
         from verispec.models.layers.exact import use_row_invariant_linears
 

@@ -55,9 +55,9 @@ def detect_format(config: dict) -> QuantFormat | None:
         f"quantization_config.quant_method '{method}' is not supported (supported: {SUPPORTED})")
 
 
-def prepare(model, dtype=None) -> None:
+def prepare(model, dtype=None, exact_numerics: bool = False) -> None:
     """Binds every quantized layer of a loaded model to its kernels, converting what the chosen
     kernels need on CUDA (quant/dispatch.py `prepare`; the loader calls it)."""
     from verispec.quant.dispatch import prepare as prepare_layers
 
-    prepare_layers(model, dtype)
+    prepare_layers(model, dtype, exact_numerics)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 from enum import Enum
 from typing import Callable
 
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from verispec import log
-from verispec.quant.kernels import frag, gemv, int4_builtin, matmul, mma, stream_mlp
+from verispec.quant.kernels import exact, frag, gemv, int4_builtin, matmul, mma, stream_mlp
 from verispec.quant.layers.linear import QuantizedLinear
 from verispec.quant.layers.mlp import GatedProduct, gated_mlps
 
@@ -47,6 +48,7 @@ class Kernel(str, Enum):
     GEMV = "gemv"  # kernels/gemv.py on the checkpoint's words
     TRITON = "triton"  # kernels/matmul.py, dequantizing inside the product
     DEQUANTIZE = "dequantize"  # the whole weight dequantized, one GEMM
+    EXACT = "exact"  # kernels/exact.py: one summation order at every row count (exact numerics)
 
 
 # ---- the rule -----------------------------------------------------------------------------------
@@ -146,6 +148,11 @@ def _gemv(layer, x):
                      layer.group_size, layer.zero_point)
 
 
+def _exact(layer, x):
+    return exact.exact_linear(x, layer.packed_values(), layer.group_scales(), layer.group_offsets(), layer.bits,
+                              layer.group_size, layer.zero_point)
+
+
 def _triton(layer, x):
     return matmul.dequant_matmul(x, layer.packed_values(), layer.group_scales(), layer.group_offsets(), layer.bits,
                                  layer.group_size, layer.zero_point)
@@ -182,8 +189,13 @@ class Bound:
 def bind(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> Bound:
     """The kernels `layer` keeps for activations on `device` in `dtype`, from the copies `prepare`
     made (a tinygemm or fragment-order copy) and, for a layer without one, the rule's kernels that
-    read the checkpoint's words (MMA, GEMV)."""
+    read the checkpoint's words (MMA, GEMV). A layer marked `exact` (exact numerics) runs
+    kernels/exact.py at every row count where it can."""
     steps, reasons = [], []
+    if layer.exact and not layer.released():
+        if (reason := exact.unsupported_reason(device, dtype, layer.bits)) is None:
+            return Bound(device, dtype, ((sys.maxsize, Kernel.EXACT, _exact),))
+        reasons.append(f"not exact: {reason}")
     copy = layer.frag if layer.frag_terms is not None and layer.frag_terms.dtype == dtype else None
     if layer.int4_packed is not None:
         steps.append((int4_builtin.MAX_ROWS, Kernel.TINYGEMM, _tinygemm))
@@ -215,20 +227,25 @@ def bind(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> Bo
 
 
 # ---- prepare: the load-time step ----------------------------------------------------------------
-def prepare(model: nn.Module, dtype: torch.dtype | None = None) -> None:
+def prepare(model: nn.Module, dtype: torch.dtype | None = None, exact_numerics: bool = False) -> None:
     """Applies the rule to every quantized layer of `model` (after loading and after the model's
     projections were merged, so one copy serves a merged layer), before the KV cache is sized from
     the free memory. On CUDA, in this order: the copies for FRAG and TINYGEMM layers, SiLU(gate) *
     up in merged gate/up products (the rows interleaved through the copy), the checkpoint's words
     a fragment-order copy replaced dropped, gate/up -> down as one streaming launch where it runs
     (its descriptors hold the final copies' addresses); then every layer binds its kernels. Safe to
-    call again on the same model: nothing is converted twice."""
+    call again on the same model: nothing is converted twice. With `exact_numerics` every layer
+    keeps the checkpoint's words and binds kernels/exact.py (no copies: their kernels sum in their
+    own orders)."""
     param = next(model.parameters(), None)
     if param is None:
         return
     device, dtype = param.device, dtype or param.dtype
     logged: set[str] = set()  # each fallback's reason once
-    if device.type == "cuda":
+    if exact_numerics:
+        for layer in _quantized_linears(model):
+            layer.exact = True
+    if device.type == "cuda" and not exact_numerics:
         make_copies(model, dtype, logged)
         gate_in_products(model, dtype)
         release_converted_checkpoints(model)

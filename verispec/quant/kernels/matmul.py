@@ -61,6 +61,57 @@ def dequant_matmul_reference(x: torch.Tensor, packed: torch.Tensor, scales: torc
 if triton is not None:
 
     @triton.jit
+    def decode_tile(rows_w, rows_s, S, O, k_start, k, mask_n, mask_k, K: tl.constexpr, BITS: tl.constexpr,
+                    GROUP: tl.constexpr, ZERO_POINT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UNPACK_WORDS: tl.constexpr):
+        """The weights of columns k (from k_start, BLOCK_K of them) of the rows `rows_w` point at,
+        decoded in float32: [BLOCK_N, BLOCK_K]. Every kernel that decodes a tile calls this, so a
+        weight decodes to the same bits in each (quant/kernels/exact.py relies on that)."""
+        if UNPACK_WORDS:
+            # power-of-two bits: no value crosses a word, so load each word once (contiguous)
+            # and split it into its 32/BITS values; the group's scale and offset are loaded
+            # once per group and broadcast over its columns
+            PER_WORD: tl.constexpr = 32 // BITS
+            word = k_start // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+            words = tl.load(rows_w + word[None, :], mask=mask_n[:, None] & (word < K // PER_WORD)[None, :],
+                            other=0).to(tl.uint32, bitcast=True)
+            shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
+            q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            # integer to float by the exponent trick (2**23 + q, exact): no conversion unit
+            q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            q = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP])
+            group = k_start // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            gmask = mask_n[:, None] & (group < K // GROUP)[None, :]
+            s = tl.load(S + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+            o = tl.load(O + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+            if ZERO_POINT:
+                w = tl.reshape((q - o) * s, [BLOCK_N, BLOCK_K])
+            else:
+                w = tl.reshape(q * s + o, [BLOCK_N, BLOCK_K])
+        else:
+            wmask = mask_n[:, None] & mask_k[None, :]
+            bit = k * BITS
+            word = bit // 32
+            shift = (bit % 32).to(tl.uint32)
+            lo = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
+            q = lo >> shift[None, :]
+            if 32 % BITS != 0:
+                # values that cross into the next word take their high bits from it
+                crosses = (shift + BITS) > 32
+                hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
+                hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
+                q = tl.where(crosses[None, :], q | hi, q)
+            q = ((q & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            group = (k // GROUP)[None, :]
+            s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+            o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+            if ZERO_POINT:
+                w = (q - o) * s
+            else:
+                w = q * s + o
+        return w
+
+    @triton.jit
     def _dequant_matmul_kernel(X, WQ, S, O, Y, M, N,
                                stride_xm, stride_wn, stride_sn, stride_ys, stride_ym, K: tl.constexpr,
                                K_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -86,48 +137,8 @@ if triton is not None:
             mask_k = k < K
             x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if UNPACK_WORDS:
-                # power-of-two bits: no value crosses a word, so load each word once (contiguous)
-                # and split it into its 32/BITS values; the group's scale and offset are loaded
-                # once per group and broadcast over its columns
-                PER_WORD: tl.constexpr = 32 // BITS
-                word = k_start // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-                words = tl.load(rows_w + word[None, :], mask=mask_n[:, None] & (word < K // PER_WORD)[None, :],
-                                other=0).to(tl.uint32, bitcast=True)
-                shifts = (tl.arange(0, PER_WORD) * BITS).to(tl.uint32)
-                q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-                # integer to float by the exponent trick (2**23 + q, exact): no conversion unit
-                q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                q = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP])
-                group = k_start // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                gmask = mask_n[:, None] & (group < K // GROUP)[None, :]
-                s = tl.load(S + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-                o = tl.load(O + rows_s + group[None, :], mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-                if ZERO_POINT:
-                    w = tl.reshape((q - o) * s, [BLOCK_N, BLOCK_K])
-                else:
-                    w = tl.reshape(q * s + o, [BLOCK_N, BLOCK_K])
-            else:
-                wmask = mask_n[:, None] & mask_k[None, :]
-                bit = k * BITS
-                word = bit // 32
-                shift = (bit % 32).to(tl.uint32)
-                lo = tl.load(rows_w + word[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
-                q = lo >> shift[None, :]
-                if 32 % BITS != 0:
-                    # values that cross into the next word take their high bits from it
-                    crosses = (shift + BITS) > 32
-                    hi = tl.load(rows_w + word[None, :] + 1, mask=wmask & crosses[None, :], other=0)
-                    hi = hi.to(tl.uint32, bitcast=True) << ((32 - shift) & 31)[None, :]
-                    q = tl.where(crosses[None, :], q | hi, q)
-                q = ((q & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                group = (k // GROUP)[None, :]
-                s = tl.load(S + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-                o = tl.load(O + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-                if ZERO_POINT:
-                    w = (q - o) * s
-                else:
-                    w = q * s + o
+            w = decode_tile(rows_w, rows_s, S, O, k_start, k, mask_n, mask_k, K, BITS, GROUP, ZERO_POINT, BLOCK_N,
+                            BLOCK_K, UNPACK_WORDS)
             if HALF_DOT:
                 # half-precision activations with the decoded weight rounded to their dtype
                 w = w.to(X.dtype.element_ty)

@@ -57,6 +57,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("frag_words", None, persistent=False)
         self.register_buffer("frag_terms", None, persistent=False)
         self.bound = None  # dispatch.Bound: this layer's kernels for one device and dtype (`bind`)
+        self.exact = False  # exact numerics: one summation order at every row count (quant/kernels/exact.py)
 
     @property
     def frag(self) -> frag_kernel.FragWeights | None:
