@@ -187,9 +187,11 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         max_new = self.resolve_max_tokens(len(prompt_ids), params)
         history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
-        generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
+        seed = params.seed if params.seed is not None else self.config.seed
+        generator = make_generator(seed, self.device)
         method = self.method
-        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size)
+        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size,
+                       seed=seed)
         if params.grammar is not None:  # one matcher per sequence (n choices each get their own)
             seq.constraint = self.grammars.constraint(params.grammar)
         self._release_caller_threads()
