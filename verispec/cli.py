@@ -90,8 +90,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
     p.add_argument("--numerics", default="exact", metavar="{exact,fast}",
                    help="exact (default): a token's result does not depend on the batch, speculation, prompt "
-                        "chunking or prefix cache (our own GEMM and attention kernels on CUDA); fast: torch's "
-                        "GEMMs and flash attention for prompts, whose results may change with the load")
+                        "chunking or prefix cache (our own GEMM and attention kernels on CUDA; on a CPU in float16 or "
+                        "bfloat16, prompts attended row by row); fast: torch's GEMMs and one attention call per "
+                        "prompt chunk, whose results may change with the load")
     p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
                    help="drafts per round by batch size, the same for every sequence, e.g. '1:3,8:1,32:0' "
                         "(default: chosen per sequence per round from the costs and each sequence's acceptance)")

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import torch
 
+from verispec.models.layers.numerics import exact_numerics_hold
+
 if TYPE_CHECKING:
     from verispec.sampling.params import SamplingParams
     from verispec.engine.types import GenerationChunk
@@ -46,7 +48,8 @@ class EngineDescription:
     device_name: str | None  # the GPU's name (None on a CPU)
     dtype: str | None  # "bfloat16", "float32" (None: not known)
     cache: str | None = None  # the KV cache and batch in one line for the startup log (None: no paged cache)
-    # "exact" where a token's result does not depend on its pass (CUDA with --numerics exact), else "fast"
+    # "exact" where a token's result does not depend on its pass (--numerics exact on CUDA, or on a CPU
+    # in float16/bfloat16), else "fast"
     numerics: str = "fast"
 
 
@@ -124,9 +127,16 @@ class ServedEngine:
 
     @property
     def numerics(self) -> str:
-        """The numerics in effect: "exact" needs our kernels, so CUDA (docs/serving.md)."""
-        exact = self.config.numerics == "exact" and torch.device(self.device).type == "cuda"
+        """The numerics in effect: "exact" where it holds for the device and dtype (docs/serving.md)."""
+        exact = self.config.numerics == "exact" and exact_numerics_hold(self.device, self.dtype,
+                                                                        self.has_recurrent_layers)
         return "exact" if exact else "fast"
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether the model has recurrent layers (Qwen3.5's Gated DeltaNet): the in-process engine
+        knows; an engine process (CUDA, where it does not change the numerics) answers False."""
+        return False
 
     def gpu_name(self) -> str | None:
         """The GPU's name (None on a CPU)."""

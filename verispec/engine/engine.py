@@ -47,6 +47,7 @@ from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
+from verispec.models.layers.numerics import exact_numerics_hold
 from verispec.sampling.params import SamplingParams
 from verispec.sampling.sampler import TokenHistory, make_generator
 from verispec.spec.proposer import Proposer
@@ -135,7 +136,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                                    prefix=self.prefix, batch_prefill=cfg.batch_prefill, pacer=self.pacer)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer,
-                                  prompt_kernel=cfg.numerics == "exact" and split_k.available(self.device))
+                                  prompt_kernel=cfg.numerics == "exact" and self._exact_prompts())
         if self.prefix is not None:
             # a drafter with K/V rows of its own recomputes its row at a hit's last position
             self.prefix.keep_features = self.proposer is not None and self.proposer.pools is not None
@@ -144,6 +145,17 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                   f", {num_slots - 1} recurrent state slots" if num_slots else "", cfg.max_num_seqs,
                   "off" if self.prefix is None else
                   f"on ({num_snapshots} recurrent-state snapshots)" if num_slots else "on")
+
+    def _exact_prompts(self) -> bool:
+        """Prompt chunks attend as decode steps do: CUDA's chunk kernel (with Triton), or row by
+        row on a CPU in the dtypes whose products are row-invariant there (models/layers/numerics.py)."""
+        if self.device.type == "cpu":
+            return exact_numerics_hold(self.device, self.dtype, self.has_recurrent_layers)
+        return split_k.available(self.device)
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        return bool(self.pools.recurrent_layers)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -187,9 +199,11 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         max_new = self.resolve_max_tokens(len(prompt_ids), params)
         history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
-        generator = make_generator(params.seed if params.seed is not None else self.config.seed, self.device)
+        seed = params.seed if params.seed is not None else self.config.seed
+        generator = make_generator(seed, self.device)
         method = self.method
-        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size)
+        seq = Sequence(prompt_ids, params, max_new, out, generator, method, sink, cancel, self.config.block_size,
+                       seed=seed)
         if params.grammar is not None:  # one matcher per sequence (n choices each get their own)
             seq.constraint = self.grammars.constraint(params.grammar)
         self._release_caller_threads()

@@ -30,14 +30,16 @@ class SequenceStatus(Enum):
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, out: OutputBuilder,
                  generator, method: str, sink: Callable[[object], None], cancel: threading.Event | None = None,
-                 block_size: int = 16):
+                 block_size: int = 16, seed: int | None = None):
         self.id = next(_ids)
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.out = out
         self.history = out.history
-        self.generator = generator
+        self.generator = generator  # unseeded sampling, and drafters' own draws
+        # the request's seed (or the server's): its samples are fixed per position (sampling/seeded.py)
+        self.seed = seed
         self.stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
         self.sink = sink  # receives GenerationChunk objects, or an exception that ended the request
         self.cancel = cancel or threading.Event()
@@ -74,6 +76,10 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.out.token_ids[-1] if self.out.token_ids else self.prompt_ids[-1]
+
+    def seeded_at(self, position: int) -> tuple[int, int] | None:
+        """(seed, position) for sampling the token at absolute `position`; None when unseeded."""
+        return None if self.seed is None else (self.seed, position)
 
     @property
     def num_tokens(self) -> int:

@@ -24,7 +24,7 @@ from verispec.engine.types import GenerationChunk
 from verispec.grammar.constraint import GrammarCompiler
 from verispec.sampling.sampler import apply_penalties, processed_probs, sample
 from verispec.spec.proposer import Draft, PassRowStep, TargetStep
-from verispec.spec.verify import verify_greedy, verify_sampling
+from verispec.spec.verify import verify_greedy, verify_sampling, verify_seeded
 
 
 @dataclass
@@ -115,7 +115,8 @@ class StepUpdate:
         """logits [V] of a sequence's next position -> its token (grammar, penalties, sampling)."""
         if seq.constraint is not None:
             logits = constrained.mask_one(self.grammars, seq, logits)
-        return sample(apply_penalties(logits, seq.params, seq.history), seq.params, seq.generator)
+        return sample(apply_penalties(logits, seq.params, seq.history), seq.params, seq.generator,
+                      seq.seeded_at(seq.num_tokens))
 
     # ---- after a verify pass -----------------------------------------------------------------------
     def verified(self, seqs: list[Sequence], inputs: RoundInputs, out: PassOutput,
@@ -193,6 +194,8 @@ class StepUpdate:
             return verify_greedy(drafts, lambda i: greedy_choices[i])
         if params.greedy:
             return verify_greedy(drafts, lambda i: int(torch.argmax(penalised(i))))
+        if seq.seed is not None:  # the token after i drafts sits at position num_tokens + i
+            return verify_seeded(drafts, lambda i: sample(penalised(i), params, None, seq.seeded_at(seq.num_tokens + i)))
         return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), seq.generator)
 
 

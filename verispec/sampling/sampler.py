@@ -2,7 +2,8 @@
 
 Processing order (the same as vLLM): penalties on raw logits, then temperature, then top-k,
 top-p and min-p as filters. `processed_probs` returns the final distribution, which speculative
-sampling (the spec issue) compares between drafter and target.
+sampling compares between drafter and target. A seeded request's sample is fixed by its seed and
+the token's position (sampling/seeded.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.sampling.params import SamplingParams
-
+from verispec.sampling.seeded import seeded_sample
 
 
 @dataclass
@@ -132,11 +133,16 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return filter_logits(logits.float(), params).softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Penalised logits [V] -> one token id (argmax when greedy)."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           seeded_at: tuple[int, int] | None = None) -> int:
+    """Penalised logits [V] -> one token id (argmax when greedy). seeded_at: (seed, absolute
+    position) of a seeded request, whose sample is fixed by them (sampling/seeded.py); else the
+    generator draws."""
     if params.greedy:
         return int(torch.argmax(logits))
     probs = processed_probs(logits, params)
+    if seeded_at is not None:
+        return seeded_sample(probs, *seeded_at)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

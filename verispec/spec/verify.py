@@ -4,6 +4,11 @@ Greedy: accept the longest prefix where draft == the target's choice, then one b
 Sampling: standard speculative (rejection) sampling — accept d with probability
 min(1, p(d) / q(d)); on rejection resample from normalise(max(p - q, 0)); after k accepts draw
 the bonus from p. The output distribution is exactly the target's.
+Seeded sampling (coupled): the target's token at each position is its seeded sample there
+(sampling/seeded.py: fixed by seed, position and distribution); a draft is accepted iff it equals
+it, so the text is the one plain seeded sampling gives. For a one-hot draft d this accepts with
+probability p(d), as rejection sampling does; for a drafter with a distribution q it accepts with
+sum_x p(x) q(x), below rejection sampling's sum_x min(p(x), q(x)), which unseeded requests keep.
 
 The target's choice/distribution at draft position i is passed as a function, because with
 penalties it depends on the drafts accepted before i (computed on the committed sequence).
@@ -22,6 +27,12 @@ def verify_greedy(draft_ids: list[int], target_argmax: Callable[[int], int]) -> 
         if choice != d:
             return i, choice
     return len(draft_ids), target_argmax(len(draft_ids))
+
+
+def verify_seeded(draft_ids: list[int], target_sample: Callable[[int], int]) -> tuple[int, int]:
+    """Returns (number of drafts accepted, next token). target_sample(i): the request's seeded
+    sample at the position after i drafts. The rule is greedy's with the sample as the choice."""
+    return verify_greedy(draft_ids, target_sample)
 
 
 def verify_sampling(draft_ids: list[int], draft_probs: torch.Tensor | None,

@@ -153,7 +153,8 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
         pools = cache.pools
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window)
-    if cache.row_lengths is not None and cache.prompt_kernel and q.is_cuda:
+    exact_prompt = cache.row_lengths is not None and cache.prompt_kernel
+    if exact_prompt and q.is_cuda:
         # exact numerics: each prompt token's rows are the bits its decode step gives it
         pools = cache.pools
         return split_k.paged_chunk_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
@@ -165,11 +166,11 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
         # with the call it makes alone (its own queries, keys and mask), so its rows do not depend
         # on the batch; its queries are the last of its keys, which a causal kernel can take
         if q.shape[0] == 1 and cache.row_lengths[0] == q.shape[2]:
-            return _attend_chunk(q, k, v, inputs.positions, cache.row_starts[0], window, scale)
+            return _attend_chunk(q, k, v, inputs.positions, cache.row_starts[0], window, scale, exact_prompt)
         out = torch.zeros_like(q)  # padding rows stay finite (recurrent layers multiply them by 0)
         for b, (start, n) in enumerate(zip(cache.row_starts, cache.row_lengths)):
             out[b:b + 1, :, :n] = _attend_chunk(q[b:b + 1, :, :n], k[b:b + 1, :, :start + n], v[b:b + 1, :, :start + n],
-                                                inputs.positions[b:b + 1, :n], start, window, scale)
+                                                inputs.positions[b:b + 1, :n], start, window, scale, exact_prompt)
         return out
     if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
         return per_row_attention(q, k, v, inputs.positions, window, scale)
@@ -177,13 +178,15 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
 
 
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, start: int,
-                  window: int | None, scale: float) -> torch.Tensor:
+                  window: int | None, scale: float, exact: bool = False) -> torch.Tensor:
     """One sequence's prompt chunk: q [1, Hq, T, D] at positions start..start+T-1 over its gathered
     k/v [1, Hkv, start+T, D] -> [1, Hq, T, D]. On CUDA without a window the chunk is causal with
     the queries aligned to the last keys, which flash attention runs with no mask (head dims to
     256): a masked call goes to cuDNN, which builds an execution plan for every new shape, 13-19 ms
-    a call on the H200, so the tail of every prompt of a new length paid ~0.2 s."""
-    if q.device.type == "cpu" and q.shape[2] <= split_k.MAX_QUERY_TOKENS:
+    a call on the H200, so the tail of every prompt of a new length paid ~0.2 s.
+    `exact` (exact numerics on a CPU): every row attends alone, as its decode step would, so its
+    bits do not depend on the chunk it is in."""
+    if q.device.type == "cpu" and (exact or q.shape[2] <= split_k.MAX_QUERY_TOKENS):
         return per_row_attention(q, k, v, positions, window, scale)
     if q.is_cuda and window is None and q.shape[-1] <= 256:
         return sdpa(q, k, v, None, scale, causal=True)
@@ -197,8 +200,8 @@ def per_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     decode of that row makes. A masked pass over T rows sums differently from one row over its
     own keys (torch's CPU kernels block by shape; 1e-7 apart in float32), which flips near-ties:
     a verify pass then disagrees with plain decoding (SmolLM2 in float16: 2-4 of 16 prompts).
-    Per row, a row's result depends on neither the pass's width nor the batch. CPU short
-    passes only (decode / verify); CUDA reads the cache in place with the split-K kernel."""
+    Per row, a row's result depends on neither the pass's width nor the batch. CPU only: short
+    passes (decode / verify), and prompt chunks under exact numerics; CUDA has its kernels."""
     if q.dtype == torch.float16:
         k, v = k.float(), v.float()  # once, not per row (sdpa attends float16 in float32 on a CPU)
     out = torch.empty_like(q)

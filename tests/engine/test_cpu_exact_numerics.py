@@ -1,0 +1,128 @@
+"""Exact numerics on the CPU in float16 and bfloat16: a request's tokens and logprobs are bit for bit
+the same alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 others, with
+16-token prompt chunks, under preemption, and speculating with replays of its own output that are
+always right and always wrong. Tiny random Llama and Qwen3 checkpoints."""
+from __future__ import annotations
+
+import pytest
+
+from tests.doubles import KeyedReplay
+from tools.tiny import build_tiny_qwen3_5, corpus_text
+from verispec.config import EngineConfig
+from verispec.engine.engine import Engine
+from verispec.sampling.params import SamplingParams
+
+NEW_TOKENS = 24
+PROMPT_TOKENS = [17, 70, 129, 250, 33, 190, 96, 5]
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+FAMILIES = ["llama", "qwen3"]
+DTYPES = ["float16", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_models) -> dict:
+    return {"llama": tiny_models.get("exact-llama", "llama", **SHAPE),
+            "qwen3": tiny_models.get("exact-qwen3", "qwen3", head_dim=16, **SHAPE)}
+
+
+def load(model_dir, dtype: str, **fields) -> Engine:
+    # prefill_step_seconds=0: chunks follow --prefill-step-size, not the host's speed
+    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.02, prefill_step_seconds=0), **fields)
+    return Engine.load(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu", max_model_len=1024, **fields))
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+
+def prompts_of(engine: Engine) -> list[list[int]]:
+    ids = engine.tokenizer.encode(corpus_text(20_000))
+    return [ids[i * 300:i * 300 + n] for i, n in enumerate(PROMPT_TOKENS)]
+
+
+def record(result) -> tuple:
+    """Tokens and logprobs (with the top 2), compared bit for bit."""
+    return result.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in result.logprobs]
+
+
+def check(got: list, want: list, what: str) -> None:
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{what}: prompts {bad} changed"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """{(family, dtype): (engine, prompts, each prompt generated alone, first in a fresh engine)}."""
+    cache = {}
+
+    def get(family: str, dtype: str):
+        if (family, dtype) not in cache:
+            engine = load(model_dirs[family], dtype)
+            assert engine.describe().numerics == "exact"
+            prompts = prompts_of(engine)
+            cache[family, dtype] = engine, prompts, [record(engine.generate_all(p, params())) for p in prompts]
+        return cache[family, dtype]
+    return get
+
+
+def test_cpu_reports_exact_only_where_it_holds(model_dirs, tmp_path, tokenizer_dir):
+    assert load(model_dirs["llama"], "float16").describe().numerics == "exact"
+    assert load(model_dirs["llama"], "bfloat16").describe().numerics == "exact"
+    assert load(model_dirs["llama"], "float16", numerics="fast").describe().numerics == "fast"
+    assert load(model_dirs["llama"], "float32").describe().numerics == "fast"
+    # a hybrid's prompt chunks run the chunked recurrence on a CPU, which decode steps do not
+    build_tiny_qwen3_5(tmp_path / "hybrid", tokenizer_dir=tokenizer_dir)
+    assert load(tmp_path / "hybrid", "float16").describe().numerics == "fast"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(model_dirs, reference, family, dtype):
+    engine, prompts, alone = reference(family, dtype)
+    check([record(engine.generate_all(p, params())) for p in prompts], alone, "repeated (full prefix hits)")
+    check([record(r) for r in engine.generate_batch(prompts, params())], alone, "all 8 together")
+    for first in (0, 3, 5):
+        group = prompts[first:first + 3]
+        check([record(r) for r in engine.generate_batch(group, params())], alone[first:first + 3], "3 together")
+    # a partial hit: each prompt's first part is cached (by the runs above), its new tail is not
+    longer = [p + p[: len(p) // 2] for p in prompts]
+    fresh = load(model_dirs[family], dtype, prefix_cache=False)
+    want = [record(fresh.generate_all(p, params())) for p in longer]
+    check([record(engine.generate_all(p, params())) for p in longer], want, "partial prefix hits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("case", ["chunks-of-16", "preempted"])
+def test_engine_settings_do_not_change_a_request(model_dirs, reference, family, dtype, case):
+    _, prompts, alone = reference(family, dtype)
+    fields = {"chunks-of-16": dict(prefill_step_size=16), "preempted": dict(kv_cache_gb=0.0002)}[case]
+    engine = load(model_dirs[family], dtype, **fields)
+    check([record(r) for r in engine.generate_batch(prompts, params())], alone, case)
+    if case == "preempted":
+        assert engine.load_stats()["preemptions"] > 0, "the small cache preempted nobody"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("replay", ["right", "wrong"])
+def test_speculation_does_not_change_a_request(reference, family, dtype, replay):
+    base, prompts, alone = reference(family, dtype)
+    continuations = {tuple(p): a[0] for p, a in zip(prompts, alone)}
+    engine = Engine(base.model, base.tokenizer, base.config, base.model_dir,
+                    proposer=KeyedReplay(continuations, base.model.vocab_size, wrong_at=lambda i: replay == "wrong"),
+                    num_drafts=3)
+    results = engine.generate_batch(prompts, params())
+    check([record(r) for r in results], alone, f"replay {replay}, together")
+    check([record(engine.generate_all(p, params())) for p in prompts[:3]], alone[:3], f"replay {replay}, alone")
+    assert (sum(r.stats.accepted for r in results) > 0) == (replay == "right")
+
+
+def test_fast_numerics_differ_where_exact_do_not(model_dirs):
+    """The checks above have teeth: with prompt chunks attended over the chunk (--numerics fast),
+    16-token chunks change some request's bits."""
+    engines = [load(model_dirs["qwen3"], "float16", numerics="fast", prefill_step_size=n) for n in (16, 2048)]
+    prompts = prompts_of(engines[0])
+    chunked, whole = ([record(e.generate_all(p, params())) for p in prompts] for e in engines)
+    assert chunked != whole
