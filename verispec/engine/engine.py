@@ -341,8 +341,13 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
-            if not (self.overlap.eligible(decodes, max(counts)) and self.overlap.run(decodes)):
-                self._round(decodes, counts)
+            if self.overlap.eligible(decodes, counts):
+                # the policy chose this round; the rounds after it that run unchosen are accounted to it
+                steps = self.overlap.run(decodes, 1 + self.draft_policy.plain_rounds(decodes))
+                if steps:
+                    self.draft_policy.skip(decodes, steps - 1)
+                    return
+            self._round(decodes, counts)
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler
