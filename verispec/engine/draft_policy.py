@@ -207,7 +207,7 @@ def draft_policy(config, proposer, max_drafts: int, device_type: str) -> DraftPo
     from verispec.engine.draft_costs import AnalyticCosts, TableCosts
 
     if config.draft_schedule or proposer is None or max_drafts < 1:
-        return ScheduledDrafts(DraftSchedule.parse(config.draft_schedule, max_drafts, device_type))
+        return ScheduledDrafts(DraftSchedule.parse(config.draft_schedule, max_drafts))
     if config.draft_costs and config.draft_costs != MEASURE:
         costs = TableCosts.load(config.draft_costs)
     else:

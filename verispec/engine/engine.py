@@ -91,6 +91,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.draft_policy: DraftPolicy = draft_policy(config, proposer, self.num_drafts, self.device.type)
         # --draft-costs measure: timed at the first step, after prewarm has captured the CUDA graphs
         self._costs_pending = config.draft_costs == MEASURE and isinstance(self.draft_policy, AdaptiveDrafts)
+        # called with describe_drafts() when it changes (the engine process tells its parent)
+        self.on_drafts_changed: Callable[[str], None] | None = None
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
         self._setup_cache()
@@ -415,6 +417,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             return
         self.draft_policy.costs = costs
         log.info("draft costs measured in %.1fs: %s", time.perf_counter() - t0, costs.describe())
+        if self.on_drafts_changed is not None:
+            self.on_drafts_changed(self.describe_drafts())
 
     # ---- warm-up (engine/warmup.py) -----------------------------------------------------------------
     def prewarm(self) -> float:
