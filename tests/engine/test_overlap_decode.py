@@ -144,16 +144,16 @@ def test_overlap_only_where_the_next_input_is_the_device_argmax(tiny_models, tmp
                            (SamplingParams(max_tokens=1, **GREEDY), False)]:
         seq = unqueued(engine, ids, params)
         monkeypatch.setattr(engine.scheduler, "running", [seq])
-        assert engine.overlap.eligible([seq], 0) is expect, params
-        assert not engine.overlap.eligible([seq], 2)  # drafts: a verify round
+        assert engine.overlap.eligible([seq], [0]) is expect, params
+        assert not engine.overlap.eligible([seq], [2])  # drafts: a verify round
     # a sequence still in its prompt (admitted, running, not decoding) gets a prefill chunk every step
     decoding, prefilling = (unqueued(engine, ids, SamplingParams(max_tokens=8, **GREEDY)) for _ in range(2))
     monkeypatch.setattr(engine.scheduler, "running", [decoding, prefilling])
-    assert not engine.overlap.eligible([decoding], 0)
+    assert not engine.overlap.eligible([decoding], [0])
     monkeypatch.setattr(engine.scheduler, "running", [decoding])
-    assert engine.overlap.eligible([decoding], 0)
+    assert engine.overlap.eligible([decoding], [0])
     build_tiny_qwen3_5(tmp_path / "hybrid", seed=5, tokenizer_dir=tokenizer_dir)
     hybrid = load_engine(str(tmp_path / "hybrid"), dtype="float64", device="cpu", overlap_decode=True)
     seq = unqueued(hybrid, ids, SamplingParams(max_tokens=8, **GREEDY))
     monkeypatch.setattr(hybrid.scheduler, "running", [seq])
-    assert hybrid.overlap.eligible([seq], 0) is False
+    assert hybrid.overlap.eligible([seq], [0]) is False

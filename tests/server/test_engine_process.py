@@ -272,3 +272,15 @@ def test_the_proxy_is_an_engine_client(engine_process):
     assert (info.method, info.num_drafts, info.device, info.dtype) == ("ar", 0, "cpu", "float32")
     assert "up to 8 sequences at once, context 256 tokens" in info.cache
     assert engine_process.default_seed is None and engine_process.load_stats()["running"] == 0
+
+
+def test_the_draft_policy_described_is_the_one_in_use_after_its_costs_are_measured(qwen3_dir):
+    """--draft-costs measure times the passes at the child's first step (prewarm's generation): the
+    proxy's description (GET /v1/verispec/info, the start-up log) then names the measured table."""
+    engine = EngineProcess(engine_config(qwen3_dir, suffix=True, num_draft_tokens=2, draft_costs="measure"))
+    try:
+        assert "chosen per round by cost (analytic" in engine.describe().cache
+        engine.prewarm()
+        assert "chosen per round by cost (table (measured on cpu)" in engine.describe().cache
+    finally:
+        engine.close()

@@ -367,8 +367,12 @@ def check_records(proposer: ScriptedMtp, sequence: list[int]) -> None:
     on the drafts before it (fed back after mtp.norm). The features are the ones the engine passed:
     the target's own numbers depend on its pass shapes (its SSM state is kept in float32)."""
     head = proposer.head
-    assert sorted(proposer.features) == list(range(len(sequence) - 1))
-    features = torch.stack([proposer.features[i] for i in range(len(sequence) - 1)])[None]
+    # observed in order up to every draft's position at least (the rows of a last round that drafted
+    # nothing are never observed: the sequence finished)
+    observed = sorted(proposer.features)
+    assert observed == list(range(len(observed))) and len(observed) <= len(sequence) - 1
+    assert all(next_position <= len(observed) for next_position, _, _ in proposer.records)
+    features = torch.stack([proposer.features[i] for i in observed])[None]
     with torch.no_grad():
         for next_position, drafts, logits in proposer.records:
             cache = KVCache(head.cache_specs(), next_position + len(drafts) + 1, torch.float64, "cpu")

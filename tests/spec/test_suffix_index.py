@@ -100,7 +100,7 @@ def test_output_cache_eviction_bounds():
         live = list(cache.index.docs.values())
         assert live == [o for o in outputs[:i + 1] if o in live]  # the newest ones, in order
         # removed documents' entries are dropped by rebuilds: the index stays proportional to the live tokens
-        assert len(cache.index._entries) <= len(ANCHOR_LENGTHS) * 2 * max(cache.index.num_tokens, 1024)
+        assert cache.index.num_entries <= len(ANCHOR_LENGTHS) * 2 * max(cache.index.num_tokens, 1024)
     for m in find_matches([cache.index], outputs[-1][:3], 1, 32, 1000):
         assert m.doc in cache.index.docs
     assert len(cache.index.docs) == len(cache)
@@ -162,3 +162,48 @@ def test_ngram_proposer_copies_the_longest_recent_match():
     proposer.start(lone)
     proposer.observe([(lone, _Step([1, 2, 3], 0, 1))])
     assert proposer.propose([lone], [4], [None], [None])[0].token_ids == []  # one token matched: below min_n
+
+
+@pytest.mark.parametrize("vocab", [2, 7, 300])
+def test_bulk_appends_index_what_token_by_token_appends_do(vocab):
+    """A long append (hashed with numpy into sorted arrays) and the same tokens appended a few at a
+    time (the dict): every lookup finds the same occurrences, in the same order, also where bulk and
+    small appends mix in one document and across documents."""
+    rng = random.Random(vocab)
+    docs = {d: [rng.randrange(vocab) for _ in range(rng.randrange(1, 700))] for d in (3, 5, 9)}
+    bulk, small, mixed = SuffixIndex(), SuffixIndex(), SuffixIndex()
+    for doc, tokens in docs.items():
+        bulk.extend(doc, tokens)
+        for i in range(0, len(tokens), 5):
+            small.extend(doc, tokens[i:i + 5])
+        cut = rng.randrange(len(tokens) + 1)
+        mixed.extend(doc, tokens[:cut // 2])
+        mixed.extend(doc, tokens[cut // 2:cut])
+        mixed.extend(doc, tokens[cut:])
+    assert bulk._runs[16] and not small._runs[1]  # both stores are exercised
+    for trial in range(60):
+        doc = rng.choice(list(docs))
+        tokens = docs[doc]
+        tail = tokens[:rng.randrange(1, len(tokens) + 1)] if trial % 2 else [rng.randrange(vocab) for _ in range(20)]
+        for max_depth, limit in ((32, 10_000), (8, 5)):
+            want = [(m.doc, m.end, m.length) for m in find_matches([small], tail, 1, max_depth, limit)]
+            for index in (bulk, mixed):
+                got = [(m.doc, m.end, m.length) for m in find_matches([index], tail, 1, max_depth, limit)]
+                assert got == want, (trial, max_depth)
+    for index in (bulk, small):
+        index.remove(5)
+    tail = docs[5][:50]
+    assert ([(m.doc, m.end) for m in find_matches([bulk], tail, 1, 32, 100)] ==
+            [(m.doc, m.end) for m in find_matches([small], tail, 1, 32, 100)])
+
+
+def test_a_long_prompt_is_indexed_in_sorted_arrays_not_one_dict_entry_per_anchor():
+    rng = random.Random(1)
+    tokens = [rng.randrange(1000) for _ in range(30_000)]
+    index = SuffixIndex()
+    index.extend(0, tokens)
+    assert sum(len(e) for e in index._entries.values()) == 0
+    assert index.num_entries == sum(len(tokens) - a + 1 for a in ANCHOR_LENGTHS)
+    index.extend(0, tokens[:3])  # a round's tokens: the dict
+    found = find_matches([index], index.docs[0], 1, 32, 32)
+    assert [(m.end, m.length) for m in found][:1] == [(3, 3)]

@@ -200,3 +200,35 @@ def test_cli_bad_draft_cost_flags_are_one_line(capsys, args, message):
     err = capsys.readouterr().err
     assert code == 2 and err.splitlines()[0].startswith(f"verispec: error: {message}"), err
     assert len(err.splitlines()) == 1
+
+
+def test_plain_rounds_then_skip_choose_as_every_round_would():
+    """The overlapped plain path asks how many rounds after a draft-free one stay draft-free, runs
+    them unchosen and skips them: the rounds that draft (probes) come where choosing every round
+    puts them, with the same counts."""
+    def run(skipping: bool) -> list[list[int]]:
+        policy = AdaptiveDrafts(table(lambda b, w: float(b * w)), max_drafts=3, probe_every=5)
+        seqs = [Seq(acceptance=trained([0.0] * 3)) for _ in range(3)]
+        rounds: list[list[int]] = []
+        while len(rounds) < 23:
+            counts = policy.choose(seqs)
+            rounds.append(counts)
+            if skipping and not any(counts):
+                ahead = min(policy.plain_rounds(seqs), 23 - len(rounds))
+                policy.skip(seqs, ahead)
+                rounds += [[0] * 3] * ahead
+        return rounds, policy.stats.as_dict()
+
+    every, every_stats = run(False)
+    skipped, skipped_stats = run(True)
+    assert skipped == every and every_stats == skipped_stats
+    assert [i for i, c in enumerate(every) if any(c)] == [4, 9, 14, 19]  # the probes
+
+
+def test_a_schedule_without_drafts_has_no_end_of_plain_rounds():
+    from verispec.engine.draft_schedule import DraftSchedule
+
+    policy = ScheduledDrafts(DraftSchedule.parse("1:2,4:0", 2))
+    assert policy.plain_rounds([Seq()] * 4) >= 1 << 20
+    policy.skip([Seq()] * 4, 10)
+    assert policy.stats.as_dict()["histogram"] == {0: 40}

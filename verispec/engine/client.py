@@ -113,7 +113,7 @@ class EngineClient(Protocol):
 
 class ServedEngine:
     """The EngineClient members that Engine and EngineProcess derive from their public attributes:
-    config, budget (cache.paged.CacheBudget), draft_policy, method, num_drafts, device, dtype,
+    config, budget (cache.paged.CacheBudget), draft_policy (or describe_drafts()), method, num_drafts, device, dtype,
     max_model_len. A subclass that knows its GPU's name without asking CUDA overrides gpu_name()."""
 
     @property
@@ -151,9 +151,13 @@ class ServedEngine:
         """An engine in this process holds nothing beyond its requests: as shutdown()."""
         self.shutdown()
 
+    def describe_drafts(self) -> str:
+        """How drafts are chosen, as of now (measured costs replace the analytic ones after start)."""
+        return self.draft_policy.describe()
+
     def _describe_cache(self) -> str:
         budget = self.budget
-        drafts = f"; {self.draft_policy.describe()}" if self.num_drafts else ""
+        drafts = f"; {self.describe_drafts()}" if self.num_drafts else ""
         return (f"{budget.num_tokens} tokens in {budget.num_blocks - 1} blocks of {budget.block_size} "
                 f"({budget.bytes_total / 2**30:.2f} GiB); up to {self.config.max_num_seqs} sequences at once, "
                 f"context {self.max_model_len} tokens{drafts}")

@@ -16,6 +16,7 @@ from verispec.engine.draft_costs import CostModel
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.sequence import Sequence
 
+UNBOUNDED = 1 << 30  # plain_rounds when no round would draft while the batch stays the same
 PROBE_EVERY = 16  # a sequence that drafts nothing is tried with one draft every this many rounds
 MIN_GAIN = 0.1  # a draft expected to add fewer tokens is not made: the cost model is an estimate
 INITIAL_RATE = 0.5  # per-position acceptance assumed before any sequence has been verified
@@ -32,12 +33,13 @@ class DraftStats:
     last_batch: int = 0
     histogram: dict[int, int] = field(default_factory=dict)  # drafts -> sequence-rounds since start
 
-    def record(self, counts: list[int]) -> None:
+    def record(self, counts: list[int], num_rounds: int = 1) -> None:
+        """num_rounds rounds that each gave these counts."""
         self.last_batch = len(counts)
         self.last_mean = sum(counts) / len(counts) if counts else 0.0
         self.last_zero = sum(1 for k in counts if k == 0)
         for k in counts:
-            self.histogram[k] = self.histogram.get(k, 0) + 1
+            self.histogram[k] = self.histogram.get(k, 0) + num_rounds
 
     def as_dict(self) -> dict:
         return {"mean": self.last_mean, "zero": self.last_zero, "batch": self.last_batch,
@@ -64,6 +66,17 @@ class DraftPolicy(ABC):
         """The round's outcome per sequence: drafts verified and drafts accepted."""
 
     @abstractmethod
+    def plain_rounds(self, seqs: list[Sequence]) -> int:
+        """After a round in which `seqs` were all given no drafts: how many rounds after it would give
+        them none too, as long as the batch stays the same (without choosing: nothing changes). The
+        overlapped plain path runs that many rounds without asking, then `skip`s them."""
+
+    def skip(self, seqs: list[Sequence], num_rounds: int) -> None:
+        """Account for num_rounds rounds that ran without drafts, unchosen (see plain_rounds)."""
+        if num_rounds:
+            self.stats.record([0] * len(seqs), num_rounds)
+
+    @abstractmethod
     def describe(self) -> str:
         ...
 
@@ -79,6 +92,9 @@ class ScheduledDrafts(DraftPolicy):
         counts = [min(k, draft_cap(s, self.max_drafts)) for s in seqs]
         self.stats.record(counts)
         return counts
+
+    def plain_rounds(self, seqs: list[Sequence]) -> int:
+        return UNBOUNDED  # the count depends on the batch size alone
 
     def describe(self) -> str:
         return f"drafts per round by batch size {self.schedule.describe()}"
@@ -154,6 +170,19 @@ class AdaptiveDrafts(DraftPolicy):
         return [1 if k == 0 and cap and s.rounds_without_drafts + 1 >= self.probe_every else k
                 for s, cap, k in zip(seqs, caps, counts)]
 
+    def plain_rounds(self, seqs: list[Sequence]) -> int:
+        """Acceptance estimates move only when something is drafted and caps only shrink, so the
+        choice stays none until the next probing round."""
+        if not any(draft_cap(s, self.max_drafts) for s in seqs):
+            return UNBOUNDED
+        return (self.probe_every - (self.num_rounds + 1) % self.probe_every) % self.probe_every
+
+    def skip(self, seqs: list[Sequence], num_rounds: int) -> None:
+        super().skip(seqs, num_rounds)
+        self.num_rounds += num_rounds
+        for seq in seqs:
+            seq.rounds_without_drafts += num_rounds
+
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         for seq, k, a in zip(seqs, drafted, accepted):
             if k:
@@ -178,7 +207,7 @@ def draft_policy(config, proposer, max_drafts: int, device_type: str) -> DraftPo
     from verispec.engine.draft_costs import AnalyticCosts, TableCosts
 
     if config.draft_schedule or proposer is None or max_drafts < 1:
-        return ScheduledDrafts(DraftSchedule.parse(config.draft_schedule, max_drafts, device_type))
+        return ScheduledDrafts(DraftSchedule.parse(config.draft_schedule, max_drafts))
     if config.draft_costs and config.draft_costs != MEASURE:
         costs = TableCosts.load(config.draft_costs)
     else:

@@ -92,6 +92,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.draft_policy: DraftPolicy = draft_policy(config, proposer, self.num_drafts, self.device.type)
         # --draft-costs measure: timed at the first step, after prewarm has captured the CUDA graphs
         self._costs_pending = config.draft_costs == MEASURE and isinstance(self.draft_policy, AdaptiveDrafts)
+        # called with describe_drafts() when it changes (the engine process tells its parent)
+        self.on_drafts_changed: Callable[[str], None] | None = None
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
         self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
         self._setup_cache()
@@ -355,8 +357,13 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
-            if not (self.overlap.eligible(decodes, max(counts)) and self.overlap.run(decodes)):
-                self._round(decodes, counts)
+            if self.overlap.eligible(decodes, counts):
+                # the policy chose this round; the rounds after it that run unchosen are accounted to it
+                steps = self.overlap.run(decodes, 1 + self.draft_policy.plain_rounds(decodes))
+                if steps:
+                    self.draft_policy.skip(decodes, steps - 1)
+                    return
+            self._round(decodes, counts)
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler
@@ -424,6 +431,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             return
         self.draft_policy.costs = costs
         log.info("draft costs measured in %.1fs: %s", time.perf_counter() - t0, costs.describe())
+        if self.on_drafts_changed is not None:
+            self.on_drafts_changed(self.describe_drafts())
 
     # ---- warm-up (engine/warmup.py) -----------------------------------------------------------------
     def prewarm(self) -> float:

@@ -41,5 +41,5 @@ def check_options(config: EngineConfig) -> None:
     check_limits(config)
     device = parse_device(config.device)
     parse_dtype(config.dtype, device)
-    DraftSchedule.parse(config.draft_schedule, config.num_draft_tokens or 1, device.type)
+    DraftSchedule.parse(config.draft_schedule, config.num_draft_tokens or 1)
     check_proposer_options(config)

@@ -2,7 +2,7 @@
 
 A plain greedy step's next input is this step's argmax, which the device already has. So while
 every decoding sequence is greedy and plain (no drafts, penalties, grammar, logprobs or drafter
-to feed), the engine launches step i+1 with step i's argmax as its input (a device-to-device copy
+to feed: a drafter sees the rows later, engine/deferred_rows.py), the engine launches step i+1 with step i's argmax as its input (a device-to-device copy
 into the captured graph's buffer) before it waits for step i, and does step i's host work
 (verification, output, detokenization, stop strings, the prefix cache, the clients' chunks)
 while step i+1 runs. At 64 sequences of an 8B model that host work is ~1 ms of an ~8 ms step,
@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from verispec.engine.prefix_rows import features_at
 from verispec.engine.runner import ModelRunner
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
@@ -36,6 +37,22 @@ class _InFlight:
     tokens: torch.Tensor  # [B] the step's greedy tokens (a host copy, filled when `ready` fires)
     ready: torch.cuda.Event | None  # None on CPU, where the copy is already done
     launch_ms: float
+    features: _Features | None  # the step's target rows, for a drafter and the prefix cache
+
+
+@dataclass
+class _Features:
+    """A step's target outputs at its one row per sequence, copied before the next replay reuses
+    the graph's buffers: hidden [B, 1, H], aux each [B, 1, H_t], pre_norm [B, 1, H]."""
+
+    hidden: torch.Tensor
+    aux: list[torch.Tensor]
+    pre_norm: torch.Tensor | None
+
+    @classmethod
+    def of(cls, out) -> "_Features":
+        return cls(out.hidden[:, :1].clone(), [a[:, :1].clone() for a in out.aux],
+                   out.pre_norm[:, :1].clone() if out.pre_norm is not None else None)
 
 
 class OverlappedDecode:
@@ -51,12 +68,9 @@ class OverlappedDecode:
         self.new_work = new_work
         self.timings = timings
 
-    def eligible(self, seqs: list[Sequence], num_drafts: int) -> bool:
-        """Whether this decode step can run overlapped (see the module docstring)."""
-        if not self.enabled or num_drafts:
-            return False
-        prefix = self.scheduler.prefix
-        if prefix is not None and prefix.keep_features:
+    def eligible(self, seqs: list[Sequence], num_drafts: list[int]) -> bool:
+        """Whether this decode step can run overlapped (see the module docstring): nobody drafts."""
+        if not self.enabled or any(num_drafts):
             return False
         scheduler = self.scheduler
         if scheduler.waiting or len(scheduler.running) != len(seqs) or self.new_work():
@@ -64,24 +78,29 @@ class OverlappedDecode:
         for seq in seqs:
             p = seq.params
             if (not p.greedy or p.adjusts_logits or p.logprobs or seq.constraint is not None
-                    or seq.drafting or seq.remaining_tokens < 2):
+                    or seq.remaining_tokens < 2):
                 return False
         return True
 
-    def run(self, seqs: list[Sequence]) -> bool:
+    def run(self, seqs: list[Sequence], max_steps: int) -> int:
         """Decode `seqs` step after step, one step queued ahead of the host, until something needs
         the scheduler (a finish, a new or cancelled request, a block shortage, a remaining-token
-        limit). Returns False, having done nothing, when not even one step could be launched."""
+        limit) or max_steps ran (the draft policy would draft after them). Returns the steps run:
+        0, having done nothing, when not even one step could be launched."""
         runner = self.runner
         on_cuda = runner.device.type == "cuda"
         inflight: collections.deque[_InFlight] = collections.deque()
         inputs: list[list[int]] | torch.Tensor = [[s.last_token] for s in seqs]
+        # the target rows a drafter reads later, or the prefix cache keeps for one
+        prefix = self.scheduler.prefix
+        keep = runner.deferred.keep_features or (prefix is not None and prefix.keep_features)
         launching = True
-        done = 0
+        launched = done = 0
         while True:
-            if launching and self._can_launch(seqs, ahead=len(inflight)):
+            if launching and launched < max_steps and self._can_launch(seqs, ahead=len(inflight)):
                 t0 = time.perf_counter()
-                out = runner.verify(seqs, inputs, (), ahead=len(inflight))
+                out = runner.verify(seqs, inputs, runner.capture_layers, ahead=len(inflight))
+                launched += 1
                 tokens = out.logits[:, 0].argmax(-1)  # [B] on the device: the next step's input
                 host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=on_cuda)
                 host.copy_(tokens, non_blocking=on_cuda)
@@ -89,21 +108,22 @@ class OverlappedDecode:
                 if on_cuda:
                     ready = torch.cuda.Event()
                     ready.record()
-                inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000))
+                features = _Features.of(out) if keep else None
+                inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000, features))
                 inputs = tokens[:, None]
                 if len(inflight) < 2:
                     continue  # keep a step queued behind the one the host waits for
             else:
                 launching = False
             if not inflight:
-                return done > 0
+                return done
             done += 1
             step = inflight.popleft()
             t_wait = time.perf_counter()
             if step.ready is not None:
                 step.ready.synchronize()
             t_synced = time.perf_counter()
-            if self._commit(seqs, step.tokens.tolist()) or self._interrupted(seqs):
+            if self._commit(seqs, step.tokens.tolist(), step.features) or self._interrupted(seqs):
                 launching = False
             self.timings.append((len(seqs), 1, 0.0, step.launch_ms, (t_synced - t_wait) * 1000,
                                  (time.perf_counter() - t_synced) * 1000))
@@ -121,14 +141,21 @@ class OverlappedDecode:
     def _interrupted(self, seqs: list[Sequence]) -> bool:
         return self.new_work() or any(s.cancel.is_set() for s in seqs)
 
-    def _commit(self, seqs: list[Sequence], tokens: list[int]) -> bool:
+    def _commit(self, seqs: list[Sequence], tokens: list[int], features: _Features | None) -> bool:
         """One step's host work: each live sequence keeps its token and emits its chunk (what a
-        one-token round does). Returns whether a sequence finished."""
+        one-token round that drafted nothing does). Returns whether a sequence finished."""
         finished = False
-        for seq, token in zip(seqs, tokens):
+        deferred, chunks = [], []
+        for b, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.finished:
                 continue  # finished at an earlier step: this row was computed in flight, and is dropped
-            chunk = self.update.commit(seq, [], 0, token, None)
+            position = seq.num_cached
+            row_features = (lambda i, b=b: features_at(features, b, i)) if features is not None else None
+            chunks.append((seq, self.update.commit(seq, [], 0, token, None, row_features)))
+            if seq.drafting:
+                deferred.append((seq, b, position, 1))
+        self.runner.defer(deferred, features)
+        for seq, chunk in chunks:
             self.update.emit(seq, chunk)
             finished = finished or chunk.finish_reason is not None
         return finished

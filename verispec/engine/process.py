@@ -70,7 +70,7 @@ class EngineInfo:
     eos_token_ids: list[int]
     method: str
     num_drafts: int
-    draft_policy: object  # engine.draft_policy.DraftPolicy (as at start: describe() reads it)
+    drafts: str  # the draft policy's description (updated by a "drafts" message when it changes)
     budget: object  # cache.paged.CacheBudget
     device: str
     dtype: str
@@ -97,9 +97,11 @@ def _child_main(config: EngineConfig, conn) -> None:
         conn.send(("failed", exc))
         return
     outbox: queue.SimpleQueue = queue.SimpleQueue()
+    # the policy changes after start (--draft-costs measure times the passes at the first step)
+    engine.on_drafts_changed = lambda text: outbox.put(("drafts", text))
     conn.send(("ready", EngineInfo(engine.model_name, str(engine.model_dir), engine.config, engine.limits,
                                    list(engine.eos_token_ids), engine.method, engine.num_drafts,
-                                   engine.draft_policy, engine.budget, str(engine.device),
+                                   engine.describe_drafts(), engine.budget, str(engine.device),
                                    str(engine.dtype).removeprefix("torch."),
                                    torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else None)))
     sender = threading.Thread(target=_send_outbox, args=(outbox, conn), name="verispec-engine-sender", daemon=True)
@@ -170,12 +172,13 @@ def _send_outbox(outbox: queue.SimpleQueue, conn) -> None:
                 batch.append(outbox.get_nowait())
             except queue.Empty:
                 break
-        chunks = [item for item in batch if item is not None and item[0] != "reply"]
+        # chunks are (request id, chunk); control messages ("reply", "drafts") start with their kind
+        chunks = [item for item in batch if item is not None and not isinstance(item[0], str)]
         try:
             if chunks:
                 conn.send(("chunks", chunks))
             for item in batch:
-                if item is not None and item[0] == "reply":
+                if item is not None and isinstance(item[0], str):
                     conn.send(item)
         except (BrokenPipeError, EOFError, OSError):  # the parent is gone
             return
@@ -188,7 +191,7 @@ class EngineProcess(ServedEngine):
     """An Engine in a child process, with what the server uses of one (engine/client.py's
     EngineClient): submit, the request checks, tokenizer, names, grammar checks, describe(),
     load_stats, prewarm, shutdown, close; and the public attributes describe() reads (config, cache
-    budget, draft schedule, method, device)."""
+    budget, method, device; the draft policy's description as the child last sent it)."""
 
     def __init__(self, config: EngineConfig):
         from verispec.grammar.constraint import GrammarCompiler
@@ -205,7 +208,7 @@ class EngineProcess(ServedEngine):
         self.config, self.model_name, self.model_dir = info.config, info.model_name, Path(info.model_dir)
         self.limits, self.method, self.num_drafts = info.limits, info.method, info.num_drafts
         self.max_model_len, self.vocab_size = info.limits.max_model_len, info.limits.vocab_size
-        self.draft_policy, self.budget = info.draft_policy, info.budget
+        self._drafts, self.budget = info.drafts, info.budget
         self.device, self.dtype = torch.device(info.device), getattr(torch, info.dtype)
         self.device_name = info.device_name
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -227,6 +230,9 @@ class EngineProcess(ServedEngine):
         self._reader = threading.Thread(target=self._read, name="verispec-engine-reader", daemon=True)
         self._reader.start()
         log.debug("engine process %d ready in %.1fs", self._process.pid, time.perf_counter() - t0)
+
+    def describe_drafts(self) -> str:
+        return self._drafts
 
     def _wait_ready(self) -> EngineInfo:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -299,6 +305,8 @@ class EngineProcess(ServedEngine):
                 return
             if message is not None and message[0] == "chunks":
                 self._deliver(message[1])
+            elif message is not None and message[0] == "drafts":
+                self._drafts = message[1]
             elif message is not None and message[0] == "reply":
                 _, token, value, exc = message
                 with self._lock:

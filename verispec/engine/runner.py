@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.cache.paged import BatchCache, PagedPools, block_table_rows
+from verispec.engine.deferred_rows import DeferredRows
 from verispec.engine.scheduler import CacheOp, ClearState, CopyBlock, Released, RestoreState, ZeroBlocks
 from verispec.engine.sequence import Sequence
 from verispec.models.base import CausalLM
@@ -43,6 +44,8 @@ class ModelRunner:
         self.device = p.device
         self.graphs = None  # BatchGraphs (CUDA), set by the engine at prewarm
         self.proposer = proposer
+        # rows of sequences that drafted nothing, observed when they next draft (engine/deferred_rows.py)
+        self.deferred = DeferredRows(proposer is not None and proposer.needs_target_features)
         if proposer is not None:
             proposer.bind(TargetCache(pools, self.block_tables, use_kernel))
 
@@ -71,6 +74,7 @@ class ModelRunner:
                 self.pools.clear_state(op.state_slot)
             elif isinstance(op, Released):
                 if self.proposer is not None:
+                    self.deferred.drop(op.seq)
                     self.proposer.release(op.seq)
             else:  # pragma: no cover - a new op kind must be handled here
                 raise TypeError(f"unknown cache operation {op!r}")
@@ -78,11 +82,12 @@ class ModelRunner:
     # ---- drafting ----------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[Draft]:
         """Each sequence's drafts (counts[b] of them; 0 = none this round), drafted in one call for
-        every sequence that gets some."""
+        every sequence that gets some, after the drafter has seen their deferred rows."""
         drafts = [Draft([]) for _ in seqs]
         rows = [b for b, k in enumerate(counts) if k > 0]
         if rows:
             picked = [seqs[b] for b in rows]
+            self.observe(self.deferred.take(picked))
             made = self.proposer.propose(picked, [counts[b] for b in rows], [s.params for s in picked],
                                          [s.generator for s in picked])
             for b, draft in zip(rows, made):
@@ -92,6 +97,11 @@ class ModelRunner:
     def observe(self, rows: list[tuple[Sequence, TargetStep]]) -> None:
         if rows:
             self.proposer.observe(rows)
+
+    def defer(self, rows: list[tuple[Sequence, int, int, int]], out) -> None:
+        """Committed rows the drafter sees later (DeferredRows.add); those that piled up to the
+        limit are observed now."""
+        self.observe(self.deferred.add(rows, out))
 
     def block_tables(self, seqs: list[Sequence], num_columns: int | None = None) -> torch.Tensor:
         """[B, N] block ids, 0-padded (0 = scratch)."""

@@ -139,16 +139,24 @@ class StepUpdate:
             choices = greedy_choices[b] if greedy_choices is not None else None
             results.append(self._accept(draft, None if plain_greedy else logits[b, :n], seq, choices))
         out.cache.commit([accepted + 1 for accepted, _ in results])
-        observed, chunks = [], []
+        observed, deferred, chunks = [], [], []
+        deferring = self.runner.deferred
         for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
             n = accepted + 1
             position = seq.num_cached
             chunks.append(self.commit(seq, draft.token_ids, accepted, token,
                                       out.logits[b, :n] if seq.params.logprobs else None,
                                       lambda i, b=b: features_at(out, b, i)))
-            if seq.drafting:  # also after the last token: the drafter's state stays the committed one
+            if not seq.drafting:
+                continue
+            # also after the last token: the drafter's state stays the committed one; a sequence
+            # that drafted nothing has its rows observed when it next drafts (engine/deferred_rows.py)
+            if not draft.token_ids or seq in deferring:
+                deferred.append((seq, b, position, n))
+            else:
                 observed.append((seq, PassRowStep(inputs.rows[b][:n], position, token, out, b)))
         self.runner.observe(observed)
+        self.runner.defer(deferred, out)
         for seq, chunk in zip(seqs, chunks):
             self.emit(seq, chunk)
         return [accepted for accepted, _ in results], synced_at

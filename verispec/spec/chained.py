@@ -137,16 +137,20 @@ class ChainedDrafter(Proposer):
             self._states[seq.id] = _RowState(out, logits, b, step.start_position + len(step.token_ids))
 
     def _pass_features(self, steps: list, n_max: int) -> torch.Tensor | None:
-        """[B, n_max, F] features of steps that are the rows of one verify pass in order (PassRowStep),
-        read from the pass's tensors at once; None when they are not (prefill chunks). Rows past a
-        step's own length hold the pass's other rows: finite, never attended to by a real row, and
-        the drafter rows they write sit past the committed ones, rewritten before anything reads them."""
+        """[B, n_max, F] features of steps that are rows of one verify pass (PassRowStep), read from
+        the pass's tensors at once (a subset of its rows: one gather); None when they are not
+        (prefill chunks, deferred rows). Rows past a step's own length hold the pass's other rows:
+        finite, never attended to by a real row, and the drafter rows they write sit past the
+        committed ones, rewritten before anything reads them."""
         sources = [getattr(step, "source", None) for step in steps]
         out = sources[0][0] if sources[0] is not None else None
-        if out is None or len(out.hidden) != len(steps) or any(
-                s is None or s[0] is not out or s[1] != b for b, s in enumerate(sources)):
+        if out is None or any(s is None or s[0] is not out for s in sources):
             return None
-        return self._batch_features(out, n_max)
+        features = self._batch_features(out, n_max)
+        rows = [b for _, b in sources]
+        if features is None or rows == list(range(len(out.hidden))):
+            return features
+        return features.index_select(0, torch.tensor(rows, device=features.device))
 
     def _batch_features(self, out, n_max: int) -> torch.Tensor | None:
         """Every row of pass `out`, positions :n_max -> [B, n_max, F]; None: this drafter has no

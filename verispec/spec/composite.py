@@ -32,6 +32,7 @@ class LongestDraft(Proposer):
         self.capture_layers = readers[0].capture_layers if readers else ()
         # the costliest member's: the model drafter runs for every sequence the cheaper one leaves short
         self.draft_cost_fraction = max(m.proposer.draft_cost_fraction for m in members)
+        self.needs_target_features = any(m.proposer.needs_target_features for m in members)
 
     @property
     def pools(self):

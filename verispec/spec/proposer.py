@@ -110,6 +110,9 @@ class Proposer(ABC):
     # the adaptive draft choice charges before anything is measured (a captured EAGLE3 step measured
     # 0.03-0.09 of a decode step on the H200; docs/speculative-decoding.md)
     draft_cost_fraction: float = 0.06
+    # whether `observe` reads the steps' target features (False: only their tokens and positions,
+    # so rows it has not seen need no copying until it next observes)
+    needs_target_features: bool = True
 
     def bind(self, target: TargetCache) -> None:
         """Called once, when the engine has sized the target's cache, before any sequence starts."""

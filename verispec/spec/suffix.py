@@ -84,6 +84,7 @@ class _CopyingProposer(Proposer):
     """Per sequence, an index over its prompt and output so far, grown by what it commits."""
 
     draft_cost_fraction = 0.0  # host lookups only, no device pass
+    needs_target_features = False
 
     def __init__(self):
         self._own: dict[int, SuffixIndex] = {}
@@ -125,7 +126,9 @@ class SuffixProposer(_CopyingProposer):
         """A finished sequence's output joins the shared cache (a preempted one restarts: not yet)."""
         index = self._own.pop(seq.id, None)
         if index is not None and self.cache is not None and getattr(seq, "finished", False):
-            self.cache.add(index.docs.get(_OWN, [])[len(seq.prompt_ids):])
+            known = index.docs.get(_OWN, [])
+            # the engine defers the rows of rounds without drafts: the sequence's tokens are the truth
+            self.cache.add(known[len(seq.prompt_ids):] + seq.token_ids[len(known):])
 
     def remember(self, tokens: list[int]) -> None:
         """Put a text into the shared cache as if a request had produced it (warming, tests)."""

@@ -4,18 +4,32 @@ decoding and prompt-lookup drafting (spec/suffix.py).
 Suffix decoding (Arctic Inference) keeps a suffix tree of depth D: for every substring of up to D
 tokens, how often it occurs and which tokens follow it. Materialised in Python that is up to D
 nodes per token, too much memory and prefill time for long prompts. Instead every position is
-indexed under a hash of the 1, 2, 4, 8 and 16 tokens ending there (five dict updates per token).
-A query takes the longest of those lengths at which the tail occurred before, extends each
-occurrence backwards to its exact match length (at most D), and counts the continuations from the
-occurrences themselves: the counts a depth-D tree would hold, over the most recent `limit`
-occurrences. A query costs O(limit x (D + drafts)), independent of the sequence's length.
+indexed under a hash of the 1, 2, 4, 8 and 16 tokens ending there. A query takes the longest of
+those lengths at which the tail occurred before, extends each occurrence backwards to its exact
+match length (at most D), and counts the continuations from the occurrences themselves: the
+counts a depth-D tree would hold, over the most recent `limit` occurrences. A query costs
+O(limit x (D + drafts)), independent of the sequence's length.
+
+Two stores, one hash (a polynomial over the tokens, mod 2^64, so numpy and Python agree): a long
+append (a prompt) is hashed with numpy and kept as sorted arrays searched with searchsorted (a 30k
+token prompt is indexed in milliseconds, not 150k dict updates); a round's few new tokens go to a
+dict. Occurrences are ordered by (document, end): documents are numbered in the order they start
+and only the newest one grows, so that is the order they were added in.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
 
 ANCHOR_LENGTHS = (1, 2, 4, 8, 16)
 _DOC_SHIFT = 32  # an index entry packs (document, end) into one int: doc << 32 | end
+_END_MASK = (1 << _DOC_SHIFT) - 1
+_BASE = 0x100000001B3  # odd, so no power of it is 0 mod 2^64
+_MASK = (1 << 64) - 1
+BULK_TOKENS = 64  # appends at least this long go to the sorted arrays (numpy's per-call cost pays)
 
 
 @dataclass(frozen=True)
@@ -30,7 +44,40 @@ class Match:
 
 
 def _anchor(tokens: list[int], end: int, length: int) -> int:
-    return hash(tuple(tokens[end - length:end]))
+    """The hash of tokens[end - length:end] (ids shifted by one, so a leading 0 counts)."""
+    h = 0
+    for t in tokens[end - length:end]:
+        h = (h * _BASE + t + 1) & _MASK
+    return h
+
+
+def _window_hashes(tokens: np.ndarray) -> dict[int, np.ndarray]:
+    """tokens [N] -> per anchor length L, [N] uint64: entry i the hash of tokens[i - L + 1:i + 1]
+    (entries i < L - 1 are meaningless). A window of 2L is its first L shifted past the last L."""
+    with np.errstate(over="ignore"):
+        current = tokens.astype(np.uint64) + np.uint64(1)
+        out = {1: current}
+        length = 1
+        while length * 2 <= ANCHOR_LENGTHS[-1]:
+            shift = np.uint64(pow(_BASE, length, 1 << 64))
+            doubled = np.zeros_like(current)
+            doubled[length:] = current[:-length] * shift + current[length:]
+            length *= 2
+            out[length] = current = doubled
+    return out
+
+
+@dataclass
+class _SortedRun:
+    """One bulk append's anchors for one length: hashes ascending, each hash's entries ascending."""
+
+    keys: np.ndarray  # [M] uint64
+    entries: np.ndarray  # [M] int64
+
+    def newest_first(self, key: int) -> Iterator[int]:
+        k = np.uint64(key)
+        lo, hi = np.searchsorted(self.keys, k, "left"), np.searchsorted(self.keys, k, "right")
+        return reversed(self.entries[lo:hi].tolist()) if hi > lo else iter(())
 
 
 class SuffixIndex:
@@ -41,8 +88,16 @@ class SuffixIndex:
     def __init__(self):
         self.docs: dict[int, list[int]] = {}
         self.num_tokens = 0  # live tokens, over every document
-        self._entries: dict[int, int | list[int]] = {}  # anchor hash -> an entry, or a list of them (oldest first)
-        self._num_dead = 0  # tokens of removed documents still in _entries
+        # anchor length -> hash -> an entry, or a list of them (ascending)
+        self._entries: dict[int, dict[int, int | list[int]]] = {a: {} for a in ANCHOR_LENGTHS}
+        self._runs: dict[int, list[_SortedRun]] = {a: [] for a in ANCHOR_LENGTHS}
+        self._num_dead = 0  # tokens of removed documents still indexed
+
+    @property
+    def num_entries(self) -> int:
+        """Anchors indexed, live or dead (what the index's memory is proportional to)."""
+        return (sum(len(e) for e in self._entries.values())
+                + sum(len(r.keys) for runs in self._runs.values() for r in runs))
 
     def extend(self, doc: int, tokens: list[int]) -> None:
         """Append tokens to document `doc` (created if new) and index the positions they end."""
@@ -50,14 +105,17 @@ class SuffixIndex:
         start = len(seq)
         seq.extend(tokens)
         self.num_tokens += len(tokens)
-        entries = self._entries
+        if len(tokens) >= BULK_TOKENS:
+            self._extend_bulk(doc, seq, start)
+            return
         base = doc << _DOC_SHIFT
         for end in range(start + 1, len(seq) + 1):
             entry = base | end
             for length in ANCHOR_LENGTHS:
                 if length > end:
                     break
-                key = hash(tuple(seq[end - length:end]))
+                entries = self._entries[length]
+                key = _anchor(seq, end, length)
                 known = entries.get(key)
                 if known is None:
                     entries[key] = entry  # most anchors occur once: no list for them
@@ -65,6 +123,20 @@ class SuffixIndex:
                     entries[key] = [known, entry]
                 else:
                     known.append(entry)
+
+    def _extend_bulk(self, doc: int, seq: list[int], start: int) -> None:
+        """Index the positions ending at start+1..len(seq) with numpy, as one sorted run per length."""
+        lead = min(start, ANCHOR_LENGTHS[-1] - 1)  # earlier tokens the first new windows reach back to
+        hashes = _window_hashes(np.asarray(seq[start - lead:], dtype=np.int64))
+        ends = np.arange(start - lead + 1, len(seq) + 1, dtype=np.int64)  # the end of each window
+        entries = np.int64(doc << _DOC_SHIFT) | ends
+        for length, keys in hashes.items():
+            first = max(lead, length - 1)  # new positions whose window lies in the document
+            if first >= len(keys):
+                continue
+            k, e = keys[first:], entries[first:]
+            order = np.lexsort((e, k))
+            self._runs[length].append(_SortedRun(k[order], e[order]))
 
     def remove(self, doc: int) -> None:
         tokens = self.docs.pop(doc, None)
@@ -77,23 +149,30 @@ class SuffixIndex:
 
     def _rebuild(self) -> None:
         docs = self.docs
-        self.docs, self._entries, self.num_tokens, self._num_dead = {}, {}, 0, 0
+        self.__init__()
         for doc, tokens in docs.items():
             self.extend(doc, tokens)
+
+    def _newest_first(self, key: int, anchor: int) -> Iterator[int]:
+        """Every entry indexed under (anchor, key), by (document, end) descending."""
+        sources = [run.newest_first(key) for run in self._runs[anchor]]
+        known = self._entries[anchor].get(key)
+        if known is not None:
+            sources.append(iter((known,)) if type(known) is int else reversed(known))
+        if len(sources) == 1:
+            return sources[0]
+        return heapq.merge(*sources, reverse=True)
 
     def lookup(self, key: int, tail: list[int], anchor: int, max_depth: int, limit: int) -> list[Match]:
         """Up to `limit` occurrences (most recent first) of the tail's last `anchor` tokens whose
         anchor hash is `key` and that some token followed, each with its exact match length
         (at most max_depth; a hash collision shows as a length below `anchor` and is dropped)."""
-        known = self._entries.get(key)
-        if known is None or limit <= 0:
+        if limit <= 0:
             return []
-        entries = (known,) if type(known) is int else reversed(known)
         found = []
         num_tail = len(tail)
-        mask = (1 << _DOC_SHIFT) - 1
-        for entry in entries:
-            doc, end = entry >> _DOC_SHIFT, entry & mask
+        for entry in self._newest_first(key, anchor):
+            doc, end = entry >> _DOC_SHIFT, entry & _END_MASK
             tokens = self.docs.get(doc)
             if tokens is None or end >= len(tokens):  # removed, or the tail itself: nothing followed
                 continue

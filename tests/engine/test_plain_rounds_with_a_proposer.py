@@ -1,0 +1,164 @@
+"""With a proposer loaded, a round in which no sequence drafts is a plain decoding step: overlapped
+(engine/overlap.py) and without any drafter pass. The drafter sees the rows of rounds it did not
+draft in when the sequence next drafts (engine/deferred_rows.py), and then drafts exactly what it
+drafts having observed every round: output and drafts are those of plain and of every-round drafting.
+
+The engine verifies scripted drafts that are always wrong, so every round commits one token with
+or without drafts and rounds line up across engines; what is compared is what the real drafter
+chose at each length of the sequence.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+
+from tests.engine.test_overlap_decode import count_ahead
+from tools.tiny import write_random_eagle3
+from verispec.engine.draft_policy import DraftPolicy, draft_cap
+from verispec.engine.engine import Engine, load_engine
+from verispec.sampling.params import SamplingParams
+from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
+from verispec.spec.proposer import Draft, PassRowStep
+from verispec.spec.suffix import SuffixOptions, SuffixProposer
+
+TEXTS = ["def fibonacci(n):", "import collections\n\nclass Counter(dict):\n    def __init__(self):", "x",
+         "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)"]
+NEW = 40
+K = 3
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+class EveryNth(DraftPolicy):
+    """K drafts for every sequence on every n-th round, none in between."""
+
+    def __init__(self, n: int, max_drafts: int):
+        super().__init__()
+        self.n, self.max_drafts, self.round = n, max_drafts, 0
+
+    def choose(self, seqs):
+        self.round += 1
+        k = self.max_drafts if self.round % self.n == 0 else 0
+        counts = [min(k, draft_cap(s, self.max_drafts)) for s in seqs]
+        self.stats.record(counts)
+        return counts
+
+    def plain_rounds(self, seqs) -> int:
+        return (self.n - (self.round + 1) % self.n) % self.n
+
+    def skip(self, seqs, num_rounds: int) -> None:
+        super().skip(seqs, num_rounds)
+        self.round += num_rounds
+
+    def describe(self) -> str:
+        return f"{self.max_drafts} drafts every {self.n}th round"
+
+
+def scripted(base_class):
+    class Scripted(base_class):
+        """Records the real drafter's choices by sequence length; hands the engine wrong drafts."""
+
+        def setup(self, continuations: dict, vocab_size: int):
+            self.continuations, self.vocab_size = continuations, vocab_size
+            self.real: dict[tuple, dict[int, list[int]]] = defaultdict(dict)
+            self.observed_calls = self.verify_observes = self.propose_calls = 0
+            return self
+
+        def observe(self, rows):
+            self.observed_calls += 1
+            self.verify_observes += any(isinstance(step, PassRowStep) for _, step in rows)
+            super().observe(rows)
+
+        def propose(self, seqs, num_drafts, params, generators):
+            self.propose_calls += 1
+            own = super().propose(seqs, num_drafts, params, generators)
+            wrong = []
+            for s, d, k in zip(seqs, own, num_drafts):
+                prompt = tuple(s.prompt_ids)
+                self.real[prompt][s.num_tokens] = d.token_ids
+                right = self.continuations[prompt][s.num_tokens - len(prompt)]
+                wrong.append(Draft([(right + 1) % self.vocab_size] * k))
+            return wrong
+
+    return Scripted
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    d = tiny_models.get("plain-rounds-llama", "llama", num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                        num_attention_heads=4, num_key_value_heads=2)
+    return load_engine(str(d), dtype="float64", device="cpu", prefill_step_size=8)
+
+
+def spec(target: Engine, proposer, policy: DraftPolicy | None, **config) -> Engine:
+    cfg = replace(target.config, **{"draft_schedule": f"1:{K}", **config})
+    engine = Engine(target.model, target.tokenizer, cfg, target.model_dir, proposer=proposer, num_drafts=K)
+    if policy is not None:
+        engine.draft_policy = policy
+    return engine
+
+
+def eagle3(target: Engine, tmp_path):
+    drafter_dir = write_random_eagle3(tmp_path / "e3", json.loads((target.model_dir / "config.json").read_text()),
+                                      seed=5)
+    drafter = load_eagle3(drafter_dir, target.model)
+    return lambda: scripted(Eagle3Proposer)(drafter, target.model.vocab_size)
+
+
+def suffix(target: Engine, tmp_path):
+    # no shared cache of finished outputs: when a batch's outputs finish would change the drafts
+    return lambda: scripted(SuffixProposer)(SuffixOptions(cache_tokens=0))
+
+
+@pytest.mark.parametrize("make", [eagle3, suffix])
+def test_drafting_every_third_round_drafts_what_every_round_drafts(target, tmp_path, monkeypatch, make):
+    new = make(target, tmp_path)
+    prompts = [target.tokenizer.encode(t) for t in TEXTS]
+    plain = {tuple(ids): target.generate_all(ids, GREEDY).token_ids for ids in prompts}
+    v = target.model.vocab_size
+
+    every = new().setup(plain, v)
+    results = spec(target, every, None).generate_batch(prompts, GREEDY)
+    assert [r.token_ids for r in results] == [plain[tuple(ids)] for ids in prompts]
+
+    sparse = new().setup(plain, v)
+    engine = spec(target, sparse, EveryNth(3, K), overlap_decode=True)
+    ahead = count_ahead(engine, monkeypatch)
+    results = engine.generate_batch(prompts, GREEDY)
+    assert [r.token_ids for r in results] == [plain[tuple(ids)] for ids in prompts]
+    assert ahead.count(1) > 5, "rounds without drafts never ran overlapped"
+    for ids in prompts:
+        chosen = sparse.real[tuple(ids)]
+        assert len(chosen) >= NEW // 3 - 2
+        assert chosen == {n: every.real[tuple(ids)][n] for n in chosen}, "drafts differ after deferred rows"
+    # the drafter observed a verify pass only after the rounds that drafted (one in three)
+    assert every.verify_observes >= NEW - 2 and sparse.propose_calls <= NEW // 3 + 2
+    assert sparse.verify_observes == sparse.propose_calls
+    assert engine.blocks.num_used == 0 and len(engine.runner.deferred) == 0
+
+
+def test_without_drafts_a_loaded_drafter_never_runs_and_decoding_is_the_plain_step(target, tmp_path, monkeypatch):
+    prompt = target.tokenizer.encode(TEXTS[1])
+    plain = {tuple(prompt): target.generate_all(prompt, GREEDY).token_ids}
+    proposer = eagle3(target, tmp_path)().setup(plain, target.model.vocab_size)
+    engine = spec(target, proposer, None, draft_schedule="1:0", overlap_decode=True)
+    rounds = []
+    original = engine._round
+    monkeypatch.setattr(engine, "_round", lambda seqs, counts: (rounds.append(counts), original(seqs, counts)))
+    ahead = count_ahead(engine, monkeypatch)
+    prefill_calls = -(-len(prompt) // 8)
+    result = engine.generate_all(prompt, GREEDY)
+    assert result.token_ids == plain[tuple(prompt)]
+    assert rounds == [] and ahead.count(1) >= NEW - 3  # every decode step was the overlapped plain step
+    assert proposer.real == {} and proposer.observed_calls == prefill_calls + (NEW - 1) // 32
+    assert result.stats.drafted == 0
+
+
+def test_a_suffix_output_joins_the_shared_cache_whole_though_its_last_rows_were_never_observed(target):
+    prompt = target.tokenizer.encode(TEXTS[0])
+    proposer = SuffixProposer(SuffixOptions())
+    engine = spec(target, proposer, None, draft_schedule="1:0")
+    result = engine.generate_all(prompt, GREEDY)
+    assert list(proposer.cache.index.docs.values()) == [result.token_ids]
