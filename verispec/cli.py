@@ -88,11 +88,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's size in GiB (CPU default 2; on CUDA it replaces --gpu-memory-utilization)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
-    p.add_argument("--numerics", default="exact", metavar="{exact,fast}",
-                   help="exact (default): a token's result does not depend on the batch, speculation, prompt "
-                        "chunking or prefix cache (our own GEMM and attention kernels on CUDA; on a CPU in float16 or "
-                        "bfloat16, prompts attended row by row); fast: torch's GEMMs and one attention call per "
-                        "prompt chunk, whose results may change with the load")
+    p.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),
+                   help="exact: a token's result does not depend on the batch, speculation, prompt chunking or "
+                        "prefix cache (our own GEMM and attention kernels on CUDA; on a CPU float16/bfloat16, "
+                        "prompts attended row by row); fast: torch's GEMMs and flash attention for prompts, "
+                        "whose results may change with the load; auto (default): exact where it holds and costs "
+                        "little (dense weights on CUDA), else fast; the start-up log says which and why")
     p.add_argument("--draft-schedule", default=None, metavar="B:K,...",
                    help="drafts per round by batch size, the same for every sequence, e.g. '1:3,8:1,32:0' "
                         "(default: chosen per sequence per round from the costs and each sequence's acceptance)")
@@ -245,8 +246,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
-    bench.add_argument("--numerics", default="exact", choices=("exact", "fast"),
-                       help="offline: the engine's numerics (default exact; see `serve --help`)")
+    bench.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),
+                       help="offline: the engine's numerics (default auto; see `serve --help`)")
     bench.add_argument("--no-overlap-decode", action="store_true",
                        help="offline: wait for each plain decode step before queuing the next")
     bench.add_argument("--quant", default=None, metavar="FORMAT",

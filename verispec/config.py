@@ -78,8 +78,9 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # the KV cache's size in GiB (CPU default 2; on CUDA overrides the fraction)
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
     # "exact": a token's result does not depend on the pass it is computed in (batch, speculation,
-    # prompt chunking, prefix cache; docs/serving.md); "fast": torch's own GEMMs and flash attention
-    numerics: str = "exact"
+    # prompt chunking, prefix cache; docs/serving.md); "fast": torch's own GEMMs and flash attention;
+    # "auto": exact where it holds and costs little (models/layers/numerics.py `resolve`)
+    numerics: str = "auto"
     # plain greedy steps queued one ahead of the host's work on the last (None: where CUDA graphs run)
     overlap_decode: bool | None = None
     # on a CPU, a step's prompt tokens are sized so the step takes about this long (engine/prefill_pacer.py;

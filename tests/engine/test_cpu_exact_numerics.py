@@ -28,7 +28,7 @@ def model_dirs(tiny_models) -> dict:
 
 def load(model_dir, dtype: str, **fields) -> Engine:
     # prefill_step_seconds=0: chunks follow --prefill-step-size, not the host's speed
-    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.02, prefill_step_seconds=0), **fields)
+    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.02, prefill_step_seconds=0, numerics="exact"), **fields)
     return Engine.load(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu", max_model_len=1024, **fields))
 
 
@@ -70,6 +70,8 @@ def test_cpu_reports_exact_only_where_it_holds(model_dirs, tmp_path, tokenizer_d
     assert load(model_dirs["llama"], "float16").describe().numerics == "exact"
     assert load(model_dirs["llama"], "bfloat16").describe().numerics == "exact"
     assert load(model_dirs["llama"], "float16", numerics="fast").describe().numerics == "fast"
+    # on a CPU exact prompts cost prefill time: the default asks for them only on CUDA
+    assert load(model_dirs["llama"], "float16", numerics="auto").describe().numerics == "fast"
     assert load(model_dirs["llama"], "float32").describe().numerics == "fast"
     # a hybrid's prompt chunks run the chunked recurrence on a CPU, which decode steps do not
     build_tiny_qwen3_5(tmp_path / "hybrid", tokenizer_dir=tokenizer_dir)

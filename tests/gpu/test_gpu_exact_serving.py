@@ -40,7 +40,7 @@ def root(tmp_path_factory, tokenizer_dir):
 
 
 def load(root, family: str, **fields) -> Engine:
-    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.25), **fields)
+    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.25, numerics="exact"), **fields)
     engine = Engine.load(EngineConfig(model=str(root / family), dtype="bfloat16", device="cuda", max_model_len=1024,
                                       **fields))
     assert engine.describe().numerics == "exact"
@@ -102,12 +102,14 @@ def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(ro
 def test_engine_settings_do_not_change_a_request(root, reference, family, case):
     _, prompts, alone = reference(family)
     if case == "preempted":  # caches too small for all 8 at once (families differ in bytes a token)
-        for gb in (0.0015, 0.001, 0.0006):
+        for gb in (0.0015, 0.001, 0.0008, 0.0007, 0.0006, 0.0005):
             engine = load(root, family, kv_cache_gb=gb)
+            if engine.max_model_len < max(map(len, prompts)) + NEW_TOKENS:
+                break  # the cache no longer holds the longest request alone
             check([record(r) for r in engine.generate_batch(prompts, params())], alone, f"{case} ({gb} GiB)")
             if engine.load_stats()["preemptions"] > 0:
                 return
-        pytest.fail("no cache size preempted anybody")
+        pytest.fail("no cache size that holds the longest request preempted anybody")
     fields = {"chunks-of-64": dict(prefill_step_size=64), "no-prefix-cache": dict(prefix_cache=False),
               "eager": dict(cuda_graphs=False)}[case]
     engine = load(root, family, **fields)

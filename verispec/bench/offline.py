@@ -28,7 +28,7 @@ from verispec.engine import warmup
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import parse_device, parse_dtype, prepare_for_device
+from verispec.loading.model_loader import parse_device, parse_dtype, prepare_for_device, resolve_numerics
 
 WARMUP_TOKENS = 16  # a warm-up generation: enough rounds to touch every kernel shape
 
@@ -219,7 +219,7 @@ def _new_engine(target: Target, config: EngineConfig, proposer=None, num_drafts:
     """An engine on the target, its model first rewritten for the device as the loader does (once:
     later engines on the same model find nothing left to do)."""
     warmup.pin_triton_cache_dir(next(target.model.parameters()).device)  # before anything compiles
-    prepare_for_device(target.model, config.fuse_small_ops, config.numerics)
+    prepare_for_device(target.model, config.fuse_small_ops, resolve_numerics(target.model, config.numerics)[0])
     return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=num_drafts)
 
 

@@ -155,7 +155,7 @@ class BenchOptions:
     dtype: str | None = None
     device: str | None = None
     prefill_step_size: int = 2048
-    numerics: str = "exact"  # offline: the engine's --numerics (exact | fast)
+    numerics: str = "auto"  # offline: the engine's --numerics (auto | exact | fast)
     cuda_graphs: bool = True  # the engine's captured decode/verify steps (CUDA with Triton)
     overlap_decode: bool = True  # plain steps queued ahead of the host's work (engine/overlap.py; with graphs)
     compare: tuple[Peer, ...] = ()

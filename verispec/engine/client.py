@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import torch
 
-from verispec.models.layers.numerics import exact_numerics_hold
 
 if TYPE_CHECKING:
     from verispec.sampling.params import SamplingParams
@@ -127,16 +126,9 @@ class ServedEngine:
 
     @property
     def numerics(self) -> str:
-        """The numerics in effect: "exact" where it holds for the device and dtype (docs/serving.md)."""
-        exact = self.config.numerics == "exact" and exact_numerics_hold(self.device, self.dtype,
-                                                                        self.has_recurrent_layers)
-        return "exact" if exact else "fast"
-
-    @property
-    def has_recurrent_layers(self) -> bool:
-        """Whether the model has recurrent layers (Qwen3.5's Gated DeltaNet): the in-process engine
-        knows; an engine process (CUDA, where it does not change the numerics) answers False."""
-        return False
+        """The numerics that run, "exact" or "fast" (the engine resolved --numerics at load:
+        models/layers/numerics.py `resolve`; docs/serving.md)."""
+        return self.config.numerics
 
     def gpu_name(self) -> str | None:
         """The GPU's name (None on a CPU)."""

@@ -13,6 +13,8 @@ start, sized from the memory budget.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import atexit
 import collections
 import queue
@@ -45,9 +47,9 @@ from verispec.engine.update import RoundInputs, StepUpdate, mark_first_scheduled
 from verispec.errors import VerispecError
 from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
+from verispec.loading.model_loader import resolve_numerics
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
-from verispec.models.layers.numerics import exact_numerics_hold
 from verispec.sampling.params import SamplingParams
 from verispec.sampling.sampler import TokenHistory, make_generator
 from verispec.spec.proposer import Proposer
@@ -73,6 +75,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                  model_dir: Path | None = None, proposer: Proposer | None = None, num_drafts: int = 0):
         self.model = model
         self.tokenizer = tokenizer
+        # the numerics that run ("exact" or "fast"; Engine.load resolved them already, idempotently)
+        config = dataclasses.replace(config, numerics=resolve_numerics(model, config.numerics)[0])
         self.config = config
         self.model_name = config.model
         self.model_dir = model_dir
@@ -149,15 +153,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                   f"on ({num_snapshots} recurrent-state snapshots)" if num_slots else "on")
 
     def _exact_prompts(self) -> bool:
-        """Prompt chunks attend as decode steps do: CUDA's chunk kernel (with Triton), or row by
-        row on a CPU in the dtypes whose products are row-invariant there (models/layers/numerics.py)."""
-        if self.device.type == "cpu":
-            return exact_numerics_hold(self.device, self.dtype, self.has_recurrent_layers)
-        return split_k.available(self.device)
-
-    @property
-    def has_recurrent_layers(self) -> bool:
-        return bool(self.pools.recurrent_layers)
+        """Prompt chunks attend as decode steps do: CUDA's chunk kernel (with Triton), a CPU row by row."""
+        return self.device.type == "cpu" or split_k.available(self.device)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":

@@ -2,6 +2,8 @@
 tokenizer and the proposer the configuration asks for, with the option checks that need no model."""
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 from verispec import log
@@ -9,7 +11,7 @@ from verispec.config import EngineConfig
 from verispec.engine import warmup
 from verispec.engine.proposers import build_proposer
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import load_model, parse_device, parse_dtype, prepare_for_device
+from verispec.loading.model_loader import load_model, parse_device, parse_dtype, prepare_for_device, resolve_numerics
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 
@@ -54,6 +56,10 @@ def load_parts(config: EngineConfig) -> tuple:
     if proposer is not None:
         log.startup_phase("loading the drafter", t4 - t3)
     warmup.pin_triton_cache_dir(device)  # before the load-time rewrites compile anything (see there)
-    prepare_for_device(model, config.fuse_small_ops, config.numerics)  # after the proposer, which may share its layers
+    numerics, why_not_exact = resolve_numerics(model, config.numerics)
+    if why_not_exact is not None:
+        (log.warning if config.numerics == "exact" else log.info)("numerics: fast (not exact: %s)", why_not_exact)
+    config = dataclasses.replace(config, numerics=numerics)
+    prepare_for_device(model, config.fuse_small_ops, numerics)  # after the proposer, which may share its layers
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts

@@ -12,7 +12,7 @@ from verispec.errors import VerispecError
 from verispec.loading.model_loader import parse_device, parse_dtype
 
 
-NUMERICS = ("exact", "fast")
+NUMERICS = ("auto", "exact", "fast")
 
 
 def check_limits(config: EngineConfig) -> None:

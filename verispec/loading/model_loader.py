@@ -93,12 +93,30 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: str = "exact") -> None:
+def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
+    """The numerics `model` runs for --numerics `requested` on its device, and why not exact
+    (models/layers/numerics.py `resolve`, told which kinds of layers the model has)."""
+    from verispec.models.layers import numerics
+    from verispec.models.layers.gated_delta_net import GatedDeltaNet
+    from verispec.models.layers.moe import FusedExperts
+    from verispec.quant.layers.experts import MLXQuantizedExperts, QuantizedExpertStack
+    from verispec.quant.layers.linear import QuantizedLinear
+
+    param = next(model.parameters())
+    modules = list(model.modules())
+    return numerics.resolve(
+        requested, param.device, param.dtype, recurrent=any(isinstance(m, GatedDeltaNet) for m in modules),
+        experts=any(isinstance(m, (FusedExperts, MLXQuantizedExperts, QuantizedExpertStack)) for m in modules),
+        quantized=any(isinstance(m, QuantizedLinear) for m in modules))
+
+
+def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: str = "fast") -> None:
     """The model rewrites made once for its device, after loading and before an engine sizes its
     KV cache, in this order: q/k/v and gate/up merged into one GEMM each, and on CUDA the small ops
     compiled (`fuse_small_ops`); then each quantized layer bound to its kernel (verispec.quant.prepare,
-    which converts a merged layer once); under exact numerics on CUDA, the dense linear layers bound
-    to the row-invariant kernel. Calling it again changes nothing."""
+    which converts a merged layer once); under exact numerics (`numerics`, as resolve_numerics
+    gave it) on CUDA, every linear layer bound to its row-invariant kernel. Calling it again
+    changes nothing."""
     from verispec import quant
     from verispec.kernels import decode_attention
 

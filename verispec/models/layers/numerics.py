@@ -1,5 +1,6 @@
-"""Where exact numerics holds (docs/serving.md, "Exact numerics"): a token's K/V, logits and sample
-do not depend on the pass it is computed in."""
+"""Which numerics a model runs (docs/serving.md, "Exact numerics"): "exact", where a token's K/V,
+logits and sample do not depend on the pass it is computed in (batch, speculation, prompt chunking,
+prefix cache, preemption), or "fast"; and why not exact."""
 from __future__ import annotations
 
 import torch
@@ -7,14 +8,43 @@ import torch
 # On a CPU torch's float16 and bfloat16 products give a row the same bits at every row count; its
 # float32 and float64 ones do not (a one-row product runs another kernel than two rows or more).
 CPU_EXACT_DTYPES = (torch.float16, torch.bfloat16)
+CHOICES = ("auto", "exact", "fast")
 
 
-def exact_numerics_hold(device: torch.device | str, dtype: torch.dtype, recurrent: bool = False) -> bool:
-    """CUDA: our row-invariant GEMM and attention kernels; a CPU: float16 and bfloat16, with prompt
-    chunks attended row by row as decode steps are (models/layers/attention.py), for models without
-    recurrent layers (`recurrent`: a CPU runs their prompt chunks with the chunked recurrence, which
-    sums otherwise than the token-by-token one of decode steps)."""
+def exact_numerics_hold(device: torch.device | str, dtype: torch.dtype, recurrent: bool = False,
+                        experts: bool = False) -> str | None:
+    """Why exact numerics cannot hold for such a model (None: it can). CUDA: our row-invariant GEMM
+    and attention kernels; a CPU: float16 and bfloat16, prompt chunks attended row by row as decode
+    steps are (models/layers/attention.py)."""
     device = torch.device(device)
+    if recurrent:
+        return ("Gated DeltaNet layers (prompt chunks run the chunked recurrence, decode steps the "
+                "token-by-token one)")
+    if experts:
+        return "mixture-of-experts layers (the experts' kernel is chosen by the pass's token count)"
     if device.type == "cuda":
-        return True
-    return device.type == "cpu" and dtype in CPU_EXACT_DTYPES and not recurrent
+        return None
+    if device.type == "cpu":
+        if dtype in CPU_EXACT_DTYPES:
+            return None
+        return f"{str(dtype).removeprefix('torch.')} on a CPU (a one-row product sums otherwise than a wider one)"
+    return f"device {device.type}"
+
+
+def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, recurrent: bool = False,
+            experts: bool = False, quantized: bool = False) -> tuple[str, str | None]:
+    """(the numerics that run, why not exact): "auto" is exact where it holds and costs little, as
+    measured (docs/benchmarks.md): dense weights on CUDA; a quantized model's exact product decodes
+    several times slower and a CPU's exact prompts prefill 2.5-4.5x slower, so there `--numerics
+    exact` asks for it."""
+    if requested == "fast":
+        return "fast", "--numerics fast"
+    if (reason := exact_numerics_hold(device, dtype, recurrent, experts)) is not None:
+        return "fast", reason
+    if requested == "auto":
+        if torch.device(device).type == "cpu":
+            return "fast", "on a CPU exact prompt chunks prefill 2.5-4.5x slower (--numerics exact turns it on)"
+        if quantized:
+            return "fast", ("quantized layers: their exact product decodes several times slower "
+                            "(--numerics exact turns it on)")
+    return "exact", None
