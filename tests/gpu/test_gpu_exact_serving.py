@@ -97,8 +97,16 @@ def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(ro
     check([record(engine.generate_all(p, params())) for p in longer], want, "partial prefix hits")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("case", ["chunks-of-64", "no-prefix-cache", "eager", "preempted"])
+def settings_cases():
+    for family in FAMILIES:
+        for case in ("chunks-of-64", "no-prefix-cache", "eager", "preempted"):
+            # Gemma 3's sliding layers keep a window's blocks only: no cache that holds its longest
+            # request alone preempted any of the 8 on the H200
+            if (family, case) != ("gemma3", "preempted"):
+                yield pytest.param(family, case, id=f"{case}-{family}")
+
+
+@pytest.mark.parametrize("family,case", settings_cases())
 def test_engine_settings_do_not_change_a_request(root, reference, family, case):
     _, prompts, alone = reference(family)
     if case == "preempted":  # caches too small for all 8 at once (families differ in bytes a token)
