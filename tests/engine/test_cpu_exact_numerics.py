@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.doubles import KeyedReplay
-from tools.tiny import build_tiny_qwen3_5, corpus_text
+from tests.exact_checks import check, corpus_prompts, greedy_with_logprobs, record
+from tools.tiny import build_tiny_qwen3_5
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
@@ -33,22 +34,11 @@ def load(model_dir, dtype: str, **fields) -> Engine:
 
 
 def params() -> SamplingParams:
-    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    return greedy_with_logprobs(NEW_TOKENS)
 
 
 def prompts_of(engine: Engine) -> list[list[int]]:
-    ids = engine.tokenizer.encode(corpus_text(20_000))
-    return [ids[i * 300:i * 300 + n] for i, n in enumerate(PROMPT_TOKENS)]
-
-
-def record(result) -> tuple:
-    """Tokens and logprobs (with the top 2), compared bit for bit."""
-    return result.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in result.logprobs]
-
-
-def check(got: list, want: list, what: str) -> None:
-    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    assert not bad, f"{what}: prompts {bad} changed"
+    return corpus_prompts(engine.tokenizer, PROMPT_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,4 @@
 from __future__ import annotations
 
 from tests.doubles import KeyedReplay  # noqa: F401 - the GPU tests' replay proposer
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (None: identical)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+from tests.exact_checks import first_divergence  # noqa: F401 - where two outputs part

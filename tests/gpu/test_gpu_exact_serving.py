@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.replay import KeyedReplay, first_divergence
-from tools.tiny import build_tiny_gemma3, build_tiny_model, corpus_text
+from tests.exact_checks import check, corpus_prompts, greedy_with_logprobs, record
+from tests.gpu.replay import KeyedReplay
+from tools.tiny import build_tiny_gemma3, build_tiny_model
 from verispec.cli import main as cli_main
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
@@ -50,22 +51,11 @@ def load(root, family: str, **fields) -> Engine:
 
 
 def params() -> SamplingParams:
-    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    return greedy_with_logprobs(NEW_TOKENS)
 
 
 def prompts_of(engine: Engine) -> list[list[int]]:
-    ids = engine.tokenizer.encode(corpus_text(20_000))
-    return [ids[i * 300:i * 300 + n] for i, n in enumerate(PROMPT_TOKENS)]
-
-
-def record(result) -> tuple:
-    """Tokens and logprobs (with the top 2), compared bit for bit."""
-    return result.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in result.logprobs]
-
-
-def check(got: list, want: list, what: str) -> None:
-    bad = [(i, first_divergence(g[0], w[0])) for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    assert not bad, f"{what}: (prompt, first differing token) {bad}"
+    return corpus_prompts(engine.tokenizer, PROMPT_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -422,6 +422,17 @@ def split_config(d: int, element_size: int) -> dict:
                 LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)))
 
 
+def _cache_layout(k_cache, v_cache, block_tables, positions):
+    """(K strides, V strides, the block table and its row stride) as the kernels take them: paged
+    pools [slots, Hkv, D] have no batch stride and their rows come from the block table; contiguous
+    caches [B, Hkv, capacity, D] need no table (the positions stand in, unread)."""
+    if block_tables is not None:
+        return ((0, k_cache.stride(1), k_cache.stride(0)), (0, v_cache.stride(1), v_cache.stride(0)),
+                block_tables, block_tables.stride(0))
+    return (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), \
+        (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)), positions, 0
+
+
 def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, num_splits=None,
             block_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
     b, hq, t, d = q.shape
@@ -442,14 +453,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     # [B, T, Hq, D] in memory, returned as its [B, Hq, T, D] view: the callers' transpose(1, 2)
     # then reshape to [B, T, Hq * D] is free (a 4-token verify pass copied it: 2.4 us a layer)
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
-    if paged:  # pools [slots, Hkv, D]: no batch stride; rows come from the block table
-        strides_k = (0, k_cache.stride(1), k_cache.stride(0))
-        strides_v = (0, v_cache.stride(1), v_cache.stride(0))
-        table, table_stride = block_tables, block_tables.stride(0)
-    else:
-        strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-        strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-        table, table_stride = positions, 0  # unused
+    strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
     pdl, early = launch.small_kernel_pdl(q.device)
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, positions, opart, lse, table,
@@ -502,14 +506,7 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
     block_m = max(16, triton.next_power_of_2(group * tq))
     config = split_config(d, q.element_size())
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
-    if paged:
-        strides_k = (0, k_cache.stride(1), k_cache.stride(0))
-        strides_v = (0, v_cache.stride(1), v_cache.stride(0))
-        table, table_stride = block_tables, block_tables.stride(0)
-    else:
-        strides_k = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-        strides_v = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-        table, table_stride = positions, 0  # unused
+    strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
     _chunk_kernel[(b * triton.cdiv(t, tq), hkv)](
         q, k_cache, v_cache, positions, lengths if lengths is not None else positions, out, table,
         q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
