@@ -55,7 +55,7 @@ def test_prompt_attention_is_the_decode_steps_bits(window):
     whole = chunk(0, length)
     for first, n, tile in ((0, 2048, None), (2048, 2048, 32), (1000, 37, 4), (3000, 1096, 8)):
         assert torch.equal(chunk(first, n, tile), whole[:, :, first:first + n]), (first, n, tile)
-    for position in (0, 127, 128, 2047, 2048, 4095):
+    for position in (0, 127, 128, 511, 512, 2047, 2048, 4095):
         pos = torch.tensor([[position]], device="cuda")
         step = attention.decode_attention(q[:, :, position:position + 1].contiguous(), k, v, pos, scale, window)
         assert torch.equal(step, whole[:, :, position:position + 1]), position

@@ -34,9 +34,17 @@ def _rows_alone_and_together(first: int, t: int, window: int | None):
     return together, torch.cat(alone, dim=2)
 
 
+@pytest.fixture(autouse=True)
+def _shares_of_one_block_on_cpu(monkeypatch):
+    """In the interpreter's small case a share may hold a single block, so shares grow inside it."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(kernel, "MIN_SHARE_KEYS", 64)
+
+
 def _crossing(device: str) -> int:
-    """A first position such that a 4-row pass's keys cross the point where shares grow."""
-    return 2 * 16 * 128 - 2 if device == "cuda" else 2 * 64 - 2
+    """A first position such that a 4-row pass's keys cross the point where shares grow: 16 shares
+    of MIN_SHARE_KEYS keys on CUDA (one 64-key block each, 2 shares, in the interpreter)."""
+    return 16 * kernel.MIN_SHARE_KEYS - 2 if device == "cuda" else 2 * 64 - 2
 
 
 @pytest.mark.parametrize("window", [None, 50])

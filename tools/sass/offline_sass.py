@@ -68,7 +68,7 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
     config = da.split_config(128, 2)
     num_warps, num_stages = config.pop("num_warps"), config.pop("num_stages")
     constexprs = dict(config, T=tokens, G=4, D=128, NUM_SPLITS=16, BLOCK_M=16, HAS_WINDOW=False, IEEE=False,
-                      PAGED=paged, PAGE=16, PDL=pdl, EARLY=pdl, PREFETCH=prefetch)
+                      PAGED=paged, PAGE=16, MIN_KEYS=da.MIN_SHARE_KEYS, PDL=pdl, EARLY=pdl, PREFETCH=prefetch)
     # the launcher's 16-divisibility specializations (the positions' and table's are turned off)
     divisible = ("Q", "K", "V", "OPART", "LSE", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
     return compile_gluon(fn, signature, constexprs, divisible, num_warps, num_stages=num_stages, gluon=False)

@@ -24,6 +24,9 @@ except ImportError:  # CPU-only installs: the torch reference is used instead
     tl = None
 
 MAX_QUERY_TOKENS = 8
+# A share holds at least this many keys (read at launch, by the split and prompt kernels alike, so
+# their shares agree): a 512-key context decodes as one share, not 16 programs' worth of partial sums
+MIN_SHARE_KEYS = 512
 # With programmatic launch, each split program of a one-token pass asks L2 for its first key block's
 # K and V before it waits for the kernel before it (scripts/gpu_fusion_bounds.py's
 # `attention-prefetch-off` sets False)
@@ -96,15 +99,23 @@ if triton is not None:
     # prompt) and where the positions / table start (a slice may be 8-byte aligned only). Each
     # specialisation is a compile (0.5-1 s on the H200) inside whichever request meets it first.
     @triton.jit
-    def _row_share(pos_t, window, s, SHARES: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    def _share_keys(kv_t, lo_t, SHARES: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr):
+        """Keys a share of each row holds: its keys [lo, kv) over SHARES, in whole blocks, at least
+        MIN_KEYS (a multiple of BLOCK_N): short contexts take one or two shares, not SHARES
+        programs' worth of partial sums, which cost a 64-sequence decode step a quarter of its speed."""
+        return tl.maximum(tl.cdiv(tl.cdiv(kv_t - lo_t, SHARES), BLOCK_N) * BLOCK_N, MIN_KEYS)
+
+    @triton.jit
+    def _row_share(pos_t, window, s, SHARES: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr):
         """[start, end) of share s of each query row's keys: a row splits its own keys [lo, pos]
-        into SHARES shares of whole blocks, by its key count alone, so a row's shares are the same
-        in a decode step, a verify pass, a prompt chunk and any batch."""
+        into shares of whole blocks by its key count alone, so a row's shares are the same in a
+        decode step, a verify pass, a prompt chunk and any batch."""
         kv_t = pos_t + 1
         lo_t = kv_t * 0
         if HAS_WINDOW:  # the window's first key, rounded down to a block (the mask does the rest)
             lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
-        chunk_t = tl.cdiv(tl.cdiv(kv_t - lo_t, SHARES), BLOCK_N) * BLOCK_N
+        chunk_t = _share_keys(kv_t, lo_t, SHARES, BLOCK_N, MIN_KEYS)
         start_t = lo_t + s * chunk_t
         return start_t, tl.minimum(start_t + chunk_t, kv_t)
 
@@ -216,8 +227,9 @@ if triton is not None:
                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                      PAGE: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-                      PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64, LINES: tl.constexpr = 2):
+                      PAGE: tl.constexpr, MIN_KEYS: tl.constexpr = 512, PDL: tl.constexpr = False,
+                      EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64,
+                      LINES: tl.constexpr = 2):
         # PAGED: K/V are pools [slots, Hkv, D] and key n of row b sits in slot
         # BT[b, n // PAGE] * PAGE + n % PAGE (stride_kb/stride_vb unused); else [B, Hkv, capacity, D]
         b = tl.program_id(0)
@@ -233,7 +245,7 @@ if triton is not None:
         # the positions (and the block table) are the step's inputs, written before the step began:
         # read before the wait, like the cache rows of earlier steps
         pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
-        start_t, end_t = _row_share(pos_t, window, s, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+        start_t, end_t = _row_share(pos_t, window, s, NUM_SPLITS, BLOCK_N, MIN_KEYS, HAS_WINDOW)
         if PAGED:
             k_base = K + h * stride_kh
             v_base = V + h * stride_vh
@@ -257,12 +269,16 @@ if triton is not None:
             gdc_wait()
         if EARLY:
             gdc_launch_dependents()
+        row = (b * hq_total + h * G + g) * T + t  # index into [B, Hq, T]
+        if tl.max(tl.where(row_valid & (start_t < end_t), 1, 0), 0) == 0:
+            # a share no row has: its log-sum-exp says so, and the combine reads no partial sums
+            tl.store(LSE + row * NUM_SPLITS + s, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+            return
         q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)
         lse, out = _share_sums(q, k_base, v_base, BT, b, stride_kn, stride_vn, stride_btb, start_t, end_t, pos_t,
                                row_valid, offs_d, d_valid, scale, window, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW,
                                IEEE, PAGED, PAGE)
-        row = (b * hq_total + h * G + g) * T + t  # index into [B, Hq, T]
         tl.store(LSE + row * NUM_SPLITS + s, lse, mask=row_valid)
         tl.store(OPART + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :], out,
                  mask=row_valid[:, None] & d_valid[None, :])
@@ -305,7 +321,7 @@ if triton is not None:
                       G: tl.constexpr, D: tl.constexpr, SHARES: tl.constexpr, TQ: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                      HAS_LEN: tl.constexpr):
+                      HAS_LEN: tl.constexpr, MIN_KEYS: tl.constexpr = 512):
         """A prompt chunk: TQ query tokens of one sequence and kv head a program, each row's shares
         summed and folded as the split path does (the same helpers), so a prompt token's output is
         the bits a decode step or verify pass at its position gives it."""
@@ -338,7 +354,7 @@ if triton is not None:
         lo_t = kv_t * 0
         if HAS_WINDOW:
             lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
-        chunk_t = tl.cdiv(tl.cdiv(kv_t - lo_t, SHARES), BLOCK_N) * BLOCK_N
+        chunk_t = _share_keys(kv_t, lo_t, SHARES, BLOCK_N, MIN_KEYS)
         start = tl.min(tl.where(row_valid, lo_t, 2147483647), 0)
         end = tl.max(tl.where(row_valid, kv_t, 0), 0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -422,6 +438,10 @@ def split_config(d: int, element_size: int) -> dict:
                 LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)))
 
 
+def _min_share_keys(block_n: int) -> int:
+    return max(block_n, MIN_SHARE_KEYS // block_n * block_n)  # whole blocks
+
+
 def _cache_layout(k_cache, v_cache, block_tables, positions):
     """(K strides, V strides, the block table and its row stride) as the kernels take them: paged
     pools [slots, Hkv, D] have no batch stride and their rows come from the block table; contiguous
@@ -463,7 +483,8 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
-        num_warps=num_warps or config["num_warps"], num_stages=num_stages, PDL=pdl, EARLY=early,
+        MIN_KEYS=_min_share_keys(block_n), num_warps=num_warps or config["num_warps"], num_stages=num_stages,
+        PDL=pdl, EARLY=early,
         PREFETCH=pdl and PREFETCH and t == 1, LINE=config["LINE"], LINES=config["LINES"], launch_pdl=pdl,
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, t, HQ=hq, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, PDL=pdl,
@@ -514,6 +535,7 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=block_m,
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
+        MIN_KEYS=_min_share_keys(config["BLOCK_N"]),
         num_warps=num_warps or (8 if block_m >= 128 else config["num_warps"]),
         # 128 rows staged 3 deep need 237,696 bytes of shared memory where an H200 has 232,448
         num_stages=2 if block_m >= 128 else config["num_stages"])
