@@ -74,6 +74,17 @@ class Stop:
 DEVICE_OPS = (ZeroBlocks, CopyBlock, RestoreState, ClearState)
 
 
+def _abort_collectives() -> None:
+    """NCCL does not notice a dead peer (gloo's closed connection does): abort the group so that a
+    collective rank 0 is blocked in raises instead of waiting for its timeout."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except Exception as exc:  # noqa: BLE001 - the failure is already recorded; this only unblocks
+            log.debug("tensor parallel: aborting the process group failed (%s)", exc)
+
+
 class Peers:
     """What rank 0's runner calls so the other ranks run the same step."""
 
@@ -96,6 +107,8 @@ class Peers:
         if not self._stopping and self._failure is None:
             self._failure = f"tensor-parallel rank {rank} exited (exit code {code})"
             log.warning("%s; open requests fail and new ones are refused", self._failure)
+            if self.group.device.type == "cuda":
+                _abort_collectives()
 
     # ---- calls ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
