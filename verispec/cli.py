@@ -33,6 +33,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights/activations dtype: bfloat16|float16|float32|float64 (default: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
+    _add_tensor_parallel_args(p)
     p.add_argument("--prefill-step-seconds", type=float, default=None, metavar="S",
                    help="on a CPU, size each step's prompt tokens so a step takes about S seconds, the longest "
                         "gap a decoding stream waits beside a long prompt (default 1; 0: off)")
@@ -103,6 +104,33 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "analytic model per device")
     p.add_argument("--no-spec", action="store_true",
                    help="decode without speculation (the embedded demo model speculates by default)")
+
+
+def _add_tensor_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs (one process each; on a CPU, N processes): docs/multi-gpu.md")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the N ranks are spread over (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index among --nnodes; node 0 serves, the others run their ranks only")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address the ranks meet at (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="the port they meet on (default: a free one; required with --nnodes > 1)")
+
+
+def _tensor_parallel_config(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                master_addr=args.master_addr, master_port=args.master_port)
+
+
+def _run_node(config) -> int | None:
+    """--node-rank > 0: this machine runs its tensor-parallel ranks only (node 0 serves); returns their
+    exit code, or None on node 0."""
+    if config.node_rank == 0:
+        return None
+    from verispec.engine.tp_group import run_node
+    from verispec.loading.resolve import resolve_model
+
+    return run_node(config, resolve_model(config.model))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature_default: float) -> None:
@@ -246,6 +274,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
+    bench.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="offline -m: split the checkpoint over N GPUs (docs/multi-gpu.md)")
     bench.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),
                        help="offline: the engine's numerics (default auto; see `serve --help`)")
     bench.add_argument("--no-overlap-decode", action="store_true",
@@ -365,7 +395,7 @@ def _engine_config(args):
                           gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
                           draft_schedule=args.draft_schedule, draft_costs=_draft_costs(args),
                           prefix_cache=not args.no_prefix_cache,
-                          numerics=args.numerics, **_model_free_config(args))
+                          numerics=args.numerics, **_model_free_config(args), **_tensor_parallel_config(args))
     check_options(config)
     if chosen is not None:
         log.info("model: %s", chosen.note(dtype_applied=user_dtype is None, speculation_applied=not user_spec))
@@ -469,6 +499,8 @@ def cmd_serve(args) -> int:
     served = args.served_model_name or args.model
     config = _engine_config(args)  # no -m: picks the default model and its served name
     served = served or args.default_served_name
+    if (code := _run_node(config)) is not None:
+        return code
     from verispec.demo.default import default_device_type
 
     if default_device_type(config.device) == "cpu":
@@ -495,7 +527,10 @@ def cmd_generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop)
-    engine = Engine.load(_engine_config(args))
+    config = _engine_config(args)
+    if (code := _run_node(config)) is not None:
+        return code
+    engine = Engine.load(config)
     tok = engine.tokenizer
     if args.no_chat_template or not tok.has_chat_template:
         prompt_ids = tok.encode(args.prompt, add_special_tokens=True)
@@ -551,7 +586,7 @@ def cmd_bench(args) -> int:
         seed=args.seed, json_schema=args.json_schema,
         prefix_cache=args.prefix_cache, workload=parse_workload(args.workload),
         write_draft_costs=Path(args.write_draft_costs) if args.write_draft_costs else None,
-        draft_schedule=args.draft_schedule, **kwargs)
+        draft_schedule=args.draft_schedule, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
     run_bench(opts)
     return 0
 

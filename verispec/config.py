@@ -93,3 +93,10 @@ class EngineConfig:
     # what that choice weighs (engine/draft_costs.py): a table file `verispec bench --write-draft-costs`
     # wrote, "measure" (the engine's own passes timed at start-up), or None (an analytic model per device)
     draft_costs: str | None = None
+    # tensor parallelism (docs/multi-gpu.md): the model split over this many processes, one a GPU,
+    # over nnodes machines joined by torch.distributed's env rendezvous at master_addr:master_port
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one machine); required across machines

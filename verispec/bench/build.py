@@ -22,6 +22,7 @@ class Target:
     config: dict  # config.json fields
     name: str  # the shape name or the -m argument
     model_dir: Path | None = None  # a checkpoint's directory (None: random weights)
+    peers: object = None  # tensor parallelism: the other ranks (engine/tp_peers.py); `model` is rank 0's share
 
     @property
     def random(self) -> bool:
@@ -74,14 +75,23 @@ def random_target(name: str, config: dict, device: torch.device, dtype: torch.dt
     return Target(model, StubTokenizer(model.vocab_size), dict(config), name)
 
 
-def load_target(model: str, device: torch.device, dtype: torch.dtype) -> Target:
+def load_target(model: str, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1) -> Target:
     from verispec.loading.model_loader import load_model, read_config
     from verispec.loading.resolve import resolve_model
     from verispec.loading.tokenizer import Tokenizer
 
     model_dir = resolve_model(model)
-    loaded = load_model(model_dir, dtype, device)
-    return Target(loaded, Tokenizer.from_dir(model_dir), read_config(model_dir), model, model_dir)
+    peers = None
+    if tensor_parallel_size == 1:
+        loaded = load_model(model_dir, dtype, device)
+    else:
+        from verispec.config import EngineConfig
+        from verispec.engine.loading import load_sharded
+
+        config = EngineConfig(model=model, device=device.type, tensor_parallel_size=tensor_parallel_size,
+                              dtype=str(dtype).removeprefix("torch."))
+        loaded, peers = load_sharded(config, model_dir, dtype)
+    return Target(loaded, Tokenizer.from_dir(model_dir), read_config(model_dir), model, model_dir, peers)
 
 
 def random_eagle3(target: Target, drafter_config: dict, with_embedding: bool, seed: int = 1):

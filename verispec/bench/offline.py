@@ -52,7 +52,7 @@ def setup_target(opts: BenchOptions) -> Setup:
         _check_contexts(opts, shape.config.get("max_position_embeddings"))
     bandwidth, source = _bandwidth(opts, device)
     target = (random_target(shape.name, shape.config, device, dtype, opts.seed) if shape is not None
-              else load_target(opts.model, device, dtype))
+              else load_target(opts.model, device, dtype, opts.tensor_parallel_size))
     if opts.quant:
         from verispec.quant.in_memory import quantize_model_
 
@@ -154,7 +154,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
                           max_num_seqs=max_num_seqs or max(opts.concurrency or (1,)), prefix_cache=prefix_cache,
                           max_model_len=max_model_len or max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
                           max_num_batched_tokens=max(opts.prefill_step_size, 2048),
-                          draft_schedule=_draft_schedule(opts))
+                          draft_schedule=_draft_schedule(opts), tensor_parallel_size=opts.tensor_parallel_size)
     if method is Method.AR:
         return _new_engine(target, config), None
     if method is Method.EAGLE3:
@@ -220,7 +220,7 @@ def _new_engine(target: Target, config: EngineConfig, proposer=None, num_drafts:
     later engines on the same model find nothing left to do)."""
     warmup.pin_triton_cache_dir(next(target.model.parameters()).device)  # before anything compiles
     prepare_for_device(target.model, config.fuse_small_ops, resolve_numerics(target.model, config.numerics)[0])
-    return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=num_drafts)
+    return Engine(target.model, target.tokenizer, config, proposer=proposer, num_drafts=num_drafts, peers=target.peers)
 
 
 def _capture_graphs(engine: Engine) -> bool:

@@ -175,6 +175,7 @@ class BenchOptions:
     workload: Workload = Workload.RANDOM  # what the prompts ask for (bench/workloads.py)
     write_draft_costs: Path | None = None  # offline: time verify/draft passes into a draft-cost table here
     draft_schedule: str | None = None  # offline: the engine's --draft-schedule ("adaptive": its default choice)
+    tensor_parallel_size: int = 1  # offline -m: the checkpoint split over this many GPUs (docs/multi-gpu.md)
 
     @property
     def http(self) -> bool:
@@ -211,6 +212,9 @@ class BenchOptions:
             from verispec.engine.draft_schedule import DraftSchedule
 
             DraftSchedule.parse(self.draft_schedule, self.draft_block)
+        if self.tensor_parallel_size != 1 and not self.model:
+            raise VerispecError("--tensor-parallel-size is for offline runs of a checkpoint (-m); over HTTP give it "
+                                "to the server, random --shape weights are not split yet")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
         return self

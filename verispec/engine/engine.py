@@ -42,6 +42,7 @@ from verispec.engine.runner import ModelRunner
 from verispec.engine.prefill_pacer import prefill_pacer_for
 from verispec.engine.scheduler import Scheduler, StepPlan, default_token_budget
 from verispec.engine.sequence import Sequence
+from verispec.engine.tp_peers import Peers, TensorParallelError
 from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.engine.update import RoundInputs, StepUpdate, mark_first_scheduled
 from verispec.errors import VerispecError
@@ -72,8 +73,11 @@ def _sync(device: torch.device) -> None:
 
 class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.py
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
-                 model_dir: Path | None = None, proposer: Proposer | None = None, num_drafts: int = 0):
+                 model_dir: Path | None = None, proposer: Proposer | None = None, num_drafts: int = 0,
+                 peers: Peers | None = None):
         self.model = model
+        # tensor parallelism: `model` is rank 0's share and `peers` runs the other ranks' (engine/tp_peers.py)
+        self.peers = peers
         self.tokenizer = tokenizer
         # the numerics that run ("exact" or "fast"; Engine.load resolved them already, idempotently)
         config = dataclasses.replace(config, numerics=resolve_numerics(model, config.numerics)[0])
@@ -99,7 +103,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         # called with describe_drafts() when it changes (the engine process tells its parent)
         self.on_drafts_changed: Callable[[str], None] | None = None
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
-        self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs)
+        # the collectives of a tensor-parallel pass are not captured in graphs yet
+        self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs) and peers is None
         self._setup_cache()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Condition()
@@ -128,6 +133,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         num_blocks, block, num_slots, num_snapshots = (sizes.num_blocks, sizes.block_size, sizes.num_state_slots,
                                                        sizes.num_snapshots)
         self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device)
+        if self.peers is not None:  # each rank holds its own heads' blocks, under the same block ids
+            self.peers.make_pools(num_blocks, block, max(num_slots + num_snapshots, 1))
         self.budget = CacheBudget(num_blocks, block, num_slots, sizes.bytes_total)
         self.blocks = BlockAllocator(num_blocks, block)
         slots = SlotAllocator(num_slots) if num_slots else None
@@ -142,7 +149,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                                    prefix=self.prefix, batch_prefill=cfg.batch_prefill, pacer=self.pacer)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer,
-                                  prompt_kernel=cfg.numerics == "exact" and self._exact_prompts())
+                                  prompt_kernel=cfg.numerics == "exact" and self._exact_prompts(), peers=self.peers)
         if self.prefix is not None:
             # a drafter with K/V rows of its own recomputes its row at a hit's last position
             self.prefix.keep_features = self.proposer is not None and self.proposer.pools is not None
@@ -196,6 +203,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         Setting `cancel` stops it at the next step and frees its blocks. Bad requests raise here."""
         self.check_prompt_ids(prompt_ids)
         max_new = self.resolve_max_tokens(len(prompt_ids), params)
+        if (failure := self.failure()) is not None:
+            raise TensorParallelError(failure)
         history = TokenHistory(self.model.vocab_size, prompt_ids, self.device)
         out = OutputBuilder(self.tokenizer, params, max_new, history, self.eos_token_ids)
         seed = params.seed if params.seed is not None else self.config.seed
@@ -272,6 +281,16 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                 self._thread = threading.Thread(target=self._work, name="verispec-engine", daemon=True)
                 self._thread.start()
                 _live_workers.add(self._thread)
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer run requests: a rank of its tensor-parallel group is gone."""
+        return self.peers.failure() if self.peers is not None else None
+
+    def close(self) -> None:
+        """Cancel every request; a tensor-parallel engine's worker ranks then stop."""
+        self.shutdown()
+        if self.peers is not None:
+            self.peers.stop()
 
     def shutdown(self) -> None:
         """Cancel every request (each stops at the next step, its blocks freed); the worker then

@@ -11,7 +11,8 @@ from verispec.config import EngineConfig
 from verispec.engine import warmup
 from verispec.engine.proposers import build_proposer
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import load_model, parse_device, parse_dtype, prepare_for_device, resolve_numerics
+from verispec.loading.model_loader import (load_model, parse_device, parse_dtype, prepare_for_device, read_config,
+                                           resolve_numerics)
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 
@@ -34,7 +35,8 @@ def check_proposer_options(config: EngineConfig) -> None:
 
 
 def load_parts(config: EngineConfig) -> tuple:
-    """Engine's arguments, in its order: (model, tokenizer, config, model_dir, proposer, num_drafts)."""
+    """Engine's arguments, in its order: (model, tokenizer, config, model_dir, proposer, num_drafts,
+    peers); with --tensor-parallel-size N > 1 the model is rank 0's share and `peers` the others'."""
     from verispec.engine.options import check_options
 
     check_options(config)  # every flag that needs no model, before the minute a load can take
@@ -44,7 +46,11 @@ def load_parts(config: EngineConfig) -> tuple:
     model_dir = resolve_model(config.model)
     t1 = time.perf_counter()
     log.startup_phase("finding the model", t1 - t0)
-    model = load_model(model_dir, dtype, device)
+    if config.tensor_parallel_size == 1:
+        model, peers = load_model(model_dir, dtype, device), None
+    else:
+        model, peers = load_sharded(config, model_dir, dtype)
+        device = next(model.parameters()).device
     t2 = time.perf_counter()
     log.startup_phase(f"loading the weights ({type(model).__name__}, {str(dtype).removeprefix('torch.')}, "
                       f"{device})", t2 - t1)
@@ -62,4 +68,26 @@ def load_parts(config: EngineConfig) -> tuple:
     config = dataclasses.replace(config, numerics=numerics)
     prepare_for_device(model, config.fuse_small_ops, numerics)  # after the proposer, which may share its layers
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
-    return model, tokenizer, config, model_dir, proposer, num_drafts
+    return model, tokenizer, config, model_dir, proposer, num_drafts, peers
+
+
+def load_sharded(config: EngineConfig, model_dir, dtype) -> tuple:
+    """Rank 0's share of the model and its peers: the checkpoint's config is checked first (one
+    line, before any process starts), then this machine's workers start and every rank loads its share."""
+    from verispec.engine import tp_group
+    from verispec.engine.tp_peers import Peers
+    from verispec.loading.gguf import is_gguf
+    from verispec.models.sharding import check_shardable
+
+    if is_gguf(model_dir):
+        raise VerispecError(f"--tensor-parallel-size {config.tensor_parallel_size}: GGUF files are not split "
+                            "over GPUs yet; load a safetensors checkpoint")
+    check_shardable(read_config(model_dir), config.tensor_parallel_size)
+    group = tp_group.start(config, model_dir)
+    peers = Peers(group)
+    try:
+        model = load_model(model_dir, dtype, group.device, shard=group.shard)
+    except BaseException:
+        peers.stop()
+        raise
+    return model, peers

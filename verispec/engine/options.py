@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from verispec.config import EngineConfig
 from verispec.engine.draft_schedule import DraftSchedule
+from verispec.engine.tp_group import check_tensor_parallel_options
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import parse_device, parse_dtype
 
@@ -39,6 +40,7 @@ def check_options(config: EngineConfig) -> None:
     from verispec.engine.loading import check_proposer_options
 
     check_limits(config)
+    check_tensor_parallel_options(config)
     device = parse_device(config.device)
     parse_dtype(config.dtype, device)
     DraftSchedule.parse(config.draft_schedule, config.num_draft_tokens or 1)

@@ -131,7 +131,7 @@ def _child_main(config: EngineConfig, conn) -> None:
             elif kind == "stop":
                 break
     finally:
-        engine.shutdown()
+        engine.close()  # cancels every request; a tensor-parallel engine's ranks stop too
         outbox.put(None)
         sender.join(timeout=STOP_TIMEOUT_S)
 

@@ -18,6 +18,7 @@ from verispec.cache.paged import BatchCache, PagedPools, block_table_rows
 from verispec.engine.deferred_rows import DeferredRows
 from verispec.engine.scheduler import CacheOp, ClearState, CopyBlock, Released, RestoreState, ZeroBlocks
 from verispec.engine.sequence import Sequence
+from verispec.engine.tp_peers import Peers
 from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetCache, TargetStep
 
@@ -33,8 +34,10 @@ class PassOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pools: PagedPools, num_real_tokens: int, use_kernel: bool,
-                 proposer: Proposer | None = None, prompt_kernel: bool = False):
+                 proposer: Proposer | None = None, prompt_kernel: bool = False, peers: Peers | None = None):
         self.model = model
+        # tensor parallelism: the other ranks, told each model call first (engine/tp_peers.py)
+        self.peers = peers
         self.pools = pools
         self.num_real_tokens = num_real_tokens
         self.use_kernel = use_kernel  # split-K kernel over the block tables for short passes (CUDA)
@@ -59,6 +62,8 @@ class ModelRunner:
         """Make the device follow the scheduler's bookkeeping, in order (a drafter's own K/V pools,
         indexed by the same blocks, follow the target's)."""
         drafter_pools = self.proposer.pools if self.proposer is not None else None
+        if self.peers is not None:
+            self.peers.apply(ops)
         for op in ops:
             if isinstance(op, ZeroBlocks):
                 self.pools.zero_blocks(op.blocks)
@@ -138,7 +143,7 @@ class ModelRunner:
         ids_t, positions_t = packed[:, :t], packed[:, t:]
         cache = self.batch_cache(seqs, positions_t, max(s + n for s, n in zip(starts, counts)),
                                  row_starts=starts, row_lengths=counts)
-        out = self.model(ids_t, positions_t, cache, capture)
+        out = self._forward(ids_t, cache, capture)
         cache.commit(counts)
         last = torch.tensor(counts, device=self.device)[:, None] - 1  # [B, 1]
 
@@ -168,12 +173,25 @@ class ModelRunner:
         ids = inputs if isinstance(inputs, torch.Tensor) else torch.tensor(inputs, dtype=torch.long, device=self.device)
         positions = torch.tensor([[p + j for j in range(t)] for p in starts], device=self.device)
         cache = self.batch_cache(seqs, positions, max(starts) + t)
-        out = self.model(ids, positions, cache, capture)
+        out = self._forward(ids, cache, capture)
         return PassOutput(out.hidden, out.aux, out.pre_norm, self.logits(out.hidden), cache)
+
+    def _forward(self, input_ids: torch.Tensor, cache: BatchCache, capture: tuple[int, ...]):
+        """The target's pass (input_ids [B, T] at cache.positions), on every rank of a tensor-parallel group."""
+        if self.peers is None:
+            return self.model(input_ids, cache.positions, cache, capture)
+        with self.peers.collective():
+            self.peers.forward(input_ids, cache, capture)
+            return self.model(input_ids, cache.positions, cache, capture)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] in float32 (float64 stays float64), padding rows masked."""
-        logits = self.model.logits(hidden)
+        if self.peers is None:
+            logits = self.model.logits(hidden)
+        else:
+            with self.peers.collective():
+                self.peers.logits(hidden)
+                logits = self.model.logits(hidden)
         if logits.dtype != torch.float64:
             logits = logits.float()
         if self.num_real_tokens < logits.shape[-1]:

@@ -12,6 +12,8 @@ from verispec.errors import VerispecError
 from verispec.loading.gguf import GGUFCheckpoint, is_gguf
 from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
 from verispec.models.base import CausalLM
+from verispec.models.layers.parallel import Shard
+from verispec.models.sharding import check_shardable, shard_model
 from verispec.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -52,10 +54,12 @@ def read_config(model_dir: Path) -> dict:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               keep_gguf_4bit: bool | None = None) -> CausalLM:
+               keep_gguf_4bit: bool | None = None, shard: Shard | None = None) -> CausalLM:
     """A checkpoint directory (config.json + safetensors; quantized formats load as stored) or a
     GGUF file (see resolve_model). A GGUF's Q4_0 / Q4_1 linear weights stay quantized where torch's
-    int4 kernel runs (CUDA, bfloat16; `keep_gguf_4bit` overrides), the rest arrive dequantized."""
+    int4 kernel runs (CUDA, bfloat16; `keep_gguf_4bit` overrides), the rest arrive dequantized.
+    `shard`: this tensor-parallel rank's share of the model, read alone from the files
+    (models/sharding.py; a dense safetensors checkpoint, checked by check_shardable)."""
     from verispec.loading.gguf import QUANTIZATION_CONFIG, keeps_4bit
     from verispec.quant import loading as quant_loading
 
@@ -78,6 +82,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     cls = model_class(config.get("model_type"))
     with torch.device("meta"):
         model = cls(config)
+        if shard is not None:
+            if is_gguf(model_dir):
+                raise VerispecError("tensor parallelism reads safetensors checkpoints only (so far), not GGUF files")
+            check_shardable(config, shard.world_size)
+            parts = shard_model(model, shard)
+            tensors = iter_tensors(files, part_of=lambda name: parts.get(_our_name(model, name)))
         quantized = False
         if shapes is not None:  # quantized checkpoints: their linears / embeddings become quantized layers
             named = {_our_name(model, name): quant_loading.CheckpointTensor(name, shape) for name, shape in shapes.items()}

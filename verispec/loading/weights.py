@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from verispec.errors import VerispecError
+from verispec.models.layers.parallel import ShardSpec
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -32,11 +33,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise VerispecError(f"no safetensors weights in {model_dir} (expected model.safetensors or an index)")
 
 
-def iter_tensors(files: list[Path], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[Path], device: str | torch.device = "cpu",
+                 part_of: Callable[[str], ShardSpec | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; with `part_of` (a tensor-parallel rank's load), a tensor it
+    names a part of is read as that part alone (safetensors reads only those bytes), padded to the
+    rank's size."""
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                spec = part_of(name) if part_of is not None else None
+                if spec is None:
+                    yield name, sf.get_tensor(name)
+                else:
+                    piece = sf.get_slice(name)
+                    yield name, spec.fit(piece[spec.index(len(piece.get_shape()))])
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from verispec import log
 from verispec.kernels import linear as kernel
+from verispec.models.layers.parallel import RowParallelLinear
 
 
 def _row_invariant_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -30,10 +31,13 @@ def use_row_invariant_linears(model: nn.Module) -> int:
     VERISPEC_DEBUG=1 (their rows may then depend on the pass)."""
     bound, reasons = 0, set()
     for module in model.modules():
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear and not isinstance(module, RowParallelLinear):
             continue
         reason = weight_reason(module)
-        if reason is None:
+        if reason is None and isinstance(module, RowParallelLinear):
+            module.product = kernel.linear  # its all-reduce sums each row's two halves the same way at any width
+            bound += 1
+        elif reason is None:
             module.forward = types.MethodType(_row_invariant_forward, module)
             bound += 1
         elif reason not in reasons:

@@ -1,0 +1,170 @@
+"""Rank 0's side of tensor parallelism: it tells the other ranks what to run, step by step.
+
+Only rank 0 schedules. Each time its runner touches the model it first broadcasts the same call
+as a message (gloo, CPU tensors), so every rank makes the same collectives in the same order:
+- `Pools`: allocate the paged KV cache (each rank holds its own heads' blocks, same block ids);
+- `CacheOps`: the scheduler's block zeroes and copies;
+- `Forward`: one pass (token ids, positions, block tables and the pass's cache view);
+- `Logits`: the head over hidden states that follow on the tensor group (rank 0 gathers them);
+- `Stop`.
+A worker that dies makes the next collective fail (gloo: its connection closes) or is seen by the
+watch thread; either way the group is marked failed, the step's requests fail with a
+`TensorParallelError` naming the rank, and every later call fails at once, never blocking.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verispec import log
+from verispec.cache.paged import BatchCache
+from verispec.engine import tp_group
+from verispec.engine.scheduler import CacheOp, ClearState, CopyBlock, RestoreState, ZeroBlocks
+from verispec.errors import EngineUnavailableError
+
+EXIT_NOTICE_S = 1.0  # after a collective fails, how long to wait for the watch thread to name the rank
+
+
+class TensorParallelError(EngineUnavailableError):
+    """A rank of the tensor-parallel group is gone: the engine cannot run requests any more."""
+
+
+@dataclass(frozen=True)
+class Pools:
+    num_blocks: int
+    block_size: int
+    num_state_slots: int
+
+
+@dataclass(frozen=True)
+class CacheOps:
+    ops: list  # ZeroBlocks / CopyBlock / RestoreState / ClearState, in order
+
+
+@dataclass(frozen=True)
+class Forward:
+    input_ids: torch.Tensor  # [B, T] (CPU)
+    positions: torch.Tensor  # [B, T]
+    block_tables: torch.Tensor  # [B, N]
+    state_slots: torch.Tensor | None  # [B]
+    num_keys: int
+    use_kernel: bool
+    row_starts: list[int] | None
+    row_lengths: list[int] | None
+    prompt_kernel: bool
+    capture: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Logits:
+    shape: tuple[int, ...]  # the hidden states' [..., H], sent next on the tensor group
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+DEVICE_OPS = (ZeroBlocks, CopyBlock, RestoreState, ClearState)
+
+
+def _abort_collectives() -> None:
+    """NCCL does not notice a dead peer (gloo's closed connection does): abort the group so that a
+    collective rank 0 is blocked in raises instead of waiting for its timeout."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except Exception as exc:  # noqa: BLE001 - the failure is already recorded; this only unblocks
+            log.debug("tensor parallel: aborting the process group failed (%s)", exc)
+
+
+class Peers:
+    """What rank 0's runner calls so the other ranks run the same step."""
+
+    def __init__(self, group: tp_group.Group):
+        self.group = group
+        self._lock = threading.RLock()  # one step's messages and collectives at a time (and stop after them)
+        self._failure: str | None = None
+        self._stopping = False
+        tp_group.watch(group.workers, self._exited)
+
+    @property
+    def world_size(self) -> int:
+        return self.group.shard.world_size
+
+    def failure(self) -> str | None:
+        """Why the group can no longer run (None while it can)."""
+        return self._failure
+
+    def _exited(self, rank: int, code: int) -> None:
+        if not self._stopping and self._failure is None:
+            self._failure = f"tensor-parallel rank {rank} exited (exit code {code})"
+            log.warning("%s; open requests fail and new ones are refused", self._failure)
+            if self.group.device.type == "cuda":
+                _abort_collectives()
+
+    # ---- calls ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def collective(self):
+        """Around one model call on every rank: refused at once once the group failed; a failing
+        collective marks it failed and raises TensorParallelError."""
+        with self._lock:
+            if self._failure is not None:
+                raise TensorParallelError(self._failure)
+            try:
+                yield
+            except Exception as exc:
+                raise TensorParallelError(self._fail(exc)) from exc
+
+    def _fail(self, exc: Exception) -> str:
+        deadline = time.monotonic() + EXIT_NOTICE_S
+        while self._failure is None and time.monotonic() < deadline and self.group.workers:
+            time.sleep(0.02)  # a dead local worker: let the watch thread name it
+        if self._failure is None:
+            self._failure = f"the tensor-parallel group failed: {exc}"
+        return self._failure
+
+    def _send(self, message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group.control)
+
+    def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+        with self.collective():
+            self._send(Pools(num_blocks, block_size, num_state_slots))
+
+    def apply(self, ops: list[CacheOp]) -> None:
+        device_ops = [op for op in ops if isinstance(op, DEVICE_OPS)]
+        if device_ops:
+            with self.collective():
+                self._send(CacheOps(device_ops))
+
+    def forward(self, input_ids: torch.Tensor, cache: BatchCache, capture: tuple[int, ...]) -> None:
+        """Tell the workers to run the pass rank 0 is about to run (inside `collective()`)."""
+        slots = cache.state_slots.cpu() if cache.state_slots is not None else None
+        self._send(Forward(input_ids.cpu(), cache.positions.cpu(), cache.block_tables.cpu(), slots, cache.num_keys,
+                           cache.use_kernel, cache.row_starts, cache.row_lengths, cache.prompt_kernel, tuple(capture)))
+
+    def logits(self, hidden: torch.Tensor) -> None:
+        """Give the workers the hidden states rank 0 is about to project (inside `collective()`)."""
+        hidden = hidden.contiguous()
+        self._send(Logits(tuple(hidden.shape), hidden.dtype))
+        dist.broadcast(hidden, src=0, group=self.group.shard.group)
+
+    def stop(self) -> None:
+        """Tell the workers to exit and wait for them (after any step in flight)."""
+        with self._lock:
+            self._stopping = True
+            if self._failure is None:
+                try:
+                    self._send(Stop())
+                except Exception as exc:  # noqa: BLE001 - a worker already gone: nothing to tell
+                    log.debug("tensor parallel: stop not delivered (%s)", exc)
+            tp_group.stop_workers(self.group.workers)
+            if dist.is_initialized():
+                dist.destroy_process_group()

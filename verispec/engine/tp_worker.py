@@ -1,0 +1,90 @@
+"""A worker rank of a tensor-parallel group: loads its share of the model, then runs what rank 0
+tells it (engine/tp_peers.py), until told to stop or rank 0 is gone.
+
+Started by engine/tp_group.py as `python -m verispec.engine.tp_worker`, with (config, rank,
+model directory) pickled on stdin. It keeps no request state: the paged KV cache of its heads,
+indexed by the block ids rank 0's scheduler hands out.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verispec import log
+from verispec.cache.paged import BatchCache, PagedPools
+from verispec.config import EngineConfig
+from verispec.engine import tp_group
+from verispec.engine.tp_peers import CacheOps, Forward, Logits, Pools, Stop
+from verispec.engine.scheduler import ClearState, CopyBlock, RestoreState, ZeroBlocks
+from verispec.loading.model_loader import load_model, parse_dtype, prepare_for_device, resolve_numerics
+
+
+def run(config: EngineConfig, rank: int, model_dir: Path) -> None:
+    group = tp_group.join(config, rank)
+    if group.device.type == "cpu":  # the ranks of one machine share its cores
+        per_node = config.tensor_parallel_size // config.nnodes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    model = load_model(model_dir, parse_dtype(config.dtype, group.device), group.device, shard=group.shard)
+    numerics, _ = resolve_numerics(model, config.numerics)
+    prepare_for_device(model, config.fuse_small_ops, numerics)  # the rewrites rank 0 makes, in the same order
+    dtype = next(model.parameters()).dtype
+    pools: PagedPools | None = None
+    while True:
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=group.control)
+        except RuntimeError as exc:  # rank 0 is gone
+            log.info("tensor-parallel rank %d: rank 0 is gone (%s); exiting", rank, exc)
+            return
+        message = box[0]
+        with torch.inference_mode():
+            if isinstance(message, Forward):
+                model(message.input_ids.to(group.device), message.positions.to(group.device),
+                      _cache(pools, message, group.device), message.capture)
+            elif isinstance(message, Logits):
+                hidden = torch.empty(message.shape, dtype=message.dtype, device=group.device)
+                dist.broadcast(hidden, src=0, group=group.shard.group)
+                model.logits(hidden)
+            elif isinstance(message, CacheOps):
+                _apply(pools, message.ops)
+            elif isinstance(message, Pools):
+                pools = PagedPools(model.cache_specs(), message.num_blocks, message.block_size,
+                                   message.num_state_slots, dtype, group.device)
+            elif isinstance(message, Stop):
+                dist.destroy_process_group()
+                return
+            else:  # pragma: no cover - a new message kind must be handled here
+                raise TypeError(f"unknown message {message!r}")
+
+
+def _cache(pools: PagedPools, m: Forward, device: torch.device) -> BatchCache:
+    slots = m.state_slots.to(device) if m.state_slots is not None else None
+    return BatchCache(pools, m.block_tables.to(device), m.positions.to(device), slots, m.num_keys, m.use_kernel,
+                      row_starts=m.row_starts, row_lengths=m.row_lengths, prompt_kernel=m.prompt_kernel)
+
+
+def _apply(pools: PagedPools, ops: list) -> None:
+    for op in ops:
+        if isinstance(op, ZeroBlocks):
+            pools.zero_blocks(op.blocks)
+        elif isinstance(op, CopyBlock):
+            pools.copy_block(op.src, op.dst)
+        elif isinstance(op, RestoreState):
+            pools.copy_state(op.snapshot_slot, op.state_slot)
+        elif isinstance(op, ClearState):
+            pools.clear_state(op.state_slot)
+
+
+def main() -> int:
+    config, rank, model_dir = pickle.load(sys.stdin.buffer)
+    run(config, rank, Path(model_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

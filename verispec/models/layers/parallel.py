@@ -1,0 +1,124 @@
+"""Tensor-parallel layers: one rank's share of a layer, and the collectives that join the shares.
+
+A column-parallel linear (q/k/v, gate/up) needs no layer of its own: each rank's share is a plain
+`nn.Linear` over its rows, so merging projections and the dense kernels bind to it as to any
+other. What differs is which rows it loads (`ShardSpec`). The layers here are those whose forward
+differs: a row-parallel linear sums its ranks' partial products (one all-reduce), the embedding
+and the head split the vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in a tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    group: object = None  # the torch.distributed process group of the tensors (None: the default group)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which part of a checkpoint tensor a rank loads: [start, stop) along `dim`, zero-padded to
+    `size` (a vocabulary that the ranks split unevenly)."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        return tuple(slice(self.start, self.stop) if d == self.dim else slice(None) for d in range(ndim))
+
+    def local_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.size if d == self.dim else n for d, n in enumerate(full_shape))
+
+    def fit(self, part: torch.Tensor) -> torch.Tensor:
+        """The loaded part, zero-padded along `dim` to the local size."""
+        missing = self.size - part.shape[self.dim]
+        if missing == 0:
+            return part
+        pad_shape = list(part.shape)
+        pad_shape[self.dim] = missing
+        return torch.cat([part, part.new_zeros(pad_shape)], dim=self.dim)
+
+
+def even_split(total: int, shard: Shard) -> ShardSpec:
+    """Rank's equal part of `total` along dim 0 (the caller checked that it divides)."""
+    size = total // shard.world_size
+    return ShardSpec(0, shard.rank * size, (shard.rank + 1) * size, size)
+
+
+def vocab_split(vocab_size: int, shard: Shard) -> ShardSpec:
+    """Rank's rows of the vocabulary: ceil(V / world) each, the last rank's padded."""
+    size = -(-vocab_size // shard.world_size)
+    start = min(shard.rank * size, vocab_size)
+    return ShardSpec(0, start, min(start + size, vocab_size), size)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b where x's features and W's columns are split over the ranks: each rank's
+    partial product is summed by one all-reduce, and the bias (held whole on every rank) is added
+    once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # this rank's share of in_features
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # the local product; exact numerics rebind it to the row-invariant kernel (models/layers/exact.py)
+        self.product = F.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features / world] -> [..., out]
+        y = self.product(x, self.weight, None)
+        dist.all_reduce(y, group=self.shard.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds `part` rows of the table; a token's row comes from the rank that holds it
+    (the others contribute zeros) and one all-reduce gives every rank the whole embedding."""
+
+    def __init__(self, vocab_size: int, dim: int, shard: Shard):
+        super().__init__()
+        self.part = vocab_split(vocab_size, shard)
+        self.num_embeddings, self.embedding_dim = vocab_size, dim
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(self.part.size, dim))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, H]
+        mine = (input_ids >= self.part.start) & (input_ids < self.part.stop)
+        local = torch.where(mine, input_ids - self.part.start, 0)
+        out = F.embedding(local, self.weight) * mine[..., None].to(self.weight.dtype)
+        dist.all_reduce(out, group=self.shard.group)
+        return out
+
+
+class VocabParallelHead(nn.Module):
+    """The output projection split by vocabulary rows: each rank computes its rows' logits, and
+    rank 0 gathers them (only rank 0 samples). Returns [..., V] on rank 0, None on the others."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, shard: Shard):
+        super().__init__()
+        self.part = vocab_split(vocab_size, shard)
+        self.in_features, self.out_features = hidden_size, vocab_size
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(self.part.size, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [..., H]
+        local = F.linear(hidden, self.weight).contiguous()
+        if self.shard.rank != 0:
+            dist.gather(local, None, dst=0, group=self.shard.group)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.shard.world_size)]
+        dist.gather(local, parts, dst=0, group=self.shard.group)
+        return torch.cat(parts, dim=-1)[..., :self.out_features]
