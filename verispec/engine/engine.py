@@ -127,7 +127,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.max_model_len = sizes.max_model_len
         num_blocks, block, num_slots, num_snapshots = (sizes.num_blocks, sizes.block_size, sizes.num_state_slots,
                                                        sizes.num_snapshots)
-        self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device)
+        self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device,
+                                kv_cache_dtype=cfg.kv_cache_dtype)
         self.budget = CacheBudget(num_blocks, block, num_slots, sizes.bytes_total)
         self.blocks = BlockAllocator(num_blocks, block)
         slots = SlotAllocator(num_slots) if num_slots else None
