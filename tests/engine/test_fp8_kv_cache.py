@@ -37,9 +37,8 @@ def model_dirs(tiny_models, tmp_path_factory, tokenizer_dir) -> dict:
 
 def load(model_dir, **fields) -> Engine:
     fields = dict(dict(max_num_seqs=4, kv_cache_gb=0.02, prefill_step_seconds=0, kv_cache_dtype="fp8",
-                       prefix_cache=False), **fields)
-    return Engine.load(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", max_model_len=1024,
-                                    **fields))
+                       prefix_cache=False, dtype="float32"), **fields)
+    return Engine.load(EngineConfig(model=str(model_dir), device="cpu", max_model_len=1024, **fields))
 
 
 def params() -> SamplingParams:
@@ -132,3 +131,22 @@ def test_fp8_pools_zero_and_copy_blocks_with_their_scales(model_dirs):
     assert torch.equal(pools.key_scales[0][32:48], pools.key_scales[0][16:32])
     pools.zero_blocks([2])
     assert not pools.key_scales[0][32:48].any()
+
+
+@pytest.mark.parametrize("replay", ["right", "wrong"])
+def test_exact_numerics_hold_on_the_compressed_cache(model_dirs, replay):
+    """float16 on a CPU under --numerics exact: tokens and logprobs bit for bit alone, batched, from a
+    prefix hit and speculating (every writer encodes and every reader decodes the same values)."""
+    base = load(model_dirs["qwen3"], dtype="float16", numerics="exact", prefix_cache=True)
+    assert base.describe().numerics == "exact"
+    exact = replace(params(), logprobs=True, top_logprobs=2)
+    record = lambda r: (r.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in r.logprobs])  # noqa: E731
+    prompts = prompts_of(base)
+    alone = [record(base.generate_all(p, exact)) for p in prompts]
+    assert [record(base.generate_all(p, exact)) for p in prompts] == alone  # whole-prompt hits
+    assert [record(r) for r in base.generate_batch(prompts, exact)] == alone
+    continuations = {tuple(p): a[0] for p, a in zip(prompts, alone)}
+    engine = Engine(base.model, base.tokenizer, base.config, base.model_dir,
+                    proposer=KeyedReplay(continuations, base.model.vocab_size, wrong_at=lambda i: replay == "wrong"),
+                    num_drafts=3)
+    assert [record(r) for r in engine.generate_batch(prompts, exact)] == alone
