@@ -87,6 +87,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the free GPU memory after the weights that the KV cache takes (default 0.9)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="the KV cache's size in GiB (CPU default 2; on CUDA it replaces --gpu-memory-utilization)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8",
+                   help="what the KV cache stores: auto (default: the model's dtype) or fp8 (e4m3 with a scale per "
+                        "token and kv head: about twice the tokens in the same memory); tq4 / tq3 are not served "
+                        "yet (docs/serving.md#kv-cache-compression)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
     p.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),
@@ -394,7 +398,7 @@ def _engine_config(args):
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
                           draft_schedule=args.draft_schedule, draft_costs=_draft_costs(args),
-                          prefix_cache=not args.no_prefix_cache,
+                          prefix_cache=not args.no_prefix_cache, kv_cache_dtype=args.kv_cache_dtype,
                           numerics=args.numerics, **_model_free_config(args), **_tensor_parallel_config(args))
     check_options(config)
     if chosen is not None:

@@ -91,3 +91,10 @@ def test_api_key_required_everywhere_but_the_page_and_health(keyed_server):
     good = openai_client(keyed_server, api_key="sesame")
     assert good.chat.completions.create(model=SERVED_NAME, messages=USER_MESSAGES, max_tokens=2).choices
     assert 'status="401"' in httpx.get(url + "/metrics", headers=keyed).text
+
+
+def test_metrics_name_what_the_kv_cache_stores(http):
+    # --kv-cache-dtype auto: the model's dtype
+    samples = metric_samples(http)
+    stored = [dict(labels)["dtype"] for (name, labels), v in samples.items() if name == "verispec_kv_cache_dtype_info"]
+    assert stored and all(d in ("float32", "float64", "bfloat16", "float16") for d in stored)

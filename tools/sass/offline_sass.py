@@ -61,7 +61,8 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
     4 query heads a kv head, head dim 128, 16 splits) at `tokens` query tokens."""
     from verispec.kernels import decode_attention as da
     fn = da._split_kernel
-    signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "POS": "*i32", "OPART": "*fp32", "LSE": "*fp32",
+    signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "POS": "*i32",
+                 "OPART": "*fp32", "LSE": "*fp32",
                  "BT": "*i32", "scale": "fp32", "window": "i32"}
     strides = [name for name in fn.arg_names if name.startswith("stride_")]
     signature.update({name: "i32" for name in strides})
@@ -70,7 +71,7 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
     constexprs = dict(config, T=tokens, G=4, D=128, NUM_SPLITS=16, BLOCK_M=16, HAS_WINDOW=False, IEEE=False,
                       PAGED=paged, PAGE=16, MIN_KEYS=da.MIN_SHARE_KEYS, PDL=pdl, EARLY=pdl, PREFETCH=prefetch)
     # the launcher's 16-divisibility specializations (the positions' and table's are turned off)
-    divisible = ("Q", "K", "V", "OPART", "LSE", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
+    divisible = ("Q", "K", "V", "KS", "VS", "OPART", "LSE", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
     return compile_gluon(fn, signature, constexprs, divisible, num_warps, num_stages=num_stages, gluon=False)
 
 

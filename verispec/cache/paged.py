@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec, _PendingRecurrent
+from verispec.kernels import kv_fp8
 from verispec.kernels.kv_write import KVDestination
 
 SCRATCH = 0  # block id / state slot that padded rows use
@@ -156,7 +157,13 @@ class SlotAllocator:
         self._free.append(slot)
 
 
-def kv_bytes_per_token(specs: list, dtype: torch.dtype) -> int:
+# --kv-cache-dtype: what the pools store (auto: the model's dtype; docs/serving.md#kv-cache-compression)
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_bytes_per_token(specs: list, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    if kv_cache_dtype == "fp8":
+        return sum(kv_fp8.bytes_per_token(s.num_kv_heads, s.head_dim) for s in specs if isinstance(s, LayerCacheSpec))
     item = torch.empty((), dtype=dtype).element_size()
     return sum(2 * s.num_kv_heads * s.head_dim * item for s in specs if isinstance(s, LayerCacheSpec))
 
@@ -170,14 +177,19 @@ def state_bytes_per_slot(specs: list, dtype: torch.dtype) -> int:
 
 class PagedPools:
     """One model's paged storage (a target's, or a drafter's own layers). Layers whose spec is
-    None (K/V shared with another layer) get no pool."""
+    None (K/V shared with another layer) get no pool. kv_cache_dtype "fp8": keys and values are
+    stored as e4m3 codes with a scale exponent per (row, head) in key_scales / value_scales
+    (kernels/kv_fp8.py); `dtype` stays the activations' dtype they decode to."""
 
     def __init__(self, specs: list, num_blocks: int, block_size: int, num_state_slots: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         self.specs = specs
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
         slots = num_blocks * block_size
         # On the CPU the pools are left unwritten (the OS maps pages on first touch, so only blocks in
@@ -187,15 +199,22 @@ class PagedPools:
         alloc = torch.empty if self.lazy else torch.zeros
         self.keys: list[torch.Tensor | None] = []  # per layer [slots, Hkv, D]
         self.values: list[torch.Tensor | None] = []
+        self.key_scales: list[torch.Tensor | None] = []  # fp8: per layer [slots, Hkv] uint8 exponents
+        self.value_scales: list[torch.Tensor | None] = []
         self.conv_states: dict[int, torch.Tensor] = {}  # [state slots, conv_dim, kernel - 1]
         self.ssm_states: dict[int, torch.Tensor] = {}  # [state slots, H, Dk, Dv] float32
+        fp8 = kv_cache_dtype == "fp8"
+        code_dtype = kv_fp8.CODE_DTYPE if fp8 else dtype
         for spec in specs:
-            if isinstance(spec, LayerCacheSpec):
-                self.keys.append(alloc(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
-                self.values.append(alloc(slots, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device))
-            else:
-                self.keys.append(None)
-                self.values.append(None)
+            if not isinstance(spec, LayerCacheSpec):
+                for pools in (self.keys, self.values, self.key_scales, self.value_scales):
+                    pools.append(None)
+                continue
+            heads, dim = spec.num_kv_heads, spec.head_dim
+            self.keys.append(alloc(slots, heads, dim, dtype=code_dtype, device=device))
+            self.values.append(alloc(slots, heads, dim, dtype=code_dtype, device=device))
+            self.key_scales.append(alloc(slots, heads, dtype=kv_fp8.SCALE_DTYPE, device=device) if fp8 else None)
+            self.value_scales.append(alloc(slots, heads, dtype=kv_fp8.SCALE_DTYPE, device=device) if fp8 else None)
         # Recurrent layers of one shape share one stacked tensor ([layers, slots, ...]; each layer's
         # state is a view of it), so taking or restoring a slot's whole state (prefix-cache
         # snapshots) is one copy per stack, not two per layer.
@@ -216,12 +235,29 @@ class PagedPools:
         if self.lazy:
             self.zero_blocks([SCRATCH])
 
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    def _kv_pools(self) -> list[torch.Tensor | None]:
+        return self.keys + self.values + self.key_scales + self.value_scales
+
+    def decoded(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of pool rows `slots` [N] in the activations' dtype: [N, Hkv, D] each (fp8 rows
+        decoded as the kernels decode them in registers)."""
+        k = self.keys[layer].index_select(0, slots)
+        v = self.values[layer].index_select(0, slots)
+        if not self.fp8:
+            return k, v
+        return (kv_fp8.decode_reference(k, self.key_scales[layer].index_select(0, slots), self.dtype),
+                kv_fp8.decode_reference(v, self.value_scales[layer].index_select(0, slots), self.dtype))
+
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero newly handed-out blocks of lazily allocated (CPU) pools; a no-op otherwise."""
         if not self.lazy or not blocks:
             return
         size = self.block_size
-        for pool in self.keys + self.values:
+        for pool in self._kv_pools():
             if pool is not None:
                 for block in blocks:
                     pool[block * size:(block + 1) * size].zero_()
@@ -245,7 +281,7 @@ class PagedPools:
     def copy_block(self, src: int, dst: int) -> None:
         """K/V rows of block src -> block dst, every layer (a shared block made private)."""
         size = self.block_size
-        for pool in self.keys + self.values:
+        for pool in self._kv_pools():
             if pool is not None:
                 pool[dst * size:(dst + 1) * size].copy_(pool[src * size:(src + 1) * size])
 
@@ -322,8 +358,10 @@ class BatchCache:
 
     def kv_destination(self, layer: int) -> KVDestination:
         """Where `write` would put this pass's rows, for a kernel that writes them itself."""
-        return KVDestination(self.pools.keys[layer], self.pools.values[layer], self.write_slots, row_dim=0,
-                             batch_dim=None, head_dim=1)
+        pools = self.pools
+        return KVDestination(pools.keys[layer], pools.values[layer], self.write_slots, row_dim=0,
+                             batch_dim=None, head_dim=1, k_scale=pools.key_scales[layer],
+                             v_scale=pools.value_scales[layer])
 
     def read_slots(self) -> torch.Tensor:
         """Pool rows of positions 0..num_keys-1 for every sequence: [B, num_keys] (built once a pass)."""
@@ -334,13 +372,13 @@ class BatchCache:
         return self._read_slots
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions 0..num_keys-1 for every sequence: [B, Hkv, num_keys, D] each
-        (rows past a sequence's own positions are other data or scratch: queries mask them)."""
+        """K and V of positions 0..num_keys-1 for every sequence: [B, Hkv, num_keys, D] each, in the
+        activations' dtype (rows past a sequence's own positions are other data or scratch: queries
+        mask them)."""
         slots = self.read_slots()
-        flat = slots.reshape(-1)  # index_select: a plain row copy, 4x faster than indexing on a CPU
-        k = self.pools.keys[layer].index_select(0, flat).unflatten(0, slots.shape).transpose(1, 2)
-        v = self.pools.values[layer].index_select(0, flat).unflatten(0, slots.shape).transpose(1, 2)
-        return k, v
+        # index_select: a plain row copy, 4x faster than indexing on a CPU
+        k, v = self.pools.decoded(layer, slots.reshape(-1))
+        return k.unflatten(0, slots.shape).transpose(1, 2), v.unflatten(0, slots.shape).transpose(1, 2)
 
     # ---- recurrent layers -------------------------------------------------------------------------
     def recurrent_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

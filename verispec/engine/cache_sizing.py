@@ -34,7 +34,7 @@ class CacheSizes:
 
 def size_cache(specs: list, config: EngineConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
                num_drafts: int) -> CacheSizes:
-    per_token = max(kv_bytes_per_token(specs, dtype), 1)
+    per_token = max(kv_bytes_per_token(specs, dtype, config.kv_cache_dtype), 1)
     hybrid = any(isinstance(s, RecurrentLayerSpec) for s in specs)
     num_slots = config.max_num_seqs + 1 if hybrid else 0
     state_bytes = state_bytes_per_slot(specs, dtype)

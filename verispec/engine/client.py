@@ -50,6 +50,7 @@ class EngineDescription:
     # "exact" where a token's result does not depend on its pass (--numerics exact on CUDA, or on a CPU
     # in float16/bfloat16), else "fast"
     numerics: str = "fast"
+    kv_cache_dtype: str = "auto"  # what the KV cache stores: the model's dtype ("bfloat16", ...) or "fp8"
 
 
 @runtime_checkable
@@ -122,13 +123,20 @@ class ServedEngine:
     def describe(self) -> EngineDescription:
         return EngineDescription(method=self.method, num_drafts=int(self.num_drafts), device=str(self.device),
                                  device_name=self.gpu_name(), dtype=str(self.dtype).removeprefix("torch."),
-                                 cache=self._describe_cache(), numerics=self.numerics)
+                                 cache=self._describe_cache(), numerics=self.numerics,
+                                 kv_cache_dtype=self.kv_cache_dtype)
 
     @property
     def numerics(self) -> str:
         """The numerics that run, "exact" or "fast" (the engine resolved --numerics at load:
         models/layers/numerics.py `resolve`; docs/serving.md)."""
         return self.config.numerics
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV cache stores: --kv-cache-dtype, with auto named as the model's dtype."""
+        chosen = self.config.kv_cache_dtype
+        return str(self.dtype).removeprefix("torch.") if chosen == "auto" else chosen
 
     def gpu_name(self) -> str | None:
         """The GPU's name (None on a CPU)."""
@@ -150,6 +158,7 @@ class ServedEngine:
     def _describe_cache(self) -> str:
         budget = self.budget
         drafts = f"; {self.describe_drafts()}" if self.num_drafts else ""
-        return (f"{budget.num_tokens} tokens in {budget.num_blocks - 1} blocks of {budget.block_size} "
+        return (f"{budget.num_tokens} tokens ({self.kv_cache_dtype}) in {budget.num_blocks - 1} blocks of "
+                f"{budget.block_size} "
                 f"({budget.bytes_total / 2**30:.2f} GiB); up to {self.config.max_num_seqs} sequences at once, "
                 f"context {self.max_model_len} tokens{drafts}")

@@ -132,7 +132,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.max_model_len = sizes.max_model_len
         num_blocks, block, num_slots, num_snapshots = (sizes.num_blocks, sizes.block_size, sizes.num_state_slots,
                                                        sizes.num_snapshots)
-        self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device)
+        self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device,
+                                kv_cache_dtype=cfg.kv_cache_dtype)
         if self.peers is not None:  # each rank holds its own heads' blocks, under the same block ids
             self.peers.make_pools(num_blocks, block, max(num_slots + num_snapshots, 1))
         self.budget = CacheBudget(num_blocks, block, num_slots, sizes.bytes_total)

@@ -6,6 +6,7 @@ head it lacks, a drafter for another vocabulary) stay with the loading.
 """
 from __future__ import annotations
 
+from verispec.cache.paged import KV_CACHE_DTYPES
 from verispec.config import EngineConfig
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.tp_group import check_tensor_parallel_options
@@ -14,6 +15,7 @@ from verispec.loading.model_loader import parse_device, parse_dtype
 
 
 NUMERICS = ("auto", "exact", "fast")
+TURBOQUANT_DTYPES = ("tq4", "tq3")  # named in the flag's help and docs, not in the engine yet
 
 
 def check_limits(config: EngineConfig) -> None:
@@ -26,6 +28,13 @@ def check_limits(config: EngineConfig) -> None:
         raise VerispecError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
     if config.kv_cache_gb is not None and config.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {config.kv_cache_gb}")
+    if config.kv_cache_dtype in TURBOQUANT_DTYPES:
+        raise VerispecError(f"--kv-cache-dtype {config.kv_cache_dtype} is not served yet: its codec and reference "
+                            f"attention exist (kernels/kv_turboquant.py), the engine's pools and kernels do not; "
+                            f"use one of {', '.join(KV_CACHE_DTYPES)}")
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise VerispecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                            f"got {config.kv_cache_dtype!r}")
     if config.numerics not in NUMERICS:
         raise VerispecError(f"--numerics must be one of {', '.join(NUMERICS)}, got {config.numerics!r}")
     for flag, value in (("--max-model-len", config.max_model_len),

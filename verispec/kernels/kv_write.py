@@ -9,12 +9,16 @@ capturable (the destination rows come from a device tensor).
 Destinations: row r of token (b, t) is `rows[b * T + t]` of a cache whose element (r, b, h, d)
 sits at r * stride_row + b * stride_batch + h * stride_head + d: the paged pools ([slots, Hkv, D],
 batch stride 0) and the contiguous cache ([B, Hkv, capacity, D], rows = positions) both fit.
+An fp8 cache (kernels/kv_fp8.py) takes codes there and each (row, head)'s scale exponent in scale
+pools [slots, Hkv]: the kernel encodes as it copies.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from verispec.kernels import kv_fp8
 
 try:
     import triton
@@ -27,9 +31,10 @@ except ImportError:  # CPU-only installs: index_copy_ stands in
 if triton is not None:
 
     @triton.jit
-    def _kv_write_kernel(K, V, KC, VC, ROWS, T, sr_b,
-                         sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_row, sc_b, sc_h,
-                         H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _kv_write_kernel(K, V, KC, VC, KS, VS, ROWS, T, sr_b,
+                         sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sc_row, sc_b, sc_h, ss_row,
+                         H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         FP8: tl.constexpr = False):
         token = tl.program_id(0)  # b * T + t
         b = token // T
         t = token % T
@@ -38,8 +43,16 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)[None, :]
         ok = (h < H) & (d < D)
         dst = row * sc_row + b * sc_b + h * sc_h + d
-        tl.store(KC + dst, tl.load(K + b * sk_b + h * sk_h + t * sk_t + d, mask=ok), mask=ok)
-        tl.store(VC + dst, tl.load(V + b * sv_b + h * sv_h + t * sv_t + d, mask=ok), mask=ok)
+        k = tl.load(K + b * sk_b + h * sk_h + t * sk_t + d, mask=ok, other=0.0)
+        v = tl.load(V + b * sv_b + h * sv_h + t * sv_t + d, mask=ok, other=0.0)
+        if FP8:  # scale pools [slots, Hkv]: one exponent per (row, head)
+            heads = tl.arange(0, BLOCK_H)
+            k, k_exp = kv_fp8.encode(k)
+            v, v_exp = kv_fp8.encode(v)
+            tl.store(KS + row * ss_row + heads, k_exp, mask=heads < H)
+            tl.store(VS + row * ss_row + heads, v_exp, mask=heads < H)
+        tl.store(KC + dst, k, mask=ok)
+        tl.store(VC + dst, v, mask=ok)
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,13 @@ class KVDestination:
     row_dim: int
     batch_dim: int | None
     head_dim: int
+    # fp8 pools: each (row, head)'s scale exponent, [slots, Hkv] (None: the cache stores values)
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def stride_row(self) -> int:
@@ -80,13 +100,24 @@ class KVDestination:
             raise ValueError("KVDestination: the head dimension must be contiguous and both caches laid out alike")
         if self.rows.numel() not in (b * t, t) or self.rows.stride(-1) != 1:
             raise ValueError(f"KVDestination: {self.rows.numel()} rows for {b} x {t} tokens")
+        if self.fp8 and (self.batch_dim is not None or self.k_scale.stride() != (self.k_scale.shape[1], 1)
+                         or self.v_scale.stride() != self.k_scale.stride()):
+            raise ValueError("KVDestination: fp8 scales need paged pools and contiguous [slots, Hkv] scale pools")
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, Hkv, T, D] written here (write_kv; index_copy_ off CUDA)."""
         if available(k.device):
-            write_kv(k, v, self.k_cache, self.v_cache, self.rows, self.row_dim, self.batch_dim, self.head_dim)
+            write_kv(k, v, self.k_cache, self.v_cache, self.rows, self.row_dim, self.batch_dim, self.head_dim,
+                     self.k_scale, self.v_scale)
             return
         b, h, t, d = k.shape
+        if self.fp8:  # paged pools: codes and scale exponents, encoded as the kernel encodes
+            for x, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
+                codes, exponents = kv_fp8.encode_reference(x.transpose(1, 2).reshape(b * t, h, d))
+                # as bytes: torch's CPU index_copy_ has no float8 kernel
+                cache.view(torch.uint8).index_copy_(0, self.rows, codes.view(torch.uint8))
+                scales.index_copy_(0, self.rows, exponents)
+            return
         if self.batch_dim is None:  # pools [slots, Hkv, D]
             self.k_cache.index_copy_(self.row_dim, self.rows, k.transpose(1, 2).reshape(b * t, h, d))
             self.v_cache.index_copy_(self.row_dim, self.rows, v.transpose(1, 2).reshape(b * t, h, d))
@@ -100,18 +131,20 @@ def available(device: torch.device) -> bool:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-             row_dim: int, batch_dim: int | None, head_dim: int) -> None:
+             row_dim: int, batch_dim: int | None, head_dim: int, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """k, v [B, Hkv, T, D] (any strides, last dim contiguous) into k_cache / v_cache (same shape
     and strides) along `row_dim` at rows [B * T] (one row per token) or [T] (every sequence the
     same rows); `batch_dim` is the caches' batch dimension (None: no batch dimension, as in the
-    paged pools), `head_dim` their head dimension."""
+    paged pools), `head_dim` their head dimension; k_scale / v_scale: an fp8 cache's scale pools."""
     b, h, t, d = k.shape
-    dest = KVDestination(k_cache, v_cache, rows, row_dim, batch_dim, head_dim)
+    dest = KVDestination(k_cache, v_cache, rows, row_dim, batch_dim, head_dim, k_scale, v_scale)
     if k.stride(-1) != 1:
         raise ValueError("kv_write.write_kv: the head dimension must be contiguous and both caches laid out alike")
     dest.check(v, b, t)
     _kv_write_kernel[(b * t,)](
-        k, v, k_cache, v_cache, rows, t, dest.rows_batch_stride(b, t),
+        k, v, k_cache, v_cache, k_scale if dest.fp8 else k_cache, v_scale if dest.fp8 else v_cache, rows, t,
+        dest.rows_batch_stride(b, t),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        dest.stride_row, dest.stride_batch, dest.stride_head,
-        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=2)
+        dest.stride_row, dest.stride_batch, dest.stride_head, h,
+        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), FP8=dest.fp8, num_warps=2)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import launch
+from verispec.kernels import kv_fp8, launch
 from verispec.kernels.kv_write import KVDestination
 
 try:
@@ -34,12 +34,13 @@ if triton is not None:
     # the pass's token count and the strides that follow it vary call to call: specialising on
     # them would compile again inside requests and change nothing but the addressing
     @triton.jit(do_not_specialize=["T", "sq_b", "sk_b", "sv_b", "sc_b", "sc_t", "sr_b"])
-    def _qk_prep_kernel(Q, K, V, QW, KW, COS, SIN, QO, KO, KC, VC, ROWS, T,
+    def _qk_prep_kernel(Q, K, V, QW, KW, COS, SIN, QO, KO, KC, VC, KS, VS, ROWS, T,
                         sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t,
-                        sr_b, sd_row, sd_b, sd_h, eps,
+                        sr_b, sd_row, sd_b, sd_h, ss_row, eps,
                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                         HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, WRITE_KV: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+                        FP8: tl.constexpr = False):
         """Program (token, head): a query head (head < HQ), a key head (HQ <= head < HQ + HKV) or,
         with WRITE_KV, a value head copied into the cache (the rest)."""
         token = tl.program_id(0)  # b * T + t
@@ -53,12 +54,14 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         ok = d < D
         dst = b * 0
+        row = b * 0
         if WRITE_KV:
-            dst = tl.load(ROWS + b * sr_b + t).to(tl.int64) * sd_row + b * sd_b
+            row = tl.load(ROWS + b * sr_b + t).to(tl.int64)
+            dst = row * sd_row + b * sd_b
         if head >= HQ + HKV:  # only launched with WRITE_KV
             h = head - HQ - HKV
-            v = tl.load(V + b * sv_b + t * sv_t + h * sv_h + d, mask=ok)
-            tl.store(VC + dst + h * sd_h + d, v, mask=ok)
+            v = tl.load(V + b * sv_b + t * sv_t + h * sv_h + d, mask=ok, other=0.0)
+            _store_row(VC + dst + h * sd_h, VS + row * ss_row + h, v, d, ok, FP8, BLOCK_D)
         else:
             if head < HQ:
                 h = head
@@ -97,7 +100,17 @@ if triton is not None:
             tl.store(out + d, result, mask=ok)
             if WRITE_KV:
                 if head >= HQ:
-                    tl.store(KC + dst + h * sd_h + d, result, mask=ok)
+                    _store_row(KC + dst + h * sd_h, KS + row * ss_row + h, result, d, ok, FP8, BLOCK_D)
+
+    @triton.jit
+    def _store_row(dst, scale_dst, x, d, ok, FP8: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One head's row x [BLOCK_D] into the cache: as it is, or (FP8) as codes and a scale exponent."""
+        if FP8:
+            codes, exponent = kv_fp8.encode(tl.where(ok, x, 0.0)[None, :])
+            tl.store(dst + d, tl.reshape(codes, (BLOCK_D,)), mask=ok)
+            tl.store(scale_dst + tl.arange(0, 1), exponent)
+        else:
+            tl.store(dst + d, x, mask=ok)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> str | None:
@@ -124,7 +137,7 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     first rot dims), per-head norm weights [D] (both or neither) -> q [B, Hq, T, D], k [B, Hkv,
     T, D], contiguous. With `cache_rows` (and v [B, Hkv, T, D], any strides) the finished keys
     and the values are also written into the cache there, in the same launch (what
-    kernels/kv_write.py would do next)."""
+    kernels/kv_write.py would do next; an fp8 destination gets codes and scales)."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qo = torch.empty((b, hq, t, d), dtype=q.dtype, device=q.device)
@@ -146,11 +159,13 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         sv = (v.stride(0), v.stride(2), v.stride(1))  # v is [B, Hkv, T, D]: (b, t, h) strides
     else:
         kc, vc, rows, v, sr_b, sd, sv = qo, qo, qo, q, 0, (0, 0, 0), (0, 0, 0)
+    fp8 = write and cache_rows.fp8
+    ks, vs = (cache_rows.k_scale, cache_rows.v_scale) if fp8 else (kc, vc)
     pdl, early = launch.small_kernel_pdl(q.device)
     _qk_prep_kernel[(b * t, hq + hkv * (2 if write else 1))](
-        q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, qo, ko, kc, vc, rows, t,
+        q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, qo, ko, kc, vc, ks, vs, rows, t,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *sv,
-        cos.stride(0), cos.stride(1), sr_b, *sd, eps,
+        cos.stride(0), cos.stride(1), sr_b, *sd, hkv if fp8 else 0, eps,
         HQ=hq, HKV=hkv, D=d, ROT=cos.shape[-1], HAS_NORM=has_norm, UNIT_OFFSET=unit_offset, WRITE_KV=write,
-        BLOCK_D=triton.next_power_of_2(d), PDL=pdl, EARLY=early, num_warps=1, launch_pdl=pdl)
+        BLOCK_D=triton.next_power_of_2(d), PDL=pdl, EARLY=early, FP8=fp8, num_warps=1, launch_pdl=pdl)
     return qo, ko

@@ -72,6 +72,8 @@ class ServerMetrics:
         self.numerics = Gauge("verispec_numerics_info", "1 for the numerics the engine runs: exact (a token's result "
                               "does not depend on the batch, speculation or cache) or fast", ["mode"],
                               registry=self.registry)
+        self.kv_cache_dtype = Gauge("verispec_kv_cache_dtype_info", "1 for what the KV cache stores: the model's "
+                                    "dtype (--kv-cache-dtype auto) or fp8", ["dtype"], registry=self.registry)
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         endpoint = endpoint_label(path)

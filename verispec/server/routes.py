@@ -68,7 +68,9 @@ def build_router(state: ServerState) -> APIRouter:
         load = await state.engine_stats.read()
         if load is not None:
             state.metrics.observe_engine(load)
-        state.metrics.numerics.labels(mode=state.engine.describe().numerics).set(1)
+        description = state.engine.describe()
+        state.metrics.numerics.labels(mode=description.numerics).set(1)
+        state.metrics.kv_cache_dtype.labels(dtype=description.kv_cache_dtype).set(1)
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     return router

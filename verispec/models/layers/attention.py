@@ -149,17 +149,18 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
     -> out [B, Hq, T, D]. Short passes on CUDA read the pools in place through the block tables
     (split-K kernel, graph-capturable); otherwise the rows are gathered and SDPA runs masked."""
     cache: BatchCache = inputs.cache
+    pools = cache.pools
+    # fp8 pools: the kernels decode codes in registers, the gather below decodes a copy, alike
+    scales = dict(k_scale=pools.key_scales[layer], v_scale=pools.value_scales[layer])
     if inputs.use_kernel:
-        pools = cache.pools
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
-                                              pools.block_size, inputs.positions, scale, window)
+                                              pools.block_size, inputs.positions, scale, window, **scales)
     exact_prompt = cache.row_lengths is not None and cache.prompt_kernel
     if exact_prompt and q.is_cuda:
         # exact numerics: each prompt token's rows are the bits its decode step gives it
-        pools = cache.pools
         return split_k.paged_chunk_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                              pools.block_size, inputs.positions, scale, window,
-                                             cache.padded_row_lengths())
+                                             cache.padded_row_lengths(), **scales)
     k, v = cache.gather(layer)
     if cache.row_lengths is not None:
         # prompt chunks (one sequence's, or several padded at their ends): each sequence attends

@@ -1,0 +1,163 @@
+"""TurboQuant-class KV codes (`tq4`, `tq3`; arXiv 2504.19874, its MSE variant): the codec and the
+reference attention over the codes, in torch. Not served yet: the paged pools, the write kernels
+and the split-K kernel do not take these codes (docs/serving.md#kv-cache-compression).
+
+A row x [D] (one token's key or value of one kv head) is stored as its norm (float32) and D codes:
+the row is turned by a fixed random rotation R = H diag(s) / sqrt(D) (H the Walsh-Hadamard matrix,
+s random signs per layer), scaled to the unit sphere times sqrt(D), and each coordinate is rounded
+to the nearest centroid of a Lloyd-Max codebook. Why this works: after a random rotation every
+coordinate of a unit vector has the same known distribution, density proportional to
+(1 - t^2 / D)^((D - 3) / 2) for t in (-sqrt(D), sqrt(D)) at this scale (close to a standard normal),
+so one codebook, derived once for that density, is MSE-optimal for every coordinate of every row,
+with no per-block scale and nothing that depends on other rows.
+
+Attention never un-rotates keys: q . k = (R q) . (R k), so the query is rotated once and dotted
+with the decoded rotated keys; the values are summed in the rotated basis and the output rotated
+back once (R is orthogonal).
+
+Formats: tq4 = 4-bit keys and 4-bit values (D/2 + 4 bytes a row); tq3 = 4-bit keys and 3-bit values
+(keys get the extra bit: a key's error moves every softmax weight, a value's only its own term; the
+issue's peers found keys need more bits than values). Unmeasured on real models so far.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class TurboQuantFormat:
+    name: str
+    key_bits: int
+    value_bits: int
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
+        """One layer's K and V of one token: packed codes plus a float32 norm per head and tensor."""
+        return num_kv_heads * ((self.key_bits + self.value_bits) * head_dim // 8 + 8)
+
+
+FORMATS = {"tq4": TurboQuantFormat("tq4", 4, 4), "tq3": TurboQuantFormat("tq3", 4, 3)}
+
+
+def coordinate_density(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unnormalised density of one coordinate of a uniform unit vector in R^dim, scaled by sqrt(dim)."""
+    inside = (1 - t * t / dim).clamp(min=0)
+    return inside ** ((dim - 3) / 2)
+
+
+@lru_cache(maxsize=None)
+def codebook(bits: int, dim: int) -> torch.Tensor:
+    """The 2^bits Lloyd-Max centroids (float64, ascending) of `coordinate_density`: alternately
+    each boundary the midpoint of its centroids, each centroid its cell's mean, on a fine grid."""
+    limit = math.sqrt(dim)
+    t = torch.linspace(-min(limit, 8.0), min(limit, 8.0), 200_001, dtype=torch.float64)
+    weight = coordinate_density(t, dim)
+    levels = 2 ** bits
+    # start from the quantiles' midpoints
+    cdf = torch.cumsum(weight, 0) / weight.sum()
+    centroids = t[torch.searchsorted(cdf, (torch.arange(levels, dtype=torch.float64) + 0.5) / levels)]
+    for _ in range(1000):
+        bounds = (centroids[1:] + centroids[:-1]) / 2
+        cell = torch.bucketize(t, bounds)
+        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, weight)
+        moment = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, weight * t)
+        updated = moment / mass
+        updated = (updated - updated.flip(0)) / 2  # the density is even: so is the codebook
+        if torch.allclose(updated, centroids, atol=1e-12, rtol=0):
+            break
+        centroids = updated
+    return centroids
+
+
+def rotation_signs(layer: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """The layer's fixed random signs s [D] (+-1, float32): the same for every row of the layer."""
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"TurboQuant codes need a power-of-two head dim, got {head_dim}")
+    gen = torch.Generator().manual_seed(seed * 100_003 + layer)
+    return torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times the orthonormal Walsh-Hadamard matrix H / sqrt(D) (symmetric, its own inverse)."""
+    d = x.shape[-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return y.reshape(x.shape) / math.sqrt(d)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R x = H (s * x) / sqrt(D) along the last dim."""
+    return hadamard(x * signs.to(x.dtype))
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R^T y = s * (H y) / sqrt(D)."""
+    return hadamard(y) * signs.to(y.dtype)
+
+
+def encode(x: torch.Tensor, signs: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] uint8 in 0..2^bits-1, norms [...] float32)."""
+    d = x.shape[-1]
+    xf = x.double()
+    norms = xf.norm(dim=-1)
+    unit = rotate(xf, signs) * (math.sqrt(d) / torch.where(norms > 0, norms, 1.0))[..., None]
+    centroids = codebook(bits, d)
+    codes = torch.bucketize(unit, (centroids[1:] + centroids[:-1]) / 2)
+    return codes.to(torch.uint8), norms.float()
+
+
+def decode_rotated(codes: torch.Tensor, norms: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows still in the rotated basis (what attention reads): centroid x norm / sqrt(D)."""
+    d = codes.shape[-1]
+    centroids = codebook(bits, d).to(dtype)
+    return centroids[codes.long()] * (norms.to(dtype) / math.sqrt(d))[..., None]
+
+
+def decode(codes: torch.Tensor, norms: torch.Tensor, signs: torch.Tensor, bits: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [..., D], norms [...] -> the rows [..., D] in `dtype`."""
+    return unrotate(decode_rotated(codes, norms, bits, dtype), signs)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., D] (D a multiple of 8) -> bytes [..., D * bits / 8], little-endian bit order."""
+    d = codes.shape[-1]
+    groups = codes.long().reshape(*codes.shape[:-1], d // 8, 8)
+    word = (groups << (torch.arange(8) * bits)).sum(-1)  # 8 codes in 8 * bits bits
+    out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(bits)], dim=-1)
+    return out.reshape(*codes.shape[:-1], d * bits // 8).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack`: bytes [..., D * bits / 8] -> codes [..., D] uint8."""
+    groups = packed.long().reshape(*packed.shape[:-1], -1, bits)
+    word = (groups << (torch.arange(bits) * 8)).sum(-1)
+    codes = (word[..., None] >> (torch.arange(8) * bits)) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+def attention_reference(q: torch.Tensor, key_codes: torch.Tensor, key_norms: torch.Tensor, value_codes: torch.Tensor,
+                        value_norms: torch.Tensor, signs: torch.Tensor, fmt: TurboQuantFormat, scale: float,
+                        positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D] at positions [B, T] over one layer's coded rows (codes [B, Hkv, S, D], norms
+    [B, Hkv, S]): the query rotated once, scores against the rotated keys, values summed rotated and
+    the output rotated back once. -> [B, Hq, T, D] in q's dtype (float32 at least inside)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // key_codes.shape[1]
+    keys = decode_rotated(key_codes, key_norms, fmt.key_bits, compute).repeat_interleave(group, dim=1)
+    values = decode_rotated(value_codes, value_norms, fmt.value_bits, compute).repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhtd,bhsd->bhts", rotate(q.to(compute), signs), keys) * scale
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    allowed = key_pos[None, None, :] <= positions[:, :, None]
+    if window is not None:
+        allowed &= key_pos[None, None, :] > positions[:, :, None] - window
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), values)
+    return unrotate(out, signs).to(q.dtype)
