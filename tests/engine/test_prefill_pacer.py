@@ -1,6 +1,7 @@
 """Prompt tokens per step sized by time on the CPU (engine/prefill_pacer.py), with a synthetic clock:
 a decoding stream's gap beside a long prompt stays near the target on a slow CPU, a fast CPU still
-gets whole chunks, and the scheduler never plans more prompt tokens than the pacer allows."""
+gets whole chunks, and the scheduler never plans more prompt tokens than the pacer allows beside a
+decoding stream (alone, a prompt runs in whole chunks)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -68,13 +69,23 @@ class FixedPacer:
         return self.budget
 
 
-def test_the_scheduler_plans_no_more_prompt_tokens_than_the_pacer_allows():
+def test_the_scheduler_paces_prompts_only_beside_decoding_streams():
     block = 16
     scheduler = Scheduler(BlockAllocator(64, block), None, 4, 4096, CHUNK, pacer=FixedPacer(40))
-    for n in (300, 5):
-        scheduler.add(Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=4), 4,
-                               SimpleNamespace(history=[], token_ids=[]), None, "ar", lambda chunk: None,
-                               block_size=block))
+
+    def add(n: int) -> Sequence:
+        seq = Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=4), 4,
+                       SimpleNamespace(history=[], token_ids=[]), None, "ar", lambda chunk: None, block_size=block)
+        scheduler.add(seq)
+        return seq
+
+    first = add(300)
     plan = scheduler.schedule(lambda batch: 0)
-    assert sum(n for _, n in plan.prefills) == 40
-    assert [n for _, n in plan.prefills] == [40]  # the first prompt takes it all; the second waits
+    assert [n for _, n in plan.prefills] == [300]  # nobody decodes: the prompt runs whole
+    first.num_cached = 300  # its prompt is in: it decodes from the next step
+    first.token_ids.append(7)
+    add(300)
+    add(5)
+    plan = scheduler.schedule(lambda batch: [0] * len(batch))
+    assert plan.decodes == [first]
+    assert [n for _, n in plan.prefills] == [40]  # beside a stream: the pacer's 40; the third waits

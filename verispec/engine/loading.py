@@ -23,6 +23,10 @@ def check_proposer_options(config: EngineConfig) -> None:
     from verispec.engine.proposers import model_free_options
 
     model_free_options(config)  # raises on a bad combination or value
+    if config.eagle3 and not config.mtp:
+        from verispec.spec.eagle3 import eagle3_config_path
+
+        eagle3_config_path(config.eagle3)
     if not config.mtp:
         return
     from verispec.spec.gemma4_assistant import check_assistant_options
@@ -63,8 +67,8 @@ def load_parts(config: EngineConfig) -> tuple:
         log.startup_phase("loading the drafter", t4 - t3)
     warmup.pin_triton_cache_dir(device)  # before the load-time rewrites compile anything (see there)
     numerics, why_not_exact = resolve_numerics(model, config.numerics)
-    if why_not_exact is not None:
-        (log.warning if config.numerics == "exact" else log.info)("numerics: fast (not exact: %s)", why_not_exact)
+    if why_not_exact is not None:  # a warning where exact was asked for; /v1/models and --json say it anyway
+        (log.warning if config.numerics == "exact" else log.debug)("numerics: fast (not exact: %s)", why_not_exact)
     config = dataclasses.replace(config, numerics=numerics)
     prepare_for_device(model, config.fuse_small_ops, numerics)  # after the proposer, which may share its layers
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)

@@ -232,7 +232,8 @@ class Scheduler:
                 plan.decodes.append(seq)
                 plan.drafts.append(k)
         budget = self.max_num_batched_tokens - len(plan.decodes) * width
-        if self.pacer is not None:
+        if self.pacer is not None and plan.decodes:
+            # only decoding streams wait on a prompt chunk: with none, a prompt runs in whole chunks
             budget = min(budget, self.pacer.token_budget())
         for seq in [s for s in self.running if s.in_prefill]:
             if seq.status is SequenceStatus.RUNNING:  # not preempted meanwhile

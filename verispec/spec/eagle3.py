@@ -151,11 +151,18 @@ class Eagle3Drafter(nn.Module):
         return [LayerCacheSpec(s.num_kv_heads, s.head_dim)]
 
 
-def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
+def eagle3_config_path(drafter_dir: str | Path) -> Path:
+    """The drafter directory's config.json; a one-line error where there is none (checked before
+    the target loads, and again when the drafter does)."""
     where = Path(drafter_dir).expanduser()
-    cfg_path = where / "config.json"
-    if not cfg_path.is_file():
+    if not (where / "config.json").is_file():
         raise VerispecError(f"--eagle3 {where}: no config.json there (expected a speculators EAGLE3 directory)")
+    return where / "config.json"
+
+
+def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
+    cfg_path = eagle3_config_path(drafter_dir)
+    where = cfg_path.parent
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
