@@ -139,29 +139,6 @@ def test_no_stops_passes_text_through():
     assert m.feed("anything") == ("anything", False)
 
 
-def test_stop_matcher_random_against_reference():
-    rng = random.Random(2)
-    alphabet = "abc "
-    for _ in range(500):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
-        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(1, 8))))
-        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        m = StopMatcher(stops)
-        released, fed, stopped = "", "", False
-        for c in chunks:
-            fed += c
-            out, stopped = m.feed(c)
-            released += out
-            if stopped:
-                break
-            # everything is released except a tail that could still start a stop string
-            assert released == fed[:len(fed) - longest_partial(fed, stops)], (stops, chunks)
-        if not stopped:
-            released += m.flush()
-        assert (released, stopped) == reference_stop(text, stops), (text, stops, chunks)
-
-
 class CountingStop(str):
     """A stop string that counts the characters a matcher reads of it (one per index, a slice's length)."""
 
@@ -212,15 +189,20 @@ def test_overlapping_and_unicode_stops_spanning_tokens():
     assert "".join(run_matcher(["xyz", "yq"], ["xy", "q"])[0]) == "x"
 
 
-def test_stop_matcher_random_unicode_against_reference():
-    """Stops whose own prefixes repeat (the case a resumable search gets wrong first), unicode
-    characters, random chunking: the released text always equals the whole-text reference."""
-    rng = random.Random(5)
-    alphabet = "aa🙂é"
+@pytest.mark.parametrize("seed,alphabet,max_text,max_stop,max_cuts", [
+    (2, "abc ", 40, 5, 8),
+    # stops whose own prefixes repeat (the case a resumable search gets wrong first), unicode characters
+    (5, "aa\U0001f642\u00e9", 60, 7, 10),
+])
+def test_stop_matcher_random_against_reference(seed, alphabet, max_text, max_stop, max_cuts):
+    """Random text, stops and chunking: the released text always equals the whole-text reference,
+    and everything is released except a tail that could still start a stop string."""
+    rng = random.Random(seed)
     for _ in range(500):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
-        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 4))]
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(1, 10))))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, max_text)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, max_stop)))
+                 for _ in range(rng.randrange(1, 4))]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(1, max_cuts))))
         chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         m = StopMatcher(stops)
         released, fed, stopped = "", "", False
