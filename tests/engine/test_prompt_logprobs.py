@@ -96,3 +96,25 @@ def test_batched_with_others_and_drafting(qwen3_dir, prompt_ids, ref):
     assert results[0].prompt_logprobs is None and results[3].prompt_logprobs is None
     assert_matches(results[1].prompt_logprobs, prompt_ids, ref, 2, F32)
     assert_matches(results[2].prompt_logprobs, short, ref, 2, F32)
+
+
+def test_preempted_and_recomputed_sequences_keep_their_scores(qwen3_dir):
+    """Room for about two sequences: prompts are preempted mid-prompt and after it, then prefilled
+    again (from a prefix hit once their scores are complete); each score is computed once, and
+    equals the one computed alone with plenty of room."""
+    roomy = load_engine(str(qwen3_dir), dtype="float64", device="cpu", prefill_step_size=8)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, roomy.model.vocab_size, (40,), generator=g).tolist() for _ in range(5)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    alone = [roomy.generate_all(p, params) for p in prompts]
+    per_token = 2 * 2 * 2 * 16 * 8  # K+V, layers, kv heads, head dim 16, float64
+    tight = load_engine(str(qwen3_dir), dtype="float64", device="cpu", prefill_step_size=8, block_size=4,
+                        kv_cache_gb=(4 * 36 + 4) * per_token / 2**30, max_model_len=100)
+    together = tight.generate_batch(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    for got, want, prompt in zip(together, alone, prompts):
+        assert got.token_ids == want.token_ids
+        assert [e.token_id for e in got.prompt_logprobs] == prompt[1:]
+        assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-9) and [t for t, _ in a.top] == [t for t, _ in b.top]
+                   for a, b in zip(got.prompt_logprobs, want.prompt_logprobs))
+    assert tight.blocks.num_used == 0
