@@ -67,6 +67,14 @@ def test_max_tokens_zero_scores_the_prompt_alone(qwen3_dir, prompt_ids, ref):
     result = engine.generate_all(prompt_ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert result.token_ids == [] and result.text == "" and result.finish_reason.value == "length"
     assert_matches(result.prompt_logprobs, prompt_ids, ref, 0, F32)
+    # no new token needs no room: a prompt may fill the whole context (and no more)
+    full = load_engine(str(qwen3_dir), dtype="float64", device="cpu", max_model_len=len(prompt_ids))
+    assert_matches(full.generate_all(prompt_ids, SamplingParams(max_tokens=0, prompt_logprobs=0)).prompt_logprobs,
+                   prompt_ids, ref, 0, F32)
+    with pytest.raises(InvalidRequestError, match="context length"):
+        full.generate_all(prompt_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    with pytest.raises(InvalidRequestError, match="context length"):
+        full.generate_all(prompt_ids + [5], SamplingParams(max_tokens=0, prompt_logprobs=0))
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
