@@ -81,8 +81,9 @@ class StepUpdate:
 
     # ---- after a prompt chunk's pass ---------------------------------------------------------------
     def prefilled(self, group: list[tuple[Sequence, int]], starts: list[int], out: PassOutput) -> None:
-        """Each sequence commits its chunk; one whose prompt is done gets its first token chosen and
-        emitted; a drafting sequence's proposer observes the chunk's rows."""
+        """Each sequence commits its chunk (a scoring one first scores its rows' next prompt tokens);
+        one whose prompt is done gets its first token chosen and emitted (or, asked for none, ends);
+        a drafting sequence's proposer observes the chunk's rows."""
         observed, emitted = [], []
         for b, (seq, n) in enumerate(group):
             start = starts[b]
