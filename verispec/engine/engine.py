@@ -271,8 +271,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             last = items[-1]
             token_ids = [t for c in items for t in c.token_ids]
             logprobs = [lp for c in items for lp in (c.logprobs or [])] if p.logprobs else None
+            prompt_logprobs = next((c.prompt_logprobs for c in items if c.prompt_logprobs is not None), None)
             results.append(GenerationResult(list(ids), token_ids, "".join(c.text for c in items),
-                                            last.finish_reason, last.stats, logprobs))
+                                            last.finish_reason, last.stats, logprobs, prompt_logprobs))
         return results
 
     # ---- the worker -------------------------------------------------------------------------------
@@ -399,7 +400,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         seqs = [seq for seq, _ in group]
         starts = [seq.num_cached for seq in seqs]
         drafting = self.proposer is not None
-        out = self.runner.prefill(seqs, [n for _, n in group], self.runner.capture_layers, keep_all_rows=drafting)
+        scored = [b for b, seq in enumerate(seqs) if seq.scores_prompt]  # SamplingParams.prompt_logprobs
+        out = self.runner.prefill(seqs, [n for _, n in group], self.runner.capture_layers, keep_all_rows=drafting,
+                                  every_row=scored)
         self.update.prefilled(group, starts, out)
 
     def _round(self, seqs: list[Sequence], num_drafts: list[int]) -> None:

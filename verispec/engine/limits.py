@@ -26,7 +26,7 @@ class RequestLimits:
         if num_prompt_tokens < 1:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
         room = self.max_model_len - num_prompt_tokens
-        if room < 1:
+        if room < (0 if params.max_tokens == 0 else 1):  # 0 new tokens (a prompt's logprobs alone) need no room
             raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens, which leaves no room in this model's "
                 f"context length of {self.max_model_len}", param="messages", code="context_length_exceeded")

@@ -29,6 +29,9 @@ class OutputBuilder:
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        # filled by the prompt's passes (engine/prompt_logprobs.py), sent once, on the first chunk
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
+        self._prompt_logprobs_sent = False
         self.finish_reason: FinishReason | None = None
         self.stopped_by_string = False  # the matcher already cut the text: nothing to flush
 
@@ -85,7 +88,19 @@ class OutputBuilder:
         self.logprobs.extend(round_logprobs)
         self.text_parts.append(text)
         return GenerationChunk(emitted, text, round_logprobs if self.params.logprobs else None,
-                               self.finish_reason)
+                               self.finish_reason, prompt_logprobs=self._first_prompt_logprobs())
+
+    def prompt_only(self) -> GenerationChunk:
+        """The only chunk of a request for no new tokens (max_tokens 0: its prompt's logprobs)."""
+        self.finish_reason = FinishReason.LENGTH
+        return GenerationChunk([], "", [] if self.params.logprobs else None, self.finish_reason,
+                               prompt_logprobs=self._first_prompt_logprobs())
+
+    def _first_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        if self.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return None
+        self._prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def cancel(self) -> GenerationChunk:
         self.finish_reason = FinishReason.CANCELLED

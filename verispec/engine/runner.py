@@ -30,6 +30,8 @@ class PassOutput:
     pre_norm: torch.Tensor | None  # [B, T, H]
     logits: torch.Tensor | None  # [B, T, V] float32 (float64 stays), padded vocabulary masked
     cache: BatchCache  # the pass's cache view: commit(rows per sequence) keeps what was accepted
+    # a prompt pass's every_row: batch index -> that sequence's hidden states of all its rows [n_b, H]
+    all_rows: dict[int, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -126,12 +128,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], counts: list[int], capture: tuple[int, ...],
-                keep_all_rows: bool) -> PassOutput:
+                keep_all_rows: bool, every_row: list[int] = ()) -> PassOutput:
         """The next counts[b] uncached tokens of each sequence, in one pass, committed. Rows are
         padded at their ends to T = max(counts) (the padding writes past each sequence's chunk,
         where the next pass overwrites it, and is a no-op for recurrent layers). hidden/aux/pre_norm
         keep every row when `keep_all_rows` (a proposer observes them: row b's are [:counts[b]]),
-        else each sequence's last; logits [B, 1, V] are those of each sequence's last token."""
+        else each sequence's last; logits [B, 1, V] are those of each sequence's last token.
+        every_row: batch indices whose hidden states of every row come back in `all_rows`
+        (their prompt logprobs are wanted)."""
         t = max(counts)
         starts = [s.num_cached for s in seqs]
         ids, positions = [], []
@@ -156,7 +160,8 @@ class ModelRunner:
         else:
             hidden, aux = last_hidden, [last_rows(a) for a in out.aux]
             pre_norm = last_rows(out.pre_norm) if out.pre_norm is not None else None
-        return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache)
+        all_rows = {b: out.hidden[b, :counts[b]] for b in every_row} if every_row else None
+        return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache, all_rows)
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], inputs: list[list[int]] | torch.Tensor, capture: tuple[int, ...],

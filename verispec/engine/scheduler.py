@@ -242,7 +242,7 @@ class Scheduler:
             seq = self.waiting[0]
             if self.slots is not None and self.slots.num_free == 0:
                 break
-            if self.prefix is not None and self.prefix.being_computed(seq, self.running):
+            if self.prefix is not None and not seq.scores_prompt and self.prefix.being_computed(seq, self.running):
                 break  # admitted once that block is registered: a hit instead of computing it twice
             self._take_prefix(seq)
             used = self._plan_chunk(plan, chunks, seq, budget, admitting=True)
@@ -274,8 +274,8 @@ class Scheduler:
 
     def _take_prefix(self, seq: Sequence) -> None:
         """A sequence about to be admitted takes the cached blocks its tokens start with."""
-        if self.prefix is None or seq.block_table:
-            return
+        if self.prefix is None or seq.block_table or seq.scores_prompt:
+            return  # a hit's rows are not computed, and prompt logprobs need every row
         hit = self.prefix.match(seq)
         whole = hit is not None and hit.num_tokens >= seq.prefill_target
         if hit is not None and (self.prefix.keep_features or whole):

@@ -105,6 +105,12 @@ class Sequence:
         return self.num_cached < self.prefill_target
 
     @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet: its prompt passes keep every row
+        (engine/prompt_logprobs.py), and it takes no prefix-cache hit, whose rows no pass computes."""
+        return self.params.prompt_logprobs is not None and len(self.out.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    @property
     def remaining_tokens(self) -> int:
         return self.max_new_tokens - len(self.out.token_ids)
 

@@ -66,6 +66,9 @@ class GenerationChunk:
     # ones); the rest are the target's own choices (the bonus token, or a plain step's token)
     num_drafted: int = 0
     num_rounds: int = 0  # target passes after prefill that produced these tokens (merged chunks add up)
+    # SamplingParams.prompt_logprobs: on a sequence's first chunk, one entry per prompt token after
+    # the first (the first token has nothing before it to be predicted from); None on every other
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def merge_chunks(first: GenerationChunk, second: GenerationChunk) -> GenerationChunk:
@@ -74,7 +77,8 @@ def merge_chunks(first: GenerationChunk, second: GenerationChunk) -> GenerationC
         (first.logprobs or []) + (second.logprobs or [])
     return GenerationChunk(first.token_ids + second.token_ids, first.text + second.text, logprobs,
                            second.finish_reason, second.stats, first.num_drafted + second.num_drafted,
-                           first.num_rounds + second.num_rounds)
+                           first.num_rounds + second.num_rounds,
+                           first.prompt_logprobs if first.prompt_logprobs is not None else second.prompt_logprobs)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first (GenerationChunk's)
 
     def as_json(self) -> dict:
         return {

@@ -17,6 +17,7 @@ from verispec import log
 from verispec.cache.prefix import PrefixCache
 from verispec.engine import constrained
 from verispec.engine.prefix_rows import features_at, prepend_row
+from verispec.engine.prompt_logprobs import score_chunk
 from verispec.engine.runner import ModelRunner, PassOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
@@ -80,8 +81,9 @@ class StepUpdate:
 
     # ---- after a prompt chunk's pass ---------------------------------------------------------------
     def prefilled(self, group: list[tuple[Sequence, int]], starts: list[int], out: PassOutput) -> None:
-        """Each sequence commits its chunk; one whose prompt is done gets its first token chosen and
-        emitted; a drafting sequence's proposer observes the chunk's rows."""
+        """Each sequence commits its chunk (a scoring one first scores its rows' next prompt tokens);
+        one whose prompt is done gets its first token chosen and emitted (or, asked for none, ends);
+        a drafting sequence's proposer observes the chunk's rows."""
         observed, emitted = [], []
         for b, (seq, n) in enumerate(group):
             start = starts[b]
@@ -89,14 +91,20 @@ class StepUpdate:
             end = start + n
             if self.prefix is not None:
                 self.prefix.on_commit(seq, start, lambda i, b=b: features_at(out, b, i))
+            if out.all_rows is not None and b in out.all_rows:
+                score_chunk(seq, start, out.all_rows[b], self.runner.logits)
             if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
                 next_token, chunk = seq.token_ids[end], None
+            elif seq.max_new_tokens == 0:  # the prompt's logprobs were the whole request
+                next_token, chunk = None, seq.out.prompt_only()
             else:
                 logits = out.logits[b]  # [1, V]: the chunk's last token
                 next_token = self.choose(logits[-1], seq)
                 tokens, grammar_done = constrained.commit(seq, [next_token])
                 chunk = seq.out.push(tokens, logits[-1:], grammar_done=grammar_done)
-            if seq.drafting:  # also after the last token: the drafter's state stays the committed one
+            # also after the last token: the drafter's state stays the committed one (a prompt-only
+            # request has no next token, and ends here)
+            if seq.drafting and next_token is not None:
                 step = TargetStep(seq.token_ids[start:end], start, out.hidden[b, :n], [a[b, :n] for a in out.aux],
                                   next_token, out.pre_norm[b, :n] if out.pre_norm is not None else None)
                 hit = seq.prefix_hit

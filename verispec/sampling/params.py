@@ -39,6 +39,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # each prompt token's logprob under the model (the first token has none), with this many
+    # alternatives; None: not computed. The prompt's passes then keep every row's logits.
+    prompt_logprobs: int | None = None
     # token id -> added to its logit after penalties, before temperature and filters; verification
     # uses the biased logits too, so with speculation on the biased distribution is the target's
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -65,8 +68,10 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"'{param}' {msg}", param=param)
 
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        # 0 new tokens is a request for the prompt's logprobs alone (scoring a text)
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
+            raise bad("max_tokens", f"must be an integer >= 1 (0 only with prompt_logprobs), got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", f"must be between 0 and 2, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
@@ -86,6 +91,10 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be None or an integer between 0 and {MAX_TOP_LOGPROBS}, "
+                      f"got {self.prompt_logprobs!r}")
         low, high = LOGIT_BIAS_RANGE
         for token_id, bias in (self.logit_bias or {}).items():
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:

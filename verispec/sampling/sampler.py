@@ -156,6 +156,18 @@ def token_logprobs(raw_logits: torch.Tensor, token_id: int, top_n: int) -> Token
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
 
 
+def rows_token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """token_logprobs for many rows at once: raw_logits [R, V], row r scoring token_ids[r]. One
+    transfer to the host for all rows (prompt logprobs score every prompt token)."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logprobs.device)[:, None])[:, 0].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n, dim=-1)
+        tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, v, top) for t, v, top in zip(token_ids, chosen, tops)]
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:

@@ -46,6 +46,7 @@ class CollectedGeneration:
     text: str = ""
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # GenerationChunk's (asked for: on the first chunk)
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0  # prompt tokens from the prefix cache (GenerationStats.cached_tokens)
 
@@ -60,6 +61,8 @@ async def collect(chunks: AsyncIterator[ChoiceChunk], num_choices: int) -> list[
             parts[index].append(chunk.text)
             out.num_tokens += len(chunk.token_ids)
             out.logprobs.extend(chunk.logprobs or [])
+            if chunk.prompt_logprobs is not None:
+                out.prompt_logprobs = chunk.prompt_logprobs
             if chunk.finish_reason is not None:
                 out.finish_reason = chunk.finish_reason
                 out.cached_tokens = chunk.stats.cached_tokens if chunk.stats is not None else 0

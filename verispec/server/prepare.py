@@ -119,9 +119,14 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient, budget: Pro
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise invalid_request(f"'logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}, "
                               f"got {req.logprobs}", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise invalid_request("'echo' together with 'logprobs' is not supported (no prompt logprobs)",
-                              param="echo")
+    if req.best_of is not None and req.best_of != num_choices:
+        raise invalid_request(f"'best_of' must equal 'n' ({num_choices}), got {req.best_of}: choosing the best "
+                              "of more completions than are returned is not supported", param="best_of")
+    # echo with logprobs scores the prompt too (its tokens lead the logprobs), as OpenAI's legacy API does
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    if req.max_tokens == 0 and prompt_logprobs is None:
+        raise invalid_request("'max_tokens' may be 0 only with 'echo': true and 'logprobs' (scoring the "
+                              "prompt); otherwise it must be an integer >= 1", param="max_tokens")
     prompt = _single_prompt(req.prompt)
     if isinstance(prompt, str):
         budget.check(prompt, tokenizer.encode, "prompt")
@@ -131,7 +136,7 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient, budget: Pro
         prompt_ids, prompt_text = prompt, ""
     with _renamed_params({"messages": "prompt"}):  # the engine names a too-long prompt "messages"
         params = _sampling_params(req, req.max_tokens, logprobs=req.logprobs is not None,
-                                  top_logprobs=req.logprobs or 0)
+                                  top_logprobs=req.logprobs or 0, prompt_logprobs=prompt_logprobs)
         _check_fits(engine, prompt_ids, params)
     if req.echo and not prompt_text:
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
@@ -212,11 +217,11 @@ def _single_prompt(prompt) -> str | list[int]:
 
 
 def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: bool,
-                     top_logprobs: int) -> SamplingParams:
+                     top_logprobs: int, prompt_logprobs: int | None = None) -> SamplingParams:
     kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
     return SamplingParams(max_tokens=max_tokens, stop=_stop_list(req.stop),
                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
-                          logprobs=logprobs, top_logprobs=top_logprobs,
+                          logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                           logit_bias={int(t): bias for t, bias in (req.logit_bias or {}).items()}, **kwargs)
 
 

@@ -115,7 +115,10 @@ class CompletionRequest(GenerationRequest):
              | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
     logprobs: StrictInt | None = None  # legacy API: the number of top alternatives per token
-    echo: StrictBool | None = None
+    echo: StrictBool | None = Field(default=None, description="the prompt leads `text`; with `logprobs`, "
+                                    "its tokens lead the logprobs (the first one's logprob is null)")
+    best_of: StrictInt | None = Field(default=None, description="only equal to `n`: choosing the best of "
+                                      "more completions than are returned is not supported")
     suffix: StrictStr | None = None
 
 
