@@ -113,7 +113,7 @@ _PROGRAMS: dict[tuple, int] = {}
 
 def programs_for(device: torch.device, dtype: torch.dtype, fws, plan, descs) -> int:
     """The launch's program count: every program resident at once (the grid barrier's condition), as
-    many as the driver's occupancy query says fit (one a multiprocessor today). Asked once per
+    many as the driver's occupancy query says fit (one a multiprocessor on the GPUs measured). Asked once per
     compiled kernel (its shapes, plan and dtype), not once per MLP of a model."""
     gate_up, down = fws
     key = (torch.device(device), dtype, plan, gate_up.out_features, gate_up.in_features, down.out_features,
