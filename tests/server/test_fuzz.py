@@ -34,6 +34,7 @@ def fuzz_server(tiny_model_dir):
     engine.shutdown()
 
 
+@pytest.mark.slow  # 30-70 s on the 2-core CI machine: `make test-slow` runs it
 def test_schemathesis_finds_no_server_error_or_schema_violation(fuzz_server, tmp_path):
     st = Path(sys.executable).with_name("st")
     # --workers 1: with 2, hypothesis (describing a strategy via ast.parse from two threads) failed with

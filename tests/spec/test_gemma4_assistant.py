@@ -371,6 +371,7 @@ def test_replay_proposers_on_the_gemma_target(plain, k):
 
 
 # ---- sampling -----------------------------------------------------------------------------------
+@pytest.mark.slow  # 30-70 s on the 2-core CI machine: `make test-slow` runs it
 def test_sampling_through_the_assistant_keeps_the_target_distribution(plain, trained):
     """The second generated token (the first verified one), given the first, follows the target's
     processed distribution; the drafts are sampled from the assistant's own q (recorded), which

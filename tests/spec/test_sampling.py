@@ -86,6 +86,7 @@ def test_multi_draft_joint_distribution():
     assert chi2 < 70.0  # 35 degrees of freedom: critical value at p = 0.001 is 66.6; margin for seeds
 
 
+@pytest.mark.slow  # 30-70 s on the 2-core CI machine: `make test-slow` runs it
 def test_engine_speculative_sampling_with_eagle3_drafter(targets, eagle3_dirs, prompt_ids):
     """End to end through the engine with a real EAGLE3 drafter: the second generated token (the
     first one that goes through verification), given the first, follows the target's processed
@@ -138,6 +139,7 @@ class FixedDistributionProposer(PerSequence):
         return Draft([token], self.q_full[None].float())
 
 
+@pytest.mark.slow  # 30-70 s on the 2-core CI machine: `make test-slow` runs it
 def test_engine_rejection_sampling_with_overlapping_draft_distribution(targets, prompt_ids):
     engine = targets["qwen2"]
     ids = prompt_ids[0]

@@ -51,7 +51,12 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._cancel_head_timer()  # keep-alive's timer covers the idle time; data re-arms ours
+        self._cancel_head_timer()
+        # the next head's deadline starts now: part of it may have arrived before the response
+        # finished (h11 buffers it, and uvicorn's keep-alive timer then never starts); an idle
+        # connection meets the shorter keep-alive timeout first
+        if self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()
 
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
