@@ -60,6 +60,19 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512):
     return hf
 
 
+def _checkpoint_dir(out_dir: str | Path, tokenizer_dir: str | Path | None):
+    """(the created directory, the tokenizer saved in it): a new tiny tokenizer, or `tokenizer_dir`'s."""
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        return out, build_tokenizer(out)
+    hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf_tok.save_pretrained(str(out))
+    return out, hf_tok
+
+
 def tiny_config(model_type: str, vocab_size: int, **overrides):
     """A small transformers config of the given model_type (llama, qwen2, qwen3, mistral)."""
     from transformers import AutoConfig
@@ -91,15 +104,9 @@ def build_tiny_model(out_dir: str | Path, model_type: str = "qwen3", seed: int =
     Returns the transformers model (in float32) for use as a test oracle.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is None:
-        hf_tok = build_tokenizer(out)
-    else:
-        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        hf_tok.save_pretrained(str(out))
+    out, hf_tok = _checkpoint_dir(out_dir, tokenizer_dir)
     vocab = len(hf_tok) + extra_vocab
     config = tiny_config(model_type, vocab, **config_overrides)
     config.eos_token_id = hf_tok.convert_tokens_to_ids("<|im_end|>")
@@ -223,16 +230,10 @@ def build_tiny_qwen3_5(out_dir: str | Path, wrapper: bool = False, seed: int = 0
     Returns the transformers model (float32) for use as a test oracle.
     """
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3_5Config, Qwen3_5ForCausalLM, \
+    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForCausalLM, \
         Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is None:
-        hf_tok = build_tokenizer(out)
-    else:
-        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        hf_tok.save_pretrained(str(out))
+    out, hf_tok = _checkpoint_dir(out_dir, tokenizer_dir)
     eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
     pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
     text = dict(QWEN3_5_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad,
@@ -339,16 +340,10 @@ def build_tiny_gemma4(out_dir: str | Path, moe: bool = False, wrapper: bool = Fa
     Returns the transformers model (float32) for use as a test oracle.
     """
     import torch
-    from transformers import AutoTokenizer, Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, \
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, \
         Gemma4TextConfig, GenerationConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is None:
-        hf_tok = build_tokenizer(out)
-    else:
-        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        hf_tok.save_pretrained(str(out))
+    out, hf_tok = _checkpoint_dir(out_dir, tokenizer_dir)
     eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
     pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
     text = dict(GEMMA4_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
@@ -453,16 +448,10 @@ def build_tiny_gemma3(out_dir: str | Path, wrapper: bool = False, seed: int = 0,
     Returns the transformers model (float32) for use as a test oracle.
     """
     import torch
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, \
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, \
         Gemma3TextConfig, GenerationConfig
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is None:
-        hf_tok = build_tokenizer(out)
-    else:
-        hf_tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        hf_tok.save_pretrained(str(out))
+    out, hf_tok = _checkpoint_dir(out_dir, tokenizer_dir)
     eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
     pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
     text = dict(GEMMA3_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad, bos_token_id=None,

@@ -127,18 +127,27 @@ if triton is not None:
             y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
-def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why `linear` cannot take these inputs (None: it can)."""
+def weight_reason(weight: torch.Tensor) -> str | None:
+    """Why `linear` cannot take this weight (None: it can, with activations of its dtype)."""
     if triton is None:
         return "Triton is not installed"
-    if x.device.type != "cuda":
-        return f"device {x.device.type}"
+    if weight.device.type != "cuda":
+        return f"device {weight.device.type}"
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"weights in {weight.dtype}"
-    if x.dtype != weight.dtype:
-        return f"activations in {x.dtype}, weights in {weight.dtype}"
     if weight.stride(-1) != 1:
         return "weight rows not contiguous"
+    return None
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why `linear` cannot take these inputs (None: it can)."""
+    if (reason := weight_reason(weight)) is not None:
+        return reason
+    if x.device != weight.device:
+        return f"activations on {x.device}, weights on {weight.device}"
+    if x.dtype != weight.dtype:
+        return f"activations in {x.dtype}, weights in {weight.dtype}"
     return None
 
 

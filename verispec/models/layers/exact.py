@@ -19,12 +19,6 @@ def _row_invariant_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return kernel.linear(x, self.weight, self.bias)
 
 
-def weight_reason(layer: nn.Linear) -> str | None:
-    """Why this layer's products cannot run the row-invariant kernel (None: they can)."""
-    w = layer.weight
-    return kernel.unsupported_reason(torch.empty(0, w.shape[1], dtype=w.dtype, device=w.device), w)
-
-
 def use_row_invariant_linears(model: nn.Module) -> int:
     """Binds every plain nn.Linear whose weight the kernel takes to it (once; again is a no-op) and
     returns how many; the others keep torch's product, each reason logged once under
@@ -33,7 +27,7 @@ def use_row_invariant_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is not nn.Linear and not isinstance(module, RowParallelLinear):
             continue
-        reason = weight_reason(module)
+        reason = kernel.weight_reason(module.weight)
         if reason is None and isinstance(module, RowParallelLinear):
             module.product = kernel.linear  # its all-reduce sums each row's two halves the same way at any width
             bound += 1

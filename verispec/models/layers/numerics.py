@@ -11,7 +11,7 @@ CPU_EXACT_DTYPES = (torch.float16, torch.bfloat16)
 CHOICES = ("auto", "exact", "fast")
 
 
-def exact_numerics_hold(device: torch.device | str, dtype: torch.dtype, recurrent: bool = False,
+def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: bool = False,
                         experts: bool = False) -> str | None:
     """Why exact numerics cannot hold for such a model (None: it can). CUDA: our row-invariant GEMM
     and attention kernels; a CPU: float16 and bfloat16, prompt chunks attended row by row as decode
@@ -39,7 +39,7 @@ def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, r
     exact` asks for it."""
     if requested == "fast":
         return "fast", "--numerics fast"
-    if (reason := exact_numerics_hold(device, dtype, recurrent, experts)) is not None:
+    if (reason := why_not_exact(device, dtype, recurrent, experts)) is not None:
         return "fast", reason
     if requested == "auto":
         if torch.device(device).type == "cpu":
