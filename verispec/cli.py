@@ -282,6 +282,8 @@ def _add_bench_parser(sub) -> None:
                        help="offline -m: split the checkpoint over N GPUs (docs/multi-gpu.md)")
     bench.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),
                        help="offline: the engine's numerics (default auto; see `serve --help`)")
+    bench.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                       help="offline: what the KV cache stores (see `serve --help`); the roofline counts its bytes")
     bench.add_argument("--no-overlap-decode", action="store_true",
                        help="offline: wait for each plain decode step before queuing the next")
     bench.add_argument("--quant", default=None, metavar="FORMAT",
@@ -583,7 +585,7 @@ def cmd_bench(args) -> int:
         model=args.model, shape=args.shape, url=args.url, serve=tuple(args.serve or ()),
         contexts=tuple(parse_contexts(args.contexts)), gen_tokens=args.gen_tokens, repeats=args.repeats,
         dtype=args.dtype, device=args.device, prefill_step_size=args.prefill_step_size,
-        numerics=args.numerics, cuda_graphs=not args.no_cuda_graphs, overlap_decode=not args.no_overlap_decode,
+        numerics=args.numerics, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=not args.no_cuda_graphs, overlap_decode=not args.no_overlap_decode,
         out=Path(args.out) if args.out else None,
         bandwidth_tbs=args.bandwidth, eagle3=args.eagle3, step_iters=args.step_iters, quant=args.quant,
         endpoint=Endpoint(args.endpoint), api_key=args.api_key, serve_timeout_s=args.serve_timeout,

@@ -44,6 +44,14 @@ def test_bytes_per_token_matches_hand_computation():
             assert token_bytes(model, context).total == _tiny_bytes(context, item)
 
 
+def test_fp8_cache_bytes_are_a_byte_a_value_and_an_exponent_a_row():
+    model = random_target("tiny", SHAPES["tiny"].config, torch.device("cpu"), torch.bfloat16).model
+    layers, kv_heads, d, context = 2, 2, 16, 100
+    fp8 = token_bytes(model, context, "fp8")
+    assert fp8.weights == token_bytes(model, context).weights
+    assert fp8.kv == layers * 2 * kv_heads * (d + 1) * context  # a one-byte exponent scales each K and V row
+
+
 def test_offline_tiny_shape_writes_json_markdown_png(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar,eagle3", "--contexts", "16,40",

@@ -111,6 +111,7 @@ def run_offline(opts: BenchOptions) -> BenchReport:
         "bandwidth_source": source,
         "weight_bytes_per_token": token_bytes(target.model, 0).weights,
         "kv_context": "KV bytes at the mean decode position: context + gen_tokens/2",
+        "kv_cache_dtype": opts.kv_cache_dtype,
         "drafter": drafter_note,
         "tokenizer": "stub (no detokenization cost)" if target.random else "checkpoint's",
         "cuda_graphs": graphs,
@@ -149,7 +150,7 @@ def _engine(setup: Setup, method: Method, prefix_cache: bool = True, max_num_seq
             max_model_len: int | None = None) -> tuple[Engine, str | None]:
     opts, target = setup.opts, setup.target
     config = EngineConfig(model=target.name, prefill_step_size=opts.prefill_step_size, cuda_graphs=opts.cuda_graphs,
-                          numerics=opts.numerics,
+                          numerics=opts.numerics, kv_cache_dtype=opts.kv_cache_dtype,
                           overlap_decode=None if opts.overlap_decode else False,
                           max_num_seqs=max_num_seqs or max(opts.concurrency or (1,)), prefix_cache=prefix_cache,
                           max_model_len=max_model_len or max(opts.contexts) + opts.gen_tokens + opts.draft_block + 8,
@@ -334,7 +335,7 @@ def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: 
     from verispec.bench.concurrency import batched_roofline_tok_s, run_batch
 
     opts = setup.opts
-    tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens))
+    tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens), opts.kv_cache_dtype)
     rows = []
     for n in opts.concurrency:
         label = f"{_label(method, grammar)} ctx {context} x{n}"
@@ -410,7 +411,7 @@ def _median(runs: list[dict], key: str) -> float:
 
 def _row(setup: Setup, method: str, context: int, runs: list[dict]) -> dict:
     opts = setup.opts
-    tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens))
+    tb = token_bytes(setup.target.model, mean_decode_context(context, opts.gen_tokens), opts.kv_cache_dtype)
     decode = _median(runs, "decode_tok_s")
     roofline = roofline_tok_s(setup.bandwidth, tb.total)
     return {

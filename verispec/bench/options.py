@@ -156,6 +156,7 @@ class BenchOptions:
     device: str | None = None
     prefill_step_size: int = 2048
     numerics: str = "auto"  # offline: the engine's --numerics (auto | exact | fast)
+    kv_cache_dtype: str = "auto"  # offline: the engine's --kv-cache-dtype (auto | fp8)
     cuda_graphs: bool = True  # the engine's captured decode/verify steps (CUDA with Triton)
     overlap_decode: bool = True  # plain steps queued ahead of the host's work (engine/overlap.py; with graphs)
     compare: tuple[Peer, ...] = ()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec
+from verispec.cache.paged import kv_bytes_per_token
 from verispec.models.base import CausalLM
 
 
@@ -61,8 +62,9 @@ def inactive_expert_bytes(model: CausalLM) -> int:
     return expert_bytes * (num_experts - top_k) // num_experts
 
 
-def kv_bytes(model: CausalLM, context: int) -> int:
-    """Cache bytes one decode step reads with `context` tokens before it."""
+def kv_bytes(model: CausalLM, context: int, kv_cache_dtype: str = "auto") -> int:
+    """Cache bytes one decode step reads with `context` tokens before it, as the cache stores them
+    (`kv_cache_dtype` "fp8": one byte a value and a scale a row)."""
     dtype = next(model.parameters()).dtype
     item = torch.empty((), dtype=dtype).element_size()
     specs = model.cache_specs()
@@ -71,7 +73,7 @@ def kv_bytes(model: CausalLM, context: int) -> int:
     for spec, window in zip(specs, windows):
         if isinstance(spec, LayerCacheSpec):
             rows = context if window is None else min(context, window)
-            total += 2 * spec.num_kv_heads * spec.head_dim * rows * item
+            total += kv_bytes_per_token([spec], dtype, kv_cache_dtype) * rows
         elif isinstance(spec, RecurrentLayerSpec):
             conv = spec.conv_dim * (spec.conv_kernel - 1) * item
             ssm = spec.num_heads * spec.key_dim * spec.value_dim * 4  # float32 state
@@ -79,8 +81,8 @@ def kv_bytes(model: CausalLM, context: int) -> int:
     return total
 
 
-def token_bytes(model: CausalLM, context: int) -> TokenBytes:
-    return TokenBytes(weight_bytes(model), kv_bytes(model, context))
+def token_bytes(model: CausalLM, context: int, kv_cache_dtype: str = "auto") -> TokenBytes:
+    return TokenBytes(weight_bytes(model), kv_bytes(model, context, kv_cache_dtype))
 
 
 def mean_decode_context(context: int, gen_tokens: int) -> int:
