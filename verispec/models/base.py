@@ -32,6 +32,8 @@ class CausalLM(nn.Module):
     max_position_embeddings: int
     # checkpoint name prefix -> our module prefix, for wrappers (e.g. model.language_model.*)
     checkpoint_prefix_map: dict[str, str] = {}
+    # (checkpoint infix, ours) substitutions after the prefix map (loading/parts.py)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # checkpoint name prefixes to ignore silently (e.g. vision towers); logged once under debug
     ignored_prefixes: tuple[str, ...] = ()
 
