@@ -10,9 +10,9 @@ import torch
 from verispec import log
 from verispec.errors import VerispecError
 from verispec.loading.gguf import GGUFCheckpoint, is_gguf
-from verispec.loading.parts import check_part_shape, find_part, part_modules, renamed
+from verispec.loading.parts import check_part_shape, find_part, part_modules
 from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
-from verispec.models.base import CausalLM
+from verispec.models.base import CausalLM, renamed
 from verispec.models.layers.parallel import Shard
 from verispec.models.sharding import check_shardable, shard_model
 from verispec.models.registry import model_class

@@ -1,7 +1,8 @@
 """Checkpoint names -> our parameters, beyond a plain rename.
 
-- `checkpoint_renames` (a model's class attribute): infix substitutions after the prefix map,
-  for formats that place a module elsewhere (mlx-lm's `mlp.switch_mlp` for our `mlp.experts`);
+- `checkpoint_renames` (a model's class attribute, applied by models/base.py `renamed`): infix
+  substitutions after the prefix map, for formats that place a module elsewhere (mlx-lm's
+  `mlp.switch_mlp` for our `mlp.experts`);
 - parts: a checkpoint tensor that fills a slice of one of our parameters, as transformers'
   per-expert MoE weights fill the fused expert stacks. A module that takes parts has
   `checkpoint_part(local_name) -> (its parameter, index) | None` (models/layers/moe.py).
@@ -15,13 +16,6 @@ from verispec.errors import VerispecError
 
 # a part's local name has at most this many dot-separated pieces (`3.gate_proj.weight`)
 MAX_PART_DEPTH = 3
-
-
-def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
-    for src, dst in renames:
-        if src in name:
-            name = name.replace(src, dst)
-    return name
 
 
 def part_modules(model: nn.Module) -> dict[str, nn.Module]:

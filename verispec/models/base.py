@@ -18,6 +18,14 @@ class ForwardOutput:
     pre_norm: torch.Tensor | None = None  # [B, T, H] the residual stream before the final norm
 
 
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint name with a model's `checkpoint_renames` applied (or their inverse, swapped)."""
+    for src, dst in renames:
+        if src in name:
+            name = name.replace(src, dst)
+    return name
+
+
 class CausalLM(nn.Module):
     """Model interface: forward(input_ids, positions, cache, capture) and logits(hidden).
 

@@ -89,7 +89,7 @@ def quantized_sites(model: nn.Module, tensors: dict[str, CheckpointTensor], mark
         try:
             module = model.get_submodule(path)
         except AttributeError:
-            _refuse_quantized_expert_part(model, path, tensors[f"{path}.{marker}"].name)
+            _refuse_quantized_expert_part(model, path, tensors[f"{path}.{marker}"].name[: -len(marker) - 1])
             continue
         if getattr(module, "checkpoint_buffers", ()):
             continue  # already a quantized module (expert stacks are swapped in before the linears)

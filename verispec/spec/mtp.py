@@ -36,9 +36,9 @@ from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import as_stored
-from verispec.loading.parts import renamed, stack_parts
+from verispec.loading.parts import stack_parts
 from verispec.loading.weights import checkpoint_files
-from verispec.models.base import CausalLM
+from verispec.models.base import CausalLM, renamed
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
