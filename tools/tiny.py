@@ -89,7 +89,7 @@ def tiny_config(model_type: str, vocab_size: int, **overrides):
         rope_theta=10000.0,
         tie_word_embeddings=False,
     )
-    if model_type in ("qwen3",):
+    if model_type in ("qwen3", "qwen3_moe"):
         base["head_dim"] = 16
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
@@ -219,33 +219,44 @@ QWEN3_5_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_he
                            patch_size=4, num_position_embeddings=16)
 
 
+QWEN3_5_TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48)
+
+
 def build_tiny_qwen3_5(out_dir: str | Path, wrapper: bool = False, seed: int = 0,
                        tokenizer_dir: str | Path | None = None, tie_word_embeddings: bool = False,
-                       **text_overrides):
+                       moe: bool = False, **text_overrides):
     """A random-weight Qwen3.5 checkpoint: `qwen3_5_text` (Qwen3_5ForCausalLM), or with `wrapper`
     the multimodal `qwen3_5` layout (Qwen3_5ForConditionalGeneration with a one-block vision tower).
+    With `moe`, the MoE model types (`qwen3_5_moe_text` / `qwen3_5_moe`): QWEN3_5_TINY_MOE's
+    experts and shared expert in every layer, saved one linear per expert as transformers writes them.
 
     Weights are drawn so that no term hides: (1 + w) norms get w in [-0.5, 0.5), the GDN output
     norm w in [0.5, 1.5), A_log spans slow to fast decays and dt_bias is non-zero.
     Returns the transformers model (float32) for use as a test oracle.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForCausalLM, \
-        Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    import transformers
+    from transformers import GenerationConfig
 
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config_cls, text_config_cls = getattr(transformers, f"{kind}Config"), getattr(transformers, f"{kind}TextConfig")
     out, hf_tok = _checkpoint_dir(out_dir, tokenizer_dir)
     eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
     pad = hf_tok.convert_tokens_to_ids("<|endoftext|>")
     text = dict(QWEN3_5_TINY_TEXT, vocab_size=len(hf_tok), eos_token_id=eos, pad_token_id=pad,
                 tie_word_embeddings=tie_word_embeddings)
+    if moe:
+        del text["intermediate_size"]
+        text.update(QWEN3_5_TINY_MOE)
     text.update(text_overrides)
     torch.manual_seed(seed)
     if wrapper:
-        config = Qwen3_5Config(text_config=text, vision_config=dict(QWEN3_5_TINY_VISION),
-                               tie_word_embeddings=tie_word_embeddings)
-        model = Qwen3_5ForConditionalGeneration(config)
+        config = config_cls(text_config=text, vision_config=dict(QWEN3_5_TINY_VISION),
+                            tie_word_embeddings=tie_word_embeddings)
+        model = getattr(transformers, f"{kind}ForConditionalGeneration")(config)
     else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+        model = getattr(transformers, f"{kind}ForCausalLM")(text_config_cls(**text))
     model = model.float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -265,11 +276,13 @@ def build_tiny_qwen3_5(out_dir: str | Path, wrapper: bool = False, seed: int = 0
     return model
 
 
-def random_mtp_head(text_config: dict, seed: int = 0, scale: float = 0.08) -> dict:
+def random_mtp_head(text_config: dict, seed: int = 0, scale: float = 0.08, stacked_experts: bool = True) -> dict:
     """Random weights of a Qwen3.5 MTP head for a text config, named as in Hugging Face checkpoints
     (`mtp.fc.weight`, ...), norms zero-centred (HF convention, applied as 1 + w). Norm weights are
     multiples of 2^-8 in [-0.5, 0.5), so 1 + w is exact in float32 and the HF and MLX forms of the
-    same head compute identical numbers."""
+    same head compute identical numbers. An MoE config (`num_experts`) gets the MoE MLP: router,
+    experts (stacked as the releases ship them, or with `stacked_experts=False` one linear each)
+    and the gated shared expert."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -277,7 +290,6 @@ def random_mtp_head(text_config: dict, seed: int = 0, scale: float = 0.08) -> di
     heads = int(text_config.get("num_attention_heads", 16))
     kv_heads = int(text_config.get("num_key_value_heads") or heads)
     head_dim = int(text_config.get("head_dim") or 256)
-    inter = int(text_config["intermediate_size"])
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen) * scale
@@ -290,8 +302,26 @@ def random_mtp_head(text_config: dict, seed: int = 0, scale: float = 0.08) -> di
         "self_attn.q_proj.weight": rand(heads * head_dim * 2, h), "self_attn.k_proj.weight": rand(kv_heads * head_dim, h),
         "self_attn.v_proj.weight": rand(kv_heads * head_dim, h), "self_attn.o_proj.weight": rand(h, heads * head_dim),
         "self_attn.q_norm.weight": norm(head_dim), "self_attn.k_norm.weight": norm(head_dim),
-        "mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h), "mlp.down_proj.weight": rand(h, inter),
     }
+    if text_config.get("num_experts"):
+        e, inter, shared = (int(text_config[k]) for k in ("num_experts", "moe_intermediate_size",
+                                                            "shared_expert_intermediate_size"))
+        layer.update({"mlp.gate.weight": rand(e, h), "mlp.shared_expert_gate.weight": rand(1, h),
+                      "mlp.shared_expert.gate_proj.weight": rand(shared, h),
+                      "mlp.shared_expert.up_proj.weight": rand(shared, h),
+                      "mlp.shared_expert.down_proj.weight": rand(h, shared)})
+        gate_up, down = rand(e, 2 * inter, h), rand(e, h, inter)
+        if stacked_experts:
+            layer.update({"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down})
+        else:
+            for i in range(e):
+                layer.update({f"mlp.experts.{i}.gate_proj.weight": gate_up[i, :inter].clone(),
+                              f"mlp.experts.{i}.up_proj.weight": gate_up[i, inter:].clone(),
+                              f"mlp.experts.{i}.down_proj.weight": down[i].clone()})
+    else:
+        inter = int(text_config["intermediate_size"])
+        layer.update({"mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h),
+                      "mlp.down_proj.weight": rand(h, inter)})
     tensors = {"mtp.fc.weight": rand(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": norm(h),
                "mtp.pre_fc_norm_hidden.weight": norm(h), "mtp.norm.weight": norm(h)}
     tensors.update({f"mtp.layers.0.{k}": v for k, v in layer.items()})
@@ -475,3 +505,30 @@ def build_tiny_gemma3(out_dir: str | Path, wrapper: bool = False, seed: int = 0,
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(str(out))
     return model
+
+
+def stack_expert_tensors(model_dir: str | Path) -> None:
+    """Rewrite a checkpoint's per-expert MoE weights (`<experts>.{e}.{gate,up,down}_proj.weight`, as
+    transformers saves Qwen MoE models) as the stacked tensors the Qwen3.5 / 3.6 releases ship:
+    `<experts>.gate_up_proj` [E, 2I, H] (gate rows first) and `<experts>.down_proj` [E, H, I]."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(str(path))
+    per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in tensors.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if match is None:
+            out[name] = t
+        else:
+            per_expert.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = t
+    for prefix, projs in per_expert.items():
+        ids = sorted(projs["down_proj"])
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([projs["gate_proj"][e], projs["up_proj"][e]])
+                                                     for e in ids])
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in ids])
+    save_file(out, str(path), metadata={"format": "pt"})

@@ -283,3 +283,27 @@ def test_moe_bytes_count_only_routed_experts(tmp_path):
     embed = model.input_embeddings().weight
     assert weight_bytes(model) == everything - inactive_expert_bytes(model)  # tied head: embedding read in full
     assert embed is model.lm_head.weight
+
+
+@pytest.mark.parametrize("name, total, active", [("qwen3-30b-a3b", 30.53e9, 3.04e9),
+                                                 ("qwen3.6-35b-a3b", 34.66e9, 2.946e9)])
+def test_qwen_moe_shapes_read_routed_and_shared_experts(name, total, active):
+    """The shapes built on the meta device: the published parameter counts (30.5B; 35B with the
+    vision tower and MTP head, which the text model leaves out) and a decode step reading the top-8
+    routed experts of each layer, the shared expert, attention / Gated DeltaNet, the router and
+    lm_head in full, and one embedding row (3.3B / 3B active less the embedding table)."""
+    from verispec.bench.roofline import inactive_expert_bytes, weight_bytes
+    from verispec.bench.shapes import get_shape
+    from verispec.models.registry import model_class
+
+    shape = get_shape(name)
+    with torch.device("meta"):
+        model = model_class(shape.model_type)(dict(shape.config)).to(torch.bfloat16)
+    moe = model.settings.moe
+    params = dict(model.named_parameters())
+    stacks = sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
+    assert sum(p.numel() for p in params.values()) == pytest.approx(total, rel=1e-3)
+    assert inactive_expert_bytes(model) == 2 * stacks * (moe.num_experts - moe.top_k) // moe.num_experts
+    assert weight_bytes(model) / 2 == pytest.approx(active, rel=1e-3)
+    if name == "qwen3.6-35b-a3b":
+        assert any(".mlp.shared_expert." in n for n in params)  # read in full: not in the stacks

@@ -47,14 +47,25 @@ def weight_bytes(model: CausalLM) -> int:
     return total
 
 
+def routing(settings) -> tuple[int, int] | None:
+    """(experts per MoE layer, experts routed to per token), None for a dense model: the Qwen MoE
+    families' `moe` settings or Gemma 4's fields."""
+    moe = getattr(settings, "moe", None)
+    if moe is not None:
+        return moe.num_experts, moe.top_k
+    if getattr(settings, "enable_moe", False):
+        return settings.num_experts, settings.top_k_experts
+    return None
+
+
 def inactive_expert_bytes(model: CausalLM) -> int:
-    """Mixture-of-experts weights a batch-1 decode step does not read: of each layer's E experts
-    only top_k are routed to per token (the router, dense MLP and attention are all read)."""
-    settings = getattr(model, "settings", None)
-    num_experts = getattr(settings, "num_experts", 0) if getattr(settings, "enable_moe", False) else 0
-    if not num_experts:
+    """Mixture-of-experts weights a batch-1 decode step does not read: of each layer's E routed
+    experts only top_k are used per token (the router, a shared expert, dense MLPs and attention
+    are all read)."""
+    routed = routing(getattr(model, "settings", None))
+    if routed is None:
         return 0
-    top_k = settings.top_k_experts
+    num_experts, top_k = routed
     expert_bytes = 0
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.dim() == 3 and p.shape[0] == num_experts:  # stacked expert weights [E, ...] (packed words too)

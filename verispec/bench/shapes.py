@@ -62,6 +62,28 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                attn_output_gate=True, max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
                tie_word_embeddings=False)),
+    # Qwen/Qwen3-30B-A3B's config.json (transformers' Qwen3MoeConfig defaults differ: 24 layers,
+    # norm_topk_prob false); every layer sparse
+    Shape("qwen3-30b-a3b", "Qwen3-30B-A3B: MoE, 48 layers, hidden 2048, 32/4 heads x 128; 128 experts top-8 "
+          "of size 768 (renormalised), no shared expert; vocab 151936",
+          dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+               num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+               num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+               decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
+               rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False)),
+    # Qwen3.6-35B-A3B (Qwen3.5-35B-A3B is the same shape): transformers' Qwen3_5MoeTextConfig
+    # defaults, which are that checkpoint's; 3 of every 4 layers Gated DeltaNet, drafts with its MTP head
+    Shape("qwen3.6-35b-a3b", "Qwen3.6-35B-A3B: hybrid MoE, 40 layers (10 attention 16/2 heads x 256, 30 Gated "
+          "DeltaNet), hidden 2048; 256 experts top-8 of size 512 + a shared expert of 512; vocab 248320",
+          dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+               num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+               shared_expert_intermediate_size=512, attn_output_gate=True, max_position_embeddings=262144,
+               rms_norm_eps=1e-6, hidden_act="silu",
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+               tie_word_embeddings=False)),
     # Gemma 4 (shared/reference/gemma4.md): 5 sliding layers then 1 full, repeated; k_eq_v on full layers
     Shape("gemma4-31b", "Gemma 4 31B: dense, 60 layers, hidden 5376, 32 q heads; sliding 16 kv x 256, "
           "full 4 kv x 512; MLP 21504, vocab 262144",

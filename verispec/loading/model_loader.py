@@ -10,8 +10,9 @@ import torch
 from verispec import log
 from verispec.errors import VerispecError
 from verispec.loading.gguf import GGUFCheckpoint, is_gguf
+from verispec.loading.parts import check_part_shape, find_part, part_modules
 from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
-from verispec.models.base import CausalLM
+from verispec.models.base import CausalLM, renamed
 from verispec.models.layers.parallel import Shard
 from verispec.models.sharding import check_shardable, shard_model
 from verispec.models.registry import model_class
@@ -150,8 +151,9 @@ def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: s
 def _our_name(model: CausalLM, ckpt_name: str) -> str:
     for src, dst in model.checkpoint_prefix_map.items():
         if ckpt_name.startswith(src):
-            return dst + ckpt_name[len(src):]
-    return ckpt_name
+            ckpt_name = dst + ckpt_name[len(src):]
+            break
+    return renamed(ckpt_name, model.checkpoint_renames)
 
 
 def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -160,20 +162,24 @@ def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
 
     params = dict(model.named_parameters())
     params.update(loadable_tensors(model))  # quantized layers' packed integer buffers
-    loaded: set[str] = set()
+    parts = part_modules(model)
+    covered: dict[str, int] = {}  # elements written per parameter (a part fills a slice)
     ignored: list[str] = []
     for ckpt_name, tensor in tensors:
-        name = _our_name(model, ckpt_name)
+        name, index = _our_name(model, ckpt_name), ()
         if name not in params:
-            ignored.append(ckpt_name)
-            continue
+            part = find_part(parts, name)
+            if part is None:
+                ignored.append(ckpt_name)
+                continue
+            name, index = part
         param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise VerispecError(
-                f"weight {ckpt_name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
+        dest = param[index] if index else param
+        check_part_shape(ckpt_name, tensor, dest)
         with torch.no_grad():
-            param.copy_(as_stored(ckpt_name, tensor, param, dtype).to(device=device))
-        loaded.add(name)
+            dest.copy_(as_stored(ckpt_name, tensor, param, dtype).to(device=device))
+        covered[name] = covered.get(name, 0) + tensor.numel()
+    loaded = {name for name, count in covered.items() if count >= params[name].numel()}
     tied_names = {n for n in params if n.startswith("lm_head.")}  # a quantized head has several tensors
     tied = tied_names if getattr(getattr(model, "settings", None), "tie_word_embeddings", False) else set()
     missing = sorted(set(params) - loaded - tied)

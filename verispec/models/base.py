@@ -18,6 +18,14 @@ class ForwardOutput:
     pre_norm: torch.Tensor | None = None  # [B, T, H] the residual stream before the final norm
 
 
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint name with a model's `checkpoint_renames` applied (or their inverse, swapped)."""
+    for src, dst in renames:
+        if src in name:
+            name = name.replace(src, dst)
+    return name
+
+
 class CausalLM(nn.Module):
     """Model interface: forward(input_ids, positions, cache, capture) and logits(hidden).
 
@@ -32,6 +40,8 @@ class CausalLM(nn.Module):
     max_position_embeddings: int
     # checkpoint name prefix -> our module prefix, for wrappers (e.g. model.language_model.*)
     checkpoint_prefix_map: dict[str, str] = {}
+    # (checkpoint infix, ours) substitutions after the prefix map (loading/parts.py)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # checkpoint name prefixes to ignore silently (e.g. vision towers); logged once under debug
     ignored_prefixes: tuple[str, ...] = ()
 

@@ -13,6 +13,7 @@ from verispec.errors import UnsupportedModelError
 from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.mlp import GatedMLP
+from verispec.models.layers.sparse_moe import MoeSettings
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.fused import add_rms_norm, fast_add_rms_norm, fast_prepare_qk, merged_linear, prepare_qk
 from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
@@ -41,6 +42,9 @@ class DecoderSettings:
         self.qk_norm = model_type == "qwen3"
         self.rope = rope_parameters(config)
         self.windows = self._layer_windows(config)
+        # mixture-of-experts families (qwen3_moe.py): which layers have a sparse MoE MLP
+        self.moe: MoeSettings | None = None
+        self.sparse_layers: frozenset[int] = frozenset()
 
     def _layer_windows(self, config: dict) -> list[int | None]:
         window = config.get("sliding_window")
@@ -121,7 +125,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.self_attn = Attention(s, layer_idx)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act, s.mlp_bias)
+        if layer_idx in s.sparse_layers:
+            self.mlp = s.moe.block(s.hidden_size, s.hidden_act)
+        else:
+            self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act, s.mlp_bias)
         self.add_norm = add_rms_norm
 
     def fuse(self) -> None:
@@ -153,7 +160,7 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(FoldedDecoderLM):
     def __init__(self, config: dict):
         super().__init__()
-        s = DecoderSettings(config)
+        s = self._settings(config)
         self.config, self.settings = config, s
         self.vocab_size = s.vocab_size
         self.max_position_embeddings = s.max_position_embeddings
@@ -161,6 +168,10 @@ class LlamaForCausalLM(FoldedDecoderLM):
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(s.rope, s.head_dim)
         self.num_layers = s.num_layers
+
+    @staticmethod
+    def _settings(config: dict) -> DecoderSettings:
+        return DecoderSettings(config)
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         s = self.settings

@@ -1,10 +1,14 @@
 """Qwen3.5 / Qwen3.6: hybrid Gated DeltaNet + gated full attention (see shared/reference/qwen3_5-mtp.md).
 
-Two model_types share one decoder:
+Four model_types share one decoder:
 - `qwen3_5_text` (Qwen3_5ForCausalLM): text weights at `model.*`, `lm_head.*`;
 - `qwen3_5` (the multimodal Qwen3_5ForConditionalGeneration): config under `text_config`, text
   weights at `model.language_model.*`, `lm_head.*`; the vision tower (`model.visual.*`) and the
-  MTP head (`mtp.*`) are not used here and are skipped by the loader (one debug line).
+  MTP head (`mtp.*`) are not used here and are skipped by the loader (one debug line);
+- `qwen3_5_moe_text`, `qwen3_5_moe` (35B-A3B and the like): the same two layouts with a sparse MoE
+  MLP in every layer, MTP head included (layers/sparse_moe.py: softmax top-k renormalised, plus a
+  shared expert gated by sigmoid(shared_expert_gate)); experts stacked (`mlp.experts.gate_up_proj`,
+  as the releases ship them) or one linear each (as transformers' save_pretrained writes them).
 
 Layer i is Gated DeltaNet ("linear_attention") or gated full attention per `layer_types`
 (older configs: `full_attention_interval`, full attention when (i + 1) % interval == 0). Every
@@ -29,6 +33,7 @@ from verispec.models.layers.gated_delta_net import GatedDeltaNet
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
+from verispec.models.layers.sparse_moe import MLX_SWITCH_MLP_RENAMES, MoeSettings
 
 # The multimodal checkpoints (Qwen/Qwen3.5-*, and what transformers saves) keep the text weights
 # under `model.language_model.*`; text-only ones under `model.*`, which needs no mapping.
@@ -42,6 +47,10 @@ class LayerType(str, Enum):
     LINEAR_ATTENTION = "linear_attention"
 
 
+# transformers' Qwen3_5MoeTextConfig defaults (Qwen3.5-35B-A3B's)
+QWEN3_5_MOE_DEFAULTS = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                        "shared_expert_intermediate_size": 512}
+
 # transformers' legacy layer-type spellings
 _LEGACY_LAYER_TYPES = {"attention": LayerType.FULL_ATTENTION, "mamba": LayerType.LINEAR_ATTENTION}
 
@@ -49,14 +58,18 @@ _LEGACY_LAYER_TYPES = {"attention": LayerType.FULL_ATTENTION, "mamba": LayerType
 class Qwen3_5Settings:
     """The text-config fields Qwen3.5 reads. Defaults are those of transformers' Qwen3_5TextConfig."""
 
-    def __init__(self, text_config: dict, tie_word_embeddings: bool | None = None):
+    def __init__(self, text_config: dict, tie_word_embeddings: bool | None = None, moe: bool = False):
+        """`moe`: the *_moe model types, a sparse MoE MLP with a shared expert in every layer."""
         c = text_config
         self.hidden_size = int(c["hidden_size"])
         self.num_layers = int(c["num_hidden_layers"])
         self.num_heads = int(c.get("num_attention_heads", 16))
         self.num_kv_heads = int(c.get("num_key_value_heads") or self.num_heads)
         self.head_dim = int(c.get("head_dim") or 256)
-        self.intermediate_size = int(c["intermediate_size"])
+        # routing always renormalised (transformers' Qwen3_5MoeTopKRouter has no norm_topk_prob)
+        self.moe = MoeSettings.from_config(c, "qwen3_5_moe", QWEN3_5_MOE_DEFAULTS, renormalize=True,
+                                           shared=True) if moe else None
+        self.intermediate_size = int(c.get("intermediate_size") or 0) if moe else int(c["intermediate_size"])
         self.vocab_size = int(c["vocab_size"])
         self.rms_norm_eps = float(c.get("rms_norm_eps", 1e-6))
         self.hidden_act = c.get("hidden_act", "silu")
@@ -120,7 +133,10 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
                                             s.rms_norm_eps, layer_idx, bias=s.attention_bias)
-        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act)
+        if s.moe is not None:
+            self.mlp = s.moe.block(s.hidden_size, s.hidden_act)
+        else:
+            self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.hidden_act)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, unit_offset=True)
         self.add_norm = add_rms_norm
@@ -164,6 +180,7 @@ class Qwen3_5ForCausalLM(FoldedDecoderLM):
 
     checkpoint_prefix_map = TEXT_PREFIX_MAP
     ignored_prefixes = IGNORED_PREFIXES
+    mixture_of_experts = False  # the *_moe subclasses below
 
     def __init__(self, config: dict):
         super().__init__()
@@ -176,9 +193,9 @@ class Qwen3_5ForCausalLM(FoldedDecoderLM):
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(s.rope, s.rotary_dim)
 
-    @staticmethod
-    def _settings(config: dict) -> Qwen3_5Settings:
-        return Qwen3_5Settings(config)
+    @classmethod
+    def _settings(cls, config: dict) -> Qwen3_5Settings:
+        return Qwen3_5Settings(config, moe=cls.mixture_of_experts)
 
     def cache_specs(self) -> list[LayerCacheSpec | RecurrentLayerSpec]:
         return [layer.cache_spec() for layer in self.model.layers]
@@ -188,9 +205,25 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """model_type `qwen3_5`: the text model of the multimodal checkpoint (config in `text_config`;
     whether lm_head is tied follows the top-level `tie_word_embeddings`, as in transformers)."""
 
-    @staticmethod
-    def _settings(config: dict) -> Qwen3_5Settings:
+    @classmethod
+    def _settings(cls, config: dict) -> Qwen3_5Settings:
         text = config.get("text_config")
         if not isinstance(text, dict):
-            raise UnsupportedModelError("a qwen3_5 config needs a `text_config` object (the language model's config)")
-        return Qwen3_5Settings(text, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+            raise UnsupportedModelError(f"a {config.get('model_type')} config needs a `text_config` object "
+                                        "(the language model's config)")
+        return Qwen3_5Settings(text, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                               moe=cls.mixture_of_experts)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """model_type `qwen3_5_moe_text` (Qwen3.5 / Qwen3.6 MoE, e.g. 35B-A3B)."""
+
+    mixture_of_experts = True
+    checkpoint_renames = MLX_SWITCH_MLP_RENAMES
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """model_type `qwen3_5_moe`: the text model of the multimodal MoE checkpoint."""
+
+    mixture_of_experts = True
+    checkpoint_renames = MLX_SWITCH_MLP_RENAMES

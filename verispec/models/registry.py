@@ -14,8 +14,11 @@ MODEL_REGISTRY: dict[str, str] = {
     "mistral": "verispec.models.llama:LlamaForCausalLM",
     "qwen2": "verispec.models.llama:LlamaForCausalLM",
     "qwen3": "verispec.models.llama:LlamaForCausalLM",
+    "qwen3_moe": "verispec.models.qwen3_moe:Qwen3MoeForCausalLM",
     "qwen3_5": "verispec.models.qwen3_5:Qwen3_5ForConditionalGeneration",
     "qwen3_5_text": "verispec.models.qwen3_5:Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "verispec.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_moe_text": "verispec.models.qwen3_5:Qwen3_5MoeForCausalLM",
 }
 
 

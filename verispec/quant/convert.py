@@ -25,6 +25,7 @@ from torch import nn
 
 from verispec import log
 from verispec.errors import VerispecError
+from verispec.models.base import renamed
 from verispec.quant import compressed_tensors, detect_format, mlx_affine, nvfp4
 
 SHARD_BYTES = 5 * 2 ** 30  # mlx-lm's default shard size
@@ -148,9 +149,9 @@ def parse_format(name: str, group_size: int | None = None) -> OutputFormat:
     return fmt
 
 
-def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str]]:
+def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str], tuple[tuple[str, str], ...]]:
     """Our names of this architecture's linear / embedding weights -> "linear" | "embedding",
-    and the model's checkpoint prefix map (checkpoint name prefix -> ours)."""
+    the model's checkpoint prefix map (checkpoint name prefix -> ours) and its checkpoint renames."""
     from verispec.models.registry import model_class
 
     with torch.device("meta"):
@@ -164,7 +165,7 @@ def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str]]:
         elif isinstance(m, FusedExperts):
             kinds[f"{path}.gate_up_proj"] = "experts-gate-up"
             kinds[f"{path}.down_proj"] = "experts-down"
-    return kinds, dict(model.checkpoint_prefix_map)
+    return kinds, dict(model.checkpoint_prefix_map), tuple(model.checkpoint_renames)
 
 
 def _our_name(prefix_map: dict[str, str], name: str) -> str:
@@ -185,7 +186,9 @@ def quantize_checkpoint(source: Source, format_name: str, out: str | Path, group
         raise VerispecError(f"--out {out_dir} exists and is not empty (choose a new directory)", param="out")
     if detect_format(config) is not None:
         raise VerispecError(f"{src} is already quantized (config.json declares its quantization)")
-    kinds, prefix_map = quantizable_weights(config)
+    kinds, prefix_map, renames = quantizable_weights(config)
+    # written names in the architecture's MLX layout (Qwen MoE experts: mlp.switch_mlp.*), as mlx-lm reads them
+    mlx_names = tuple((ours, theirs) for theirs, ours in renames)
     tied = bool(config.get("tie_word_embeddings", False) or
                 (config.get("text_config") or {}).get("tie_word_embeddings", False))
 
@@ -210,7 +213,7 @@ def quantize_checkpoint(source: Source, format_name: str, out: str | Path, group
             prefix = name if experts else name[: -len(".weight")]
             written = writer.quantize_experts(prefix, kinds[ours], tensor) if experts else writer.quantize(prefix, tensor)
             for out_name, out_tensor in written.items():
-                shards.add(out_name, out_tensor)
+                shards.add(renamed(out_name, mlx_names), out_tensor)
             quantized_layers.append(prefix)
             summary.quantized += 1
         else:

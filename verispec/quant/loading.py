@@ -89,6 +89,7 @@ def quantized_sites(model: nn.Module, tensors: dict[str, CheckpointTensor], mark
         try:
             module = model.get_submodule(path)
         except AttributeError:
+            _refuse_quantized_expert_part(model, path, tensors[f"{path}.{marker}"].name[: -len(marker) - 1])
             continue
         if getattr(module, "checkpoint_buffers", ()):
             continue  # already a quantized module (expert stacks are swapped in before the linears)
@@ -99,6 +100,23 @@ def quantized_sites(model: nn.Module, tensors: dict[str, CheckpointTensor], mark
                                         f"there has no quantized version yet (supported: {supported})")
         sites.append(QuantizedSite(path, checkpoint_path, module, by_layer[path]))
     return sites
+
+
+def _refuse_quantized_expert_part(model: nn.Module, path: str, checkpoint_name: str) -> None:
+    """A quantized per-expert linear (`<experts>.<e>.gate_proj` with scales beside it) where our
+    model stacks the experts: named as unsupported instead of surfacing as missing weights."""
+    parent = path
+    while "." in parent:
+        parent = parent.rpartition(".")[0]
+        try:
+            module = model.get_submodule(parent)
+        except AttributeError:
+            continue
+        if hasattr(module, "checkpoint_part"):
+            raise UnsupportedModelError(f"{checkpoint_name}: MoE experts quantized one linear per expert are not "
+                                        "supported yet (supported: float experts, per expert or stacked, and "
+                                        "MLX-affine quantized expert stacks)")
+        return
 
 
 def expect_shapes(site: QuantizedSite, expected: dict[str, tuple], what: str) -> None:

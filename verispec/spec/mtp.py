@@ -1,7 +1,8 @@
 """MTP self-speculation: the multi-token-prediction head of Qwen3.5 / Qwen3.6, and its proposer.
 
 The head (see shared/reference/qwen3_5-mtp.md) is one gated full-attention decoder layer with its
-own 1-layer KV cache, sharing the target's embed_tokens and lm_head. For the row at position i,
+own 1-layer KV cache, sharing the target's embed_tokens and lm_head; an MoE target's head layer
+has the target's sparse MoE MLP (experts stacked or one linear each, as the target's may be). For the row at position i,
 with the target's hidden h_i and the token t_{i+1} that follows it:
     x = fc(cat(pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)))   # embedding first
     x = layers.0(x, position i);   out = norm(x);   logits = lm_head(out)        # predicts t_{i+2}
@@ -35,8 +36,9 @@ from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import as_stored
+from verispec.loading.parts import stack_parts
 from verispec.loading.weights import checkpoint_files
-from verispec.models.base import CausalLM
+from verispec.models.base import CausalLM, renamed
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
@@ -49,7 +51,7 @@ from verispec.spec.proposer import TargetStep
 SIDECAR_NAMES = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
 # Where a checkpoint may keep the head: top level (Qwen/Qwen3.5-*), or under a wrapper prefix.
 WRAPPER_PREFIXES = ("", "model.", "model.language_model.", "language_model.", "language_model.model.")
-MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 class MtpHidden(str, Enum):
@@ -208,7 +210,7 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
             for name in f.keys():
                 head_name = head_tensor_name(name, source.sidecar)
                 if head_name is not None:
-                    tensors[head_name] = f.get_tensor(name)
+                    tensors[renamed(head_name, target.checkpoint_renames)] = f.get_tensor(name)
     param = next(target.parameters())
     where = ", ".join(str(p) for p in source.files)
     quantized = any(name.endswith(".scales") for name in tensors)
@@ -216,6 +218,7 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
         head = MtpHead(target.settings, target)
         if quantized:
             _quantized_layers(head, config, tensors, where)
+    tensors = stack_parts(head, tensors)  # an MoE head's experts one linear each -> the stacks
     head.to_empty(device=param.device)
     head.to(param.dtype)
     expected = dict(head.named_parameters())

@@ -105,10 +105,24 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
         super().__init__()
         self.num_experts = num_experts
+        self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = activation(act)
         self.method: ExpertsMethod | None = None  # None: chosen per call by `default_method`
+
+    def checkpoint_part(self, local_name: str) -> tuple[str, tuple] | None:
+        """Where one expert's matrix of a per-expert checkpoint lands (what transformers saves for
+        Qwen3-MoE and the original releases ship): `{e}.gate_proj.weight` -> (`gate_up_proj`,
+        index [e, :I]), `{e}.up_proj.weight` -> [e, I:], `{e}.down_proj.weight` -> (`down_proj`, [e]).
+        None for any other name."""
+        expert, _, rest = local_name.partition(".")
+        if not expert.isdigit() or int(expert) >= self.num_experts:
+            return None
+        e, i = int(expert), self.intermediate
+        return {"gate_proj.weight": ("gate_up_proj", (e, slice(0, i))),
+                "up_proj.weight": ("gate_up_proj", (e, slice(i, 2 * i))),
+                "down_proj.weight": ("down_proj", (e,))}.get(rest)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; top_k_index [N, K] expert ids; top_k_weights [N, K] -> [N, H] weighted sum."""
