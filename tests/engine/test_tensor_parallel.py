@@ -148,7 +148,6 @@ def test_sizes_the_model_splits():
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1234), "--node-rank"),
     (dict(tensor_parallel_size=2, nnodes=2), "--master-port"),
     (dict(tensor_parallel_size=2, device="mps"), "not mps"),
-    (dict(tensor_parallel_size=2, device="cpu", mtp=True), "not split yet"),
 ])
 def test_bad_tensor_parallel_flags(fields, message):
     with pytest.raises(VerispecError, match=message):

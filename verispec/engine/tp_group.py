@@ -56,9 +56,6 @@ def check_tensor_parallel_options(config: EngineConfig) -> None:
     if device == "cuda" and torch.cuda.device_count() < per_node:
         raise VerispecError(f"--tensor-parallel-size {size} over {nnodes} machine(s) needs {per_node} GPUs on "
                             f"this one; it has {torch.cuda.device_count()}")
-    if config.eagle3 or config.mtp:
-        raise VerispecError(f"--tensor-parallel-size {size}: drafter models (--eagle3, --mtp) are not split yet; "
-                            "--suffix and --ngram work")
 
 
 @dataclass

@@ -103,6 +103,31 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return model
 
 
+def load_whole_tables(model_dir: Path, target: CausalLM) -> CausalLM:
+    """The target's embedding and head read whole from its checkpoint, on its device and dtype
+    (models/drafter_tables.py: what a drafter reads on rank 0 of a tensor-parallel group),
+    quantized as the checkpoint stores them. Only those tensors are read."""
+    from verispec.models.drafter_tables import WholeTables
+    from verispec.quant import loading as quant_loading
+
+    config = quant_loading.with_sidecar_config(read_config(model_dir), model_dir)
+    files = checkpoint_files(model_dir)
+    param = next(p for p in target.parameters() if p.is_floating_point())
+    with torch.device("meta"):
+        tables = WholeTables(target)
+        wanted = lambda name: _our_name(tables, name).startswith(("model.embed_tokens.", "lm_head."))  # noqa: E731
+        named = {_our_name(tables, name): quant_loading.CheckpointTensor(name, shape)
+                 for name, shape in tensor_shapes(files).items() if wanted(name)}
+        quantized = quant_loading.prepare_model(tables, config, named) is not None
+    tables.to_empty(device=param.device)
+    tables.to(param.dtype)
+    _load_weights(tables, iter_tensors(files, only=wanted), param.dtype, param.device)
+    tables.tie_weights()
+    if quantized:
+        quant_loading.finish_loading(tables)
+    return tables.eval().requires_grad_(False)
+
+
 def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
     """The numerics `model` runs for --numerics `requested` on its device, and why not exact
     (models/layers/numerics.py `resolve`, told which kinds of layers the model has)."""
