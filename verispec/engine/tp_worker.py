@@ -19,7 +19,7 @@ from verispec import log
 from verispec.cache.paged import BatchCache, PagedPools
 from verispec.config import EngineConfig
 from verispec.engine import tp_group
-from verispec.engine.tp_peers import CacheOps, Forward, Logits, Pools, Stop
+from verispec.engine.tp_peers import CacheOps, Commit, CopyState, Forward, Logits, Pools, Stop
 from verispec.engine.scheduler import ClearState, CopyBlock, RestoreState, ZeroBlocks
 from verispec.loading.model_loader import load_model, parse_dtype, prepare_for_device, resolve_numerics
 
@@ -34,6 +34,7 @@ def run(config: EngineConfig, rank: int, model_dir: Path) -> None:
     prepare_for_device(model, config.fuse_small_ops, numerics)  # the rewrites rank 0 makes, in the same order
     dtype = next(model.parameters()).dtype
     pools: PagedPools | None = None
+    last: BatchCache | None = None  # the last pass's cache view, which a Commit refers to
     while True:
         box = [None]
         try:
@@ -44,8 +45,10 @@ def run(config: EngineConfig, rank: int, model_dir: Path) -> None:
         message = box[0]
         with torch.inference_mode():
             if isinstance(message, Forward):
-                model(message.input_ids.to(group.device), message.positions.to(group.device),
-                      _cache(pools, message, group.device), message.capture)
+                last = _cache(pools, message, group.device)
+                model(message.input_ids.to(group.device), message.positions.to(group.device), last, message.capture)
+            elif isinstance(message, Commit):
+                last.commit(message.num_rows)
             elif isinstance(message, Logits):
                 hidden = torch.empty(message.shape, dtype=message.dtype, device=group.device)
                 dist.broadcast(hidden, src=0, group=group.shard.group)
@@ -78,6 +81,8 @@ def _apply(pools: PagedPools, ops: list) -> None:
             pools.copy_state(op.snapshot_slot, op.state_slot)
         elif isinstance(op, ClearState):
             pools.clear_state(op.state_slot)
+        elif isinstance(op, CopyState):
+            pools.copy_state(op.src, op.dst)
 
 
 def main() -> int:

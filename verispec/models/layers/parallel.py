@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.models.layers.moe import FusedExperts
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -150,3 +152,19 @@ class VocabParallelHead(nn.Module):
         parts = [torch.empty_like(local) for _ in range(self.shard.world_size)]
         dist.gather(local, parts, dst=0, group=self.shard.group)
         return torch.cat(parts, dim=-1)[..., :self.out_features]
+
+
+class RowParallelExperts(FusedExperts):
+    """Fused experts holding a part of every expert's intermediate features (gate and up rows,
+    down columns): each rank's weighted sum over its routed experts is partial, one all-reduce
+    sums the ranks' parts. The router runs whole on every rank, so all route alike."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act, shard: Shard):
+        super().__init__(num_experts, hidden, intermediate, "silu")
+        self.act = act  # the whole layer's activation function
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x, top_k_index, top_k_weights)  # [N, H], this rank's features only
+        dist.all_reduce(y, group=self.shard.group)
+        return y
