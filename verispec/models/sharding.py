@@ -31,8 +31,11 @@ def check_shardable(config: dict, world_size: int) -> None:
     if model_type not in SHARDABLE_TYPES:
         raise VerispecError(f"{flag}: model_type '{model_type}' is not split over GPUs yet "
                             f"(supported: {', '.join(SHARDABLE_TYPES)})")
-    if "quantization_config" in config or "quantization" in config:
-        raise VerispecError(f"{flag}: quantized checkpoints are not split over GPUs yet; load the bf16 checkpoint")
+    mlx = isinstance(config.get("quantization"), dict)  # MLX's section (loading/quantized_shards.py splits it)
+    if "quantization_config" in config and not mlx:
+        method = config["quantization_config"].get("quant_method", "this format's")
+        raise VerispecError(f"{flag}: {method} quantized checkpoints are not split over GPUs yet (MLX 4/8-bit ones "
+                            "are); load the bf16 checkpoint")
     text = (config.get("text_config") or {}) if model_type in WRAPPED_TYPES else config
     heads, kv_heads, widths = _split_sizes(model_type, text)
     if heads % world_size:

@@ -8,6 +8,7 @@ and the head split the vocabulary.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -168,3 +169,21 @@ class RowParallelExperts(FusedExperts):
         y = super().forward(x, top_k_index, top_k_weights)  # [N, H], this rank's features only
         dist.all_reduce(y, group=self.shard.group)
         return y
+
+
+@functools.cache
+def _row_parallel_class(cls: type) -> type:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features / world] -> [..., out]
+        y = cls.forward(self, x)
+        dist.all_reduce(y, group=self.shard.group)
+        return y
+
+    return type(f"RowParallel{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+
+
+def make_row_parallel(module: nn.Module, shard: Shard) -> None:
+    """A layer computing x W^T over this rank's input columns (a quantized linear, whose class the
+    quantizer chose) made row-parallel in place: its product is all-reduced. In place, so that its
+    tensors keep their checkpoint names. The caller made sure it has no bias."""
+    module.__class__ = _row_parallel_class(type(module))
+    module.shard = shard
