@@ -104,7 +104,8 @@ def join(config: EngineConfig, rank: int) -> Group:
 
 
 def start_workers(config: EngineConfig, model_dir: Path) -> list[Worker]:
-    """This machine's worker ranks as processes, each told (config, rank, model directory) on its stdin."""
+    """This machine's worker ranks as processes, each told (config, rank, model directory) on its stdin
+    (`model_dir` may be a shape's RandomWeights: loading/random_weights.py)."""
     per_node = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * per_node
     ranks = [r for r in range(first, first + per_node) if r != 0]
@@ -112,7 +113,7 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[Worker]:
     for rank in ranks:
         proc = subprocess.Popen([sys.executable, "-m", "verispec.engine.tp_worker"], stdin=subprocess.PIPE,
                                 env={**os.environ, **COLLECTIVE_ENV})
-        proc.stdin.write(pickle.dumps((config, rank, str(model_dir))))
+        proc.stdin.write(pickle.dumps((config, rank, model_dir)))
         proc.stdin.close()
         workers.append(Worker(rank, proc))
     _started.extend(w.process for w in workers)
