@@ -279,7 +279,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     bench.add_argument("--no-cuda-graphs", action="store_true", help="offline: run decode/verify steps eagerly")
     bench.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                       help="offline -m: split the checkpoint over N GPUs (docs/multi-gpu.md)")
+                       help="offline -m / --shape: split the model over N GPUs (docs/multi-gpu.md)")
     bench.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),
                        help="offline: the engine's numerics (default auto; see `serve --help`)")
     bench.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),

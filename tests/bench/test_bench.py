@@ -307,3 +307,29 @@ def test_qwen_moe_shapes_read_routed_and_shared_experts(name, total, active):
     assert weight_bytes(model) / 2 == pytest.approx(active, rel=1e-3)
     if name == "qwen3.6-35b-a3b":
         assert any(".mlp.shared_expert." in n for n in params)  # read in full: not in the stacks
+
+
+def test_offline_shape_split_over_two_ranks(tmp_path, capsys):
+    """Random weights on each of two ranks (gloo); eagle3's random drafter runs on rank 0."""
+    out = tmp_path / "out"
+    rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar,eagle3", "--contexts", "16",
+               "--gen-tokens", "6", "--repeats", "1", "--step-iters", "2", "--tensor-parallel-size", "2",
+               "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"ar", "eagle3"}
+    assert all(r["decode_tok_s"] > 0 and r["runs"][0]["generated_tokens"] == 6 for r in rows)
+
+
+def test_the_70b_shape_is_llama_3_3():
+    from verispec.models.sharding import check_shardable
+
+    from verispec.models.registry import model_class
+
+    config = SHAPES["llama3.3-70b"].config
+    with torch.device("meta"):
+        built = model_class(config["model_type"])(dict(config))
+    assert sum(p.numel() for p in built.parameters()) == pytest.approx(70.55e9, rel=0.01)
+    for size in (2, 4, 8):
+        check_shardable(config, size)

@@ -20,7 +20,8 @@ from verispec.engine.engine import load_engine
 from verispec.engine.tp_group import check_tensor_parallel_options
 from verispec.errors import VerispecError
 from verispec.models.layers.parallel import Shard, ShardSpec, vocab_split
-from verispec.models.sharding import check_shardable, kv_head_split
+from verispec.models.shard_layers import kv_head_split
+from verispec.models.sharding import check_shardable
 from verispec.sampling.params import SamplingParams
 
 ENGINE = dict(device="cpu", dtype="float64", kv_cache_gb=0.01, block_size=16)
@@ -126,7 +127,10 @@ CONFIG = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads"
     ({}, 3, "divide the model's 8 attention heads"),
     ({"num_key_value_heads": 3, "num_attention_heads": 12}, 2, "3 KV heads"),
     ({"intermediate_size": 97}, 2, "MLP width"),
-    ({"model_type": "gemma4"}, 2, "'gemma4' is not split"),
+    ({"model_type": "phi3"}, 2, "'phi3' is not split"),
+    ({"model_type": "qwen3_5_text", "linear_num_key_heads": 3}, 2, "Gated DeltaNet key heads"),
+    ({"model_type": "gemma4", "text_config": {**CONFIG, "enable_moe_block": True, "num_experts": 4,
+                                              "top_k_experts": 2, "moe_intermediate_size": 7}}, 2, "expert MLP width"),
     ({"quantization_config": {"quant_method": "modelopt"}}, 2, "quantized checkpoints"),
 ])
 def test_a_size_the_model_cannot_split_is_one_line(change, size, message):
@@ -148,7 +152,6 @@ def test_sizes_the_model_splits():
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1234), "--node-rank"),
     (dict(tensor_parallel_size=2, nnodes=2), "--master-port"),
     (dict(tensor_parallel_size=2, device="mps"), "not mps"),
-    (dict(tensor_parallel_size=2, device="cpu", mtp=True), "not split yet"),
 ])
 def test_bad_tensor_parallel_flags(fields, message):
     with pytest.raises(VerispecError, match=message):

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from verispec.loading.random_weights import RandomWeights, init_random_, random_model
 from verispec.models.base import CausalLM
-from verispec.models.registry import model_class
 
 
 @dataclass
@@ -46,33 +45,19 @@ class StubTokenizer:
         return [ord(c) % self.vocab_size for c in text]
 
 
-def init_random_(module: nn.Module, seed: int = 0) -> None:
-    """Fill every floating-point parameter with N(0, 0.02), norm weights with 1 (stable activations)."""
-    generators: dict[torch.device, torch.Generator] = {}
-    with torch.no_grad():
-        for sub in module.modules():
-            is_norm = "Norm" in type(sub).__name__
-            for p in sub.parameters(recurse=False):
-                if not p.is_floating_point():
-                    continue
-                if is_norm:
-                    p.fill_(1.0)
-                    continue
-                if p.device not in generators:
-                    generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-                p.normal_(0.0, 0.02, generator=generators[p.device])
+def random_target(name: str, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                  tensor_parallel_size: int = 1) -> Target:
+    """A shape's random-weight model; over N ranks, each rank draws its own share's weights."""
+    source = RandomWeights(name, dict(config), seed)
+    if tensor_parallel_size == 1:
+        return Target(random_model(source, device, dtype), StubTokenizer(int(config["vocab_size"])), dict(config), name)
+    from verispec.config import EngineConfig
+    from verispec.engine.loading import load_sharded
 
-
-def random_target(name: str, config: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Target:
-    cls = model_class(config.get("model_type"))
-    with torch.device("meta"):
-        model = cls(dict(config))
-    model.to(dtype)  # on meta: the device memory is then allocated once, in the target dtype
-    model.to_empty(device=device)
-    init_random_(model, seed)
-    model.tie_weights()
-    model.eval().requires_grad_(False)
-    return Target(model, StubTokenizer(model.vocab_size), dict(config), name)
+    engine_config = EngineConfig(model=name, device=device.type, tensor_parallel_size=tensor_parallel_size,
+                                 dtype=str(dtype).removeprefix("torch."))
+    model, peers = load_sharded(engine_config, source, dtype)
+    return Target(model, StubTokenizer(model.vocab_size), dict(config), name, peers=peers)
 
 
 def load_target(model: str, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1) -> Target:
@@ -94,6 +79,22 @@ def load_target(model: str, device: torch.device, dtype: torch.dtype, tensor_par
     return Target(loaded, Tokenizer.from_dir(model_dir), read_config(model_dir), model, model_dir, peers)
 
 
+def shared_tables(target: Target) -> CausalLM:
+    """What a drafter reads the target's embedding and head from: the target, or, split over
+    ranks, random whole tables on rank 0 (models/drafter_tables.py)."""
+    if target.peers is None:
+        return target.model
+    from verispec.models.drafter_tables import WholeTables
+
+    param = next(target.model.parameters())
+    with torch.device("meta"):
+        tables = WholeTables(target.model)
+    tables.to(param.dtype)
+    tables.to_empty(device=param.device)
+    init_random_(tables)
+    return tables.eval().requires_grad_(False)
+
+
 def random_eagle3(target: Target, drafter_config: dict, with_embedding: bool, seed: int = 1):
     """A random EAGLE3 drafter of the given speculators config, built on the target's device."""
     from verispec.spec.eagle3 import Eagle3Config, Eagle3Drafter
@@ -107,7 +108,7 @@ def random_eagle3(target: Target, drafter_config: dict, with_embedding: bool, se
     init_random_(drafter, seed)
     drafter.d2t.zero_()  # draft id i is target id i
     if not with_embedding:
-        drafter.__dict__["shared_embedding"] = target.model.input_embeddings()
+        drafter.__dict__["shared_embedding"] = shared_tables(target).input_embeddings()
     drafter.eval().requires_grad_(False)
     return drafter
 
@@ -118,7 +119,7 @@ def random_mtp_head(target: Target, seed: int = 1):
 
     param = next(target.model.parameters())
     with torch.device("meta"):
-        head = MtpHead(target.model.settings, target.model)
+        head = MtpHead(target.model.settings, shared_tables(target))
     head.to(param.dtype)
     head.to_empty(device=param.device)
     init_random_(head, seed)

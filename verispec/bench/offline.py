@@ -51,7 +51,8 @@ def setup_target(opts: BenchOptions) -> Setup:
     if shape is not None:
         _check_contexts(opts, shape.config.get("max_position_embeddings"))
     bandwidth, source = _bandwidth(opts, device)
-    target = (random_target(shape.name, shape.config, device, dtype, opts.seed) if shape is not None
+    target = (random_target(shape.name, shape.config, device, dtype, opts.seed, opts.tensor_parallel_size)
+              if shape is not None
               else load_target(opts.model, device, dtype, opts.tensor_parallel_size))
     if opts.quant:
         from verispec.quant.in_memory import quantize_model_

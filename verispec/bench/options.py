@@ -213,9 +213,9 @@ class BenchOptions:
             from verispec.engine.draft_schedule import DraftSchedule
 
             DraftSchedule.parse(self.draft_schedule, self.draft_block)
-        if self.tensor_parallel_size != 1 and not self.model:
-            raise VerispecError("--tensor-parallel-size is for offline runs of a checkpoint (-m); over HTTP give it "
-                                "to the server, random --shape weights are not split yet")
+        if self.tensor_parallel_size != 1 and not (self.model or self.shape):
+            raise VerispecError("--tensor-parallel-size is for offline runs (-m or --shape); over HTTP give it to "
+                                "the server")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise VerispecError(f"--url '{self.url}' must start with http:// or https://")
         return self

@@ -42,7 +42,7 @@ from verispec.engine.runner import ModelRunner
 from verispec.engine.prefill_pacer import prefill_pacer_for
 from verispec.engine.scheduler import Scheduler, StepPlan, default_token_budget
 from verispec.engine.sequence import Sequence
-from verispec.engine.tp_peers import Peers, TensorParallelError
+from verispec.engine.tp_peers import MirroredPools, Peers, TensorParallelError
 from verispec.engine.types import GenerationChunk, GenerationResult
 from verispec.engine.update import RoundInputs, StepUpdate, mark_first_scheduled
 from verispec.errors import VerispecError
@@ -141,7 +141,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         slots = SlotAllocator(num_slots) if num_slots else None
         self.prefix = None
         if cfg.prefix_cache:
-            self.prefix = PrefixCache(self.blocks, self.pools, list(range(num_slots, num_slots + num_snapshots)),
+            # under tensor parallelism the workers take its recurrent-state snapshots too
+            pools = MirroredPools(self.pools, self.peers) if self.peers is not None else self.pools
+            self.prefix = PrefixCache(self.blocks, pools, list(range(num_slots, num_slots + num_snapshots)),
                                       keep_features=False)
         batched = cfg.max_num_batched_tokens or default_token_budget(
             sum(p.numel() for p in self.model.parameters()), self.device.type, cfg.prefill_step_size)

@@ -3,8 +3,8 @@ tokenizer and the proposer the configuration asks for, with the option checks th
 from __future__ import annotations
 
 import dataclasses
-
 import time
+from pathlib import Path
 
 from verispec import log
 from verispec.config import EngineConfig
@@ -77,21 +77,33 @@ def load_parts(config: EngineConfig) -> tuple:
 
 def load_sharded(config: EngineConfig, model_dir, dtype) -> tuple:
     """Rank 0's share of the model and its peers: the checkpoint's config is checked first (one
-    line, before any process starts), then this machine's workers start and every rank loads its share."""
+    line, before any process starts), then this machine's workers start and every rank loads its
+    share. `model_dir` may be a `RandomWeights` (bench --shape): each rank draws its own share."""
     from verispec.engine import tp_group
     from verispec.engine.tp_peers import Peers
     from verispec.loading.gguf import is_gguf
+    from verispec.loading.random_weights import RandomWeights
     from verispec.models.sharding import check_shardable
 
-    if is_gguf(model_dir):
+    random = isinstance(model_dir, RandomWeights)
+    if not random and is_gguf(model_dir):
         raise VerispecError(f"--tensor-parallel-size {config.tensor_parallel_size}: GGUF files are not split "
                             "over GPUs yet; load a safetensors checkpoint")
-    check_shardable(read_config(model_dir), config.tensor_parallel_size)
+    check_shardable(model_dir.config if random else read_config(model_dir), config.tensor_parallel_size)
     group = tp_group.start(config, model_dir)
     peers = Peers(group)
     try:
-        model = load_model(model_dir, dtype, group.device, shard=group.shard)
+        model = load_rank_share(model_dir, dtype, group)
     except BaseException:
         peers.stop()
         raise
     return model, peers
+
+
+def load_rank_share(source, dtype, group):
+    """This rank's share of a checkpoint directory or of a shape's random weights, on its device."""
+    from verispec.loading.random_weights import RandomWeights, random_model
+
+    if isinstance(source, RandomWeights):
+        return random_model(source, group.device, dtype, shard=group.shard)
+    return load_model(Path(source), dtype, group.device, shard=group.shard)

@@ -4,6 +4,7 @@ model-free proposer beside a model drafter (the longer draft per sequence), or n
 reason logged)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from verispec import log
@@ -58,13 +59,26 @@ def build_proposer(config: EngineConfig, model: CausalLM, model_dir: Path, token
     return LongestDraft([Member(copying, copy_drafts), Member(proposer, num_drafts)]), copy_drafts
 
 
+def _shared_tables(model: CausalLM, model_dir: Path):
+    """What gives a drafter the target's embedding and head: the target itself, or under tensor
+    parallelism their whole copy on rank 0 (loaded on first call). Drafters are replicated on
+    rank 0 rather than split: a drafting pass then makes no collective and no step message, and
+    stays one CUDA graph; the price is the tables' memory on rank 0 (docs/multi-gpu.md)."""
+    if getattr(model, "shard", None) is None:
+        return lambda: model
+    from verispec.loading.model_loader import load_whole_tables
+
+    return functools.cache(lambda: load_whole_tables(model_dir, model))
+
+
 def _model_drafter(config: EngineConfig, model: CausalLM, model_dir: Path, tokenizer: Tokenizer
                    ) -> tuple[Proposer | None, int]:
     proposer, num_drafts = None, 0
+    tables = _shared_tables(model, model_dir)
     if config.eagle3:
         from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 
-        drafter = load_eagle3(config.eagle3, model)
+        drafter = load_eagle3(config.eagle3, model, tables)
         proposer = Eagle3Proposer(drafter, model.vocab_size)
         num_drafts = config.num_draft_tokens or DEFAULT_EAGLE3_BLOCK
         log.debug("EAGLE3 drafter %s: aux layers %s, draft vocab %d, %s per round",
@@ -73,6 +87,10 @@ def _model_drafter(config: EngineConfig, model: CausalLM, model_dir: Path, token
     elif config.mtp and _is_gemma4(model):
         from verispec.spec.gemma4_assistant import assistant_proposer
 
+        if getattr(model, "shard", None) is not None:  # it reads the target's K/V, which the ranks split
+            raise VerispecError(f"--mtp on Gemma 4 (its assistant drafter) is not split over GPUs yet "
+                                f"(--tensor-parallel-size {model.shard.world_size}); --eagle3, --suffix "
+                                "and --ngram work")
         # None (logged) when no assistant checkpoint is found
         proposer, num_drafts = assistant_proposer(config, model, model_dir,
                                                   min(tokenizer.vocab_size, model.vocab_size))
@@ -81,7 +99,7 @@ def _model_drafter(config: EngineConfig, model: CausalLM, model_dir: Path, token
         from verispec.spec.mtp import MtpHidden, MtpProposer, load_mtp_head
 
         refuse_assistant_options(config, model)
-        head = load_mtp_head(model_dir, model)  # None (logged) when the model has no head
+        head = load_mtp_head(model_dir, model, tables)  # None (logged) when the model has no head
         if head is not None:
             proposer = MtpProposer(head, MtpHidden.parse(config.mtp_hidden),
                                    num_real_tokens=min(tokenizer.vocab_size, model.vocab_size))

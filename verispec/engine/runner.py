@@ -18,7 +18,7 @@ from verispec.cache.paged import BatchCache, PagedPools, block_table_rows
 from verispec.engine.deferred_rows import DeferredRows
 from verispec.engine.scheduler import CacheOp, ClearState, CopyBlock, Released, RestoreState, ZeroBlocks
 from verispec.engine.sequence import Sequence
-from verispec.engine.tp_peers import Peers
+from verispec.engine.tp_peers import CommittingCache, Peers
 from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetCache, TargetStep
 
@@ -122,9 +122,11 @@ class ModelRunner:
 
     def batch_cache(self, seqs: list[Sequence], positions: torch.Tensor, num_keys: int,
                     row_starts: list[int] | None = None, row_lengths: list[int] | None = None) -> BatchCache:
-        return BatchCache(self.pools, self.block_tables(seqs), positions, self.state_slots(seqs), num_keys,
-                          self.use_kernel, row_starts=row_starts, row_lengths=row_lengths,
-                          prompt_kernel=self.prompt_kernel)
+        args = (self.pools, self.block_tables(seqs), positions, self.state_slots(seqs), num_keys, self.use_kernel)
+        kwargs = dict(row_starts=row_starts, row_lengths=row_lengths, prompt_kernel=self.prompt_kernel)
+        if self.peers is not None and self.pools.recurrent_layers:  # the workers keep their heads' states too
+            return CommittingCache(self.peers, *args, **kwargs)
+        return BatchCache(*args, **kwargs)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], counts: list[int], capture: tuple[int, ...],

@@ -56,9 +56,6 @@ def check_tensor_parallel_options(config: EngineConfig) -> None:
     if device == "cuda" and torch.cuda.device_count() < per_node:
         raise VerispecError(f"--tensor-parallel-size {size} over {nnodes} machine(s) needs {per_node} GPUs on "
                             f"this one; it has {torch.cuda.device_count()}")
-    if config.eagle3 or config.mtp:
-        raise VerispecError(f"--tensor-parallel-size {size}: drafter models (--eagle3, --mtp) are not split yet; "
-                            "--suffix and --ngram work")
 
 
 @dataclass
@@ -107,7 +104,8 @@ def join(config: EngineConfig, rank: int) -> Group:
 
 
 def start_workers(config: EngineConfig, model_dir: Path) -> list[Worker]:
-    """This machine's worker ranks as processes, each told (config, rank, model directory) on its stdin."""
+    """This machine's worker ranks as processes, each told (config, rank, model directory) on its stdin
+    (`model_dir` may be a shape's RandomWeights: loading/random_weights.py)."""
     per_node = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * per_node
     ranks = [r for r in range(first, first + per_node) if r != 0]
@@ -115,7 +113,7 @@ def start_workers(config: EngineConfig, model_dir: Path) -> list[Worker]:
     for rank in ranks:
         proc = subprocess.Popen([sys.executable, "-m", "verispec.engine.tp_worker"], stdin=subprocess.PIPE,
                                 env={**os.environ, **COLLECTIVE_ENV})
-        proc.stdin.write(pickle.dumps((config, rank, str(model_dir))))
+        proc.stdin.write(pickle.dumps((config, rank, model_dir)))
         proc.stdin.close()
         workers.append(Worker(rank, proc))
     _started.extend(w.process for w in workers)

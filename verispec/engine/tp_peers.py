@@ -6,6 +6,8 @@ as a message (gloo, CPU tensors), so every rank makes the same collectives in th
 - `CacheOps`: the scheduler's block zeroes and copies;
 - `Forward`: one pass (token ids, positions, block tables and the pass's cache view);
 - `Logits`: the head over hidden states that follow on the tensor group (rank 0 gathers them);
+- `Commit`: the rows of the last pass each sequence keeps (recurrent layers' states, which each
+  rank holds for its own heads);
 - `Stop`.
 A worker that dies makes the next collective fail (gloo: its connection closes) or is seen by the
 watch thread; either way the group is marked failed, the step's requests fail with a
@@ -67,11 +69,53 @@ class Logits:
 
 
 @dataclass(frozen=True)
+class Commit:
+    num_rows: list[int]  # BatchCache.commit's argument, for the workers' last pass
+
+
+@dataclass(frozen=True)
+class CopyState:
+    """A recurrent state copied from slot to slot outside the scheduler's ops (a prefix-cache snapshot)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
 DEVICE_OPS = (ZeroBlocks, CopyBlock, RestoreState, ClearState)
+
+
+class CommittingCache(BatchCache):
+    """Rank 0's view of a pass of a model with recurrent layers: committing it commits the
+    workers' view of the same pass too (told before rank 0's own, as every model call is)."""
+
+    def __init__(self, peers: "Peers", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.peers = peers
+
+    def commit(self, num_rows: list[int]) -> None:
+        if self._pending_recurrent:
+            with self.peers.collective():
+                self.peers.send(Commit(list(num_rows)))
+        super().commit(num_rows)
+
+
+class MirroredPools:
+    """The pools as the prefix cache sees them: a recurrent-state snapshot it takes in rank 0's
+    pools is taken in every worker's too."""
+
+    def __init__(self, pools, peers: "Peers"):
+        self.pools, self.peers = pools, peers
+        self.recurrent_layers = pools.recurrent_layers
+
+    def copy_state(self, src: int, dst: int) -> None:
+        with self.peers.collective():
+            self.peers.send(CacheOps([CopyState(src, dst)]))
+        self.pools.copy_state(src, dst)
 
 
 def _abort_collectives() -> None:
@@ -131,29 +175,30 @@ class Peers:
             self._failure = f"the tensor-parallel group failed: {exc}"
         return self._failure
 
-    def _send(self, message) -> None:
+    def send(self, message) -> None:
+        """One message to every worker (inside `collective()`)."""
         dist.broadcast_object_list([message], src=0, group=self.group.control)
 
     def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
         with self.collective():
-            self._send(Pools(num_blocks, block_size, num_state_slots))
+            self.send(Pools(num_blocks, block_size, num_state_slots))
 
     def apply(self, ops: list[CacheOp]) -> None:
         device_ops = [op for op in ops if isinstance(op, DEVICE_OPS)]
         if device_ops:
             with self.collective():
-                self._send(CacheOps(device_ops))
+                self.send(CacheOps(device_ops))
 
     def forward(self, input_ids: torch.Tensor, cache: BatchCache, capture: tuple[int, ...]) -> None:
         """Tell the workers to run the pass rank 0 is about to run (inside `collective()`)."""
         slots = cache.state_slots.cpu() if cache.state_slots is not None else None
-        self._send(Forward(input_ids.cpu(), cache.positions.cpu(), cache.block_tables.cpu(), slots, cache.num_keys,
+        self.send(Forward(input_ids.cpu(), cache.positions.cpu(), cache.block_tables.cpu(), slots, cache.num_keys,
                            cache.use_kernel, cache.row_starts, cache.row_lengths, cache.prompt_kernel, tuple(capture)))
 
     def logits(self, hidden: torch.Tensor) -> None:
         """Give the workers the hidden states rank 0 is about to project (inside `collective()`)."""
         hidden = hidden.contiguous()
-        self._send(Logits(tuple(hidden.shape), hidden.dtype))
+        self.send(Logits(tuple(hidden.shape), hidden.dtype))
         dist.broadcast(hidden, src=0, group=self.group.shard.group)
 
     def stop(self) -> None:
@@ -162,7 +207,7 @@ class Peers:
             self._stopping = True
             if self._failure is None:
                 try:
-                    self._send(Stop())
+                    self.send(Stop())
                 except Exception as exc:  # noqa: BLE001 - a worker already gone: nothing to tell
                     log.debug("tensor parallel: stop not delivered (%s)", exc)
             tp_group.stop_workers(self.group.workers)

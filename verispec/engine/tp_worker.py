@@ -2,7 +2,7 @@
 tells it (engine/tp_peers.py), until told to stop or rank 0 is gone.
 
 Started by engine/tp_group.py as `python -m verispec.engine.tp_worker`, with (config, rank,
-model directory) pickled on stdin. It keeps no request state: the paged KV cache of its heads,
+model directory, or a shape's `RandomWeights`) pickled on stdin. It keeps no request state: the paged KV cache of its heads,
 indexed by the block ids rank 0's scheduler hands out.
 """
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,21 +18,23 @@ from verispec import log
 from verispec.cache.paged import BatchCache, PagedPools
 from verispec.config import EngineConfig
 from verispec.engine import tp_group
-from verispec.engine.tp_peers import CacheOps, Forward, Logits, Pools, Stop
+from verispec.engine.tp_peers import CacheOps, Commit, CopyState, Forward, Logits, Pools, Stop
 from verispec.engine.scheduler import ClearState, CopyBlock, RestoreState, ZeroBlocks
-from verispec.loading.model_loader import load_model, parse_dtype, prepare_for_device, resolve_numerics
+from verispec.engine.loading import load_rank_share
+from verispec.loading.model_loader import parse_dtype, prepare_for_device, resolve_numerics
 
 
-def run(config: EngineConfig, rank: int, model_dir: Path) -> None:
+def run(config: EngineConfig, rank: int, source) -> None:
     group = tp_group.join(config, rank)
     if group.device.type == "cpu":  # the ranks of one machine share its cores
         per_node = config.tensor_parallel_size // config.nnodes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-    model = load_model(model_dir, parse_dtype(config.dtype, group.device), group.device, shard=group.shard)
+    model = load_rank_share(source, parse_dtype(config.dtype, group.device), group)
     numerics, _ = resolve_numerics(model, config.numerics)
     prepare_for_device(model, config.fuse_small_ops, numerics)  # the rewrites rank 0 makes, in the same order
     dtype = next(model.parameters()).dtype
     pools: PagedPools | None = None
+    last: BatchCache | None = None  # the last pass's cache view, which a Commit refers to
     while True:
         box = [None]
         try:
@@ -44,8 +45,10 @@ def run(config: EngineConfig, rank: int, model_dir: Path) -> None:
         message = box[0]
         with torch.inference_mode():
             if isinstance(message, Forward):
-                model(message.input_ids.to(group.device), message.positions.to(group.device),
-                      _cache(pools, message, group.device), message.capture)
+                last = _cache(pools, message, group.device)
+                model(message.input_ids.to(group.device), message.positions.to(group.device), last, message.capture)
+            elif isinstance(message, Commit):
+                last.commit(message.num_rows)
             elif isinstance(message, Logits):
                 hidden = torch.empty(message.shape, dtype=message.dtype, device=group.device)
                 dist.broadcast(hidden, src=0, group=group.shard.group)
@@ -78,11 +81,13 @@ def _apply(pools: PagedPools, ops: list) -> None:
             pools.copy_state(op.snapshot_slot, op.state_slot)
         elif isinstance(op, ClearState):
             pools.clear_state(op.state_slot)
+        elif isinstance(op, CopyState):
+            pools.copy_state(op.src, op.dst)
 
 
 def main() -> int:
-    config, rank, model_dir = pickle.load(sys.stdin.buffer)
-    run(config, rank, Path(model_dir))
+    config, rank, source = pickle.load(sys.stdin.buffer)
+    run(config, rank, source)
     return 0
 
 

@@ -61,6 +61,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     int4 kernel runs (CUDA, bfloat16; `keep_gguf_4bit` overrides), the rest arrive dequantized.
     `shard`: this tensor-parallel rank's share of the model, read alone from the files
     (models/sharding.py; a dense safetensors checkpoint, checked by check_shardable)."""
+    from verispec.loading import quantized_shards
     from verispec.loading.gguf import QUANTIZATION_CONFIG, keeps_4bit
     from verispec.quant import loading as quant_loading
 
@@ -83,16 +84,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     cls = model_class(config.get("model_type"))
     with torch.device("meta"):
         model = cls(config)
+        unwrapped: list[str] = []
         if shard is not None:
             if is_gguf(model_dir):
                 raise VerispecError("tensor parallelism reads safetensors checkpoints only (so far), not GGUF files")
             check_shardable(config, shard.world_size)
             parts = shard_model(model, shard)
+            # a quantized layer's packed words, scales and biases split as its weight is
+            parts, shapes, unwrapped = quantized_shards.split_quantized(model, parts, shapes, shard,
+                                                                        lambda name: _our_name(model, name))
             tensors = iter_tensors(files, part_of=lambda name: parts.get(_our_name(model, name)))
         quantized = False
         if shapes is not None:  # quantized checkpoints: their linears / embeddings become quantized layers
             named = {_our_name(model, name): quant_loading.CheckpointTensor(name, shape) for name, shape in shapes.items()}
             quantized = quant_loading.prepare_model(model, config, named) is not None
+        if unwrapped:
+            quantized_shards.rewrap(model, unwrapped, shard)
     model.to_empty(device=device)
     model.to(dtype)
     _load_weights(model, tensors, dtype, device)
@@ -102,6 +109,31 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def load_whole_tables(model_dir: Path, target: CausalLM) -> CausalLM:
+    """The target's embedding and head read whole from its checkpoint, on its device and dtype
+    (models/drafter_tables.py: what a drafter reads on rank 0 of a tensor-parallel group),
+    quantized as the checkpoint stores them. Only those tensors are read."""
+    from verispec.models.drafter_tables import WholeTables
+    from verispec.quant import loading as quant_loading
+
+    config = quant_loading.with_sidecar_config(read_config(model_dir), model_dir)
+    files = checkpoint_files(model_dir)
+    param = next(p for p in target.parameters() if p.is_floating_point())
+    with torch.device("meta"):
+        tables = WholeTables(target)
+        wanted = lambda name: _our_name(tables, name).startswith(("model.embed_tokens.", "lm_head."))  # noqa: E731
+        named = {_our_name(tables, name): quant_loading.CheckpointTensor(name, shape)
+                 for name, shape in tensor_shapes(files).items() if wanted(name)}
+        quantized = quant_loading.prepare_model(tables, config, named) is not None
+    tables.to_empty(device=param.device)
+    tables.to(param.dtype)
+    _load_weights(tables, iter_tensors(files, only=wanted), param.dtype, param.device)
+    tables.tie_weights()
+    if quantized:
+        quant_loading.finish_loading(tables)
+    return tables.eval().requires_grad_(False)
 
 
 def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:

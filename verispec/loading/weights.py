@@ -34,19 +34,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_tensors(files: list[Path], device: str | torch.device = "cpu",
-                 part_of: Callable[[str], ShardSpec | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint; with `part_of` (a tensor-parallel rank's load), a tensor it
-    names a part of is read as that part alone (safetensors reads only those bytes), padded to the
-    rank's size."""
+                 part_of: Callable[[str], ShardSpec | None] | None = None,
+                 only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint (those `only` accepts, when given); with `part_of` (a
+    tensor-parallel rank's load), a tensor it names a part of is read as that part alone
+    (safetensors reads only those bytes), padded to the rank's size."""
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
             for name in sf.keys():
+                if only is not None and not only(name):
+                    continue
                 spec = part_of(name) if part_of is not None else None
                 if spec is None:
                     yield name, sf.get_tensor(name)
                 else:
                     piece = sf.get_slice(name)
-                    yield name, spec.fit(piece[spec.index(len(piece.get_shape()))])
+                    yield name, spec.read(piece, len(piece.get_shape()))
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

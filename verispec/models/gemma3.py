@@ -250,7 +250,7 @@ class Gemma3ForCausalLM(HFLayoutLM):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         cap = self.settings.final_logit_softcapping
-        if cap is not None:
+        if cap is not None and logits is not None:  # None: a tensor-parallel worker (rank 0 has the logits)
             logits = torch.tanh(logits / cap) * cap
         return logits
 

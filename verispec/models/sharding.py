@@ -1,23 +1,27 @@
 """Splitting a model over a tensor-parallel group (Megatron's layout, as nano-vllm and vLLM use):
-attention heads and the MLP's intermediate features are split over the ranks; q/k/v and gate/up
-are column-parallel (each rank computes its heads' / features' outputs), o_proj and down_proj
-row-parallel (one all-reduce each), the embedding and the head split by vocabulary rows. KV heads
-are split too, or replicated when there are fewer of them than ranks. Norms are replicated.
+attention heads, Gated DeltaNet heads and the MLPs' (and every expert's) intermediate features are
+split over the ranks; the projections into them are column-parallel (each rank computes its
+heads' / features' outputs), the projections out of them row-parallel (one all-reduce each), the
+embedding and the head split by vocabulary rows. KV heads are split too, or replicated when there
+are fewer of them than ranks. Norms, routers and Gemma 4's per-layer inputs are replicated.
 
 `check_shardable` reads only the config, so a bad `--tensor-parallel-size` is refused before the
 weights load; `shard_model` rewrites a model built on the meta device and says which part of each
-checkpoint tensor every parameter loads.
+checkpoint tensor every parameter loads (models/shard_layers.py, one layer kind each).
 """
 from __future__ import annotations
 
 from torch import nn
 
 from verispec.errors import VerispecError
-from verispec.models.layers.parallel import (RowParallelLinear, Shard, ShardSpec, VocabParallelEmbedding,
-                                             VocabParallelHead, even_split)
+from verispec.models import shard_layers
+from verispec.models.layers.parallel import Shard, ShardSpec, VocabParallelEmbedding, VocabParallelHead
+from verispec.models.shard_layers import kv_head_split
 
-# the dense Llama family (models/llama.py); the others are next steps (docs/multi-gpu.md)
-SHARDABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SHARDABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "gemma3", "gemma3_text",
+                   "gemma4", "gemma4_text")
+# configs whose text model sits under `text_config` (the multimodal checkpoints)
+WRAPPED_TYPES = ("qwen3_5", "gemma3", "gemma4")
 
 
 def check_shardable(config: dict, world_size: int) -> None:
@@ -27,84 +31,76 @@ def check_shardable(config: dict, world_size: int) -> None:
     if model_type not in SHARDABLE_TYPES:
         raise VerispecError(f"{flag}: model_type '{model_type}' is not split over GPUs yet "
                             f"(supported: {', '.join(SHARDABLE_TYPES)})")
-    if "quantization_config" in config or "quantization" in config:
-        raise VerispecError(f"{flag}: quantized checkpoints are not split over GPUs yet; load the bf16 checkpoint")
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    intermediate = int(config["intermediate_size"])
+    mlx = isinstance(config.get("quantization"), dict)  # MLX's section (loading/quantized_shards.py splits it)
+    if "quantization_config" in config and not mlx:
+        method = config["quantization_config"].get("quant_method", "this format's")
+        raise VerispecError(f"{flag}: {method} quantized checkpoints are not split over GPUs yet (MLX 4/8-bit ones "
+                            "are); load the bf16 checkpoint")
+    text = (config.get("text_config") or {}) if model_type in WRAPPED_TYPES else config
+    heads, kv_heads, widths = _split_sizes(model_type, text)
     if heads % world_size:
         raise VerispecError(f"{flag} must divide the model's {heads} attention heads")
-    if kv_heads % world_size and world_size % kv_heads:
-        raise VerispecError(f"{flag} must divide the model's {kv_heads} KV heads or be a multiple of them")
-    if intermediate % world_size:
-        raise VerispecError(f"{flag} must divide the model's MLP width ({intermediate})")
+    for kv in kv_heads:
+        if kv % world_size and world_size % kv:
+            raise VerispecError(f"{flag} must divide the model's {kv} KV heads or be a multiple of them")
+    for what, n in widths:
+        if n % world_size:
+            raise VerispecError(f"{flag} must divide the model's {what} ({n})")
 
 
-def kv_head_split(num_kv_heads: int, shard: Shard) -> tuple[int, int]:
-    """(first KV head, KV heads) of this rank: an equal part, or one head shared by world/kv ranks."""
-    if num_kv_heads >= shard.world_size:
-        n = num_kv_heads // shard.world_size
-        return shard.rank * n, n
-    return shard.rank // (shard.world_size // num_kv_heads), 1
+def _split_sizes(model_type: str, c: dict) -> tuple[int, list[int], list[tuple[str, int]]]:
+    """(attention heads, each KV-head count, [(what, count)] the ranks must also divide)."""
+    if model_type.startswith("gemma4"):
+        from verispec.models.gemma4 import Gemma4Settings
+
+        s = Gemma4Settings(c)
+        widths = [("MLP width", n) for n in sorted(set(s.mlp_sizes))]
+        if s.enable_moe:
+            widths.append(("expert MLP width", s.moe_intermediate_size))
+        return s.num_heads, sorted(set(s.num_kv_heads)), widths
+    heads = int(c.get("num_attention_heads", 16 if model_type.startswith("qwen3_5") else 8))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    widths = [("MLP width", int(c.get("intermediate_size", 0)))]
+    if model_type.startswith("qwen3_5"):
+        widths.append(("Gated DeltaNet key heads", int(c.get("linear_num_key_heads", 16))))
+    return heads, [kv_heads], widths
 
 
 def shard_model(model: nn.Module, shard: Shard) -> dict[str, ShardSpec]:
-    """Rewrite a Llama-family model (built on the meta device, full size) into this rank's share;
-    returns parameter name -> the part of its checkpoint tensor it loads (parameters not named
-    load whole). The model's settings then describe this rank's attention (heads, KV heads), which
-    is what its KV cache holds."""
+    """Rewrite a model (built on the meta device, full size) into this rank's share; returns
+    parameter name -> the part of its checkpoint tensor it loads (parameters not named load
+    whole). The layers then describe this rank's attention (heads, KV heads) and recurrent heads,
+    which is what its cache holds."""
+    from verispec.models.gemma3 import Gemma3Attention, Gemma3ForCausalLM
+    from verispec.models.gemma4 import Gemma4Attention, Gemma4ForCausalLM
+    from verispec.models.layers.gated_attention import GatedAttention
+    from verispec.models.layers.gated_delta_net import GatedDeltaNet
     from verispec.models.layers.mlp import GatedMLP
+    from verispec.models.layers.moe import FusedExperts
     from verispec.models.llama import Attention, LlamaForCausalLM
+    from verispec.models.qwen3_5 import Qwen3_5ForCausalLM
 
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(model, (LlamaForCausalLM, Qwen3_5ForCausalLM, Gemma3ForCausalLM, Gemma4ForCausalLM)):
         raise VerispecError(f"{type(model).__name__} is not split over GPUs yet")
-    s = model.settings
     specs: dict[str, ShardSpec] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, Attention):
-            specs.update(_shard_attention(name, module, shard))
+        if isinstance(module, (Attention, Gemma3Attention, Gemma4Attention)):
+            specs.update(shard_layers.attention(name, module, shard))
+        elif isinstance(module, GatedAttention):
+            specs.update(shard_layers.attention(name, module, shard, q_rows_per_head=2))
         elif isinstance(module, GatedMLP):
-            specs.update(_shard_mlp(name, module, shard))
+            specs.update(shard_layers.gated_mlp(name, module, shard))
+        elif isinstance(module, GatedDeltaNet):
+            specs.update(shard_layers.gated_delta_net(name, module, shard))
+        for child, sub in module.named_children():
+            if isinstance(sub, FusedExperts):
+                specs.update(shard_layers.fused_experts(name, module, child, shard))
+    s = model.settings
     model.model.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, shard)
     model.lm_head = VocabParallelHead(s.hidden_size, s.vocab_size, shard)
     specs["model.embed_tokens.weight"] = specs["lm_head.weight"] = model.lm_head.part
-    s.num_heads //= shard.world_size
-    s.num_kv_heads = kv_head_split(s.num_kv_heads, shard)[1]
-    s.intermediate_size //= shard.world_size
+    if isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):  # their cache_specs() read the settings
+        s.num_kv_heads = kv_head_split(s.num_kv_heads, shard)[1]
+        s.num_heads //= shard.world_size
     model.shard = shard
-    return specs
-
-
-def _shard_attention(prefix: str, attn: nn.Module, shard: Shard) -> dict[str, ShardSpec]:
-    d = attn.head_dim
-    heads = attn.num_heads // shard.world_size
-    first_kv, kv_heads = kv_head_split(attn.num_kv_heads, shard)
-    q_rows = ShardSpec(0, shard.rank * heads * d, (shard.rank + 1) * heads * d, heads * d)
-    kv_rows = ShardSpec(0, first_kv * d, (first_kv + kv_heads) * d, kv_heads * d)
-    specs = {}
-    for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-        full = getattr(attn, name)
-        setattr(attn, name, nn.Linear(full.in_features, rows.size, bias=full.bias is not None))
-        specs[f"{prefix}.{name}.weight"] = rows
-        if full.bias is not None:
-            specs[f"{prefix}.{name}.bias"] = rows
-    o = attn.o_proj
-    attn.o_proj = RowParallelLinear(q_rows.size, o.out_features, o.bias is not None, shard)
-    specs[f"{prefix}.o_proj.weight"] = ShardSpec(1, q_rows.start, q_rows.stop, q_rows.size)
-    attn.num_heads, attn.num_kv_heads = heads, kv_heads
-    return specs
-
-
-def _shard_mlp(prefix: str, mlp: nn.Module, shard: Shard) -> dict[str, ShardSpec]:
-    cols = even_split(mlp.gate_proj.out_features, shard)
-    specs = {}
-    for name in ("gate_proj", "up_proj"):
-        full = getattr(mlp, name)
-        setattr(mlp, name, nn.Linear(full.in_features, cols.size, bias=full.bias is not None))
-        specs[f"{prefix}.{name}.weight"] = cols
-        if full.bias is not None:
-            specs[f"{prefix}.{name}.bias"] = cols
-    down = mlp.down_proj
-    mlp.down_proj = RowParallelLinear(cols.size, down.out_features, down.bias is not None, shard)
-    specs[f"{prefix}.down_proj.weight"] = ShardSpec(1, cols.start, cols.stop, cols.size)
     return specs

@@ -326,6 +326,8 @@ def stream_reason(mlp: nn.Module, dtype: torch.dtype) -> str | None:
         return "a gate/up or down projection without a 4-bit fragment-order copy"
     if gate_up.bias is not None or down.bias is not None:
         return "biases"
+    if getattr(down, "shard", None) is not None:  # its forward all-reduces; the kernel would skip that
+        return "a row-parallel down projection (tensor parallelism)"
     if any(f.terms.dtype != dtype for f in frags):
         return "fragment-order copies in another dtype than the activations'"
     return stream_mlp.unsupported_reason(*frags, frags[0].words.device, dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -160,7 +161,10 @@ def eagle3_config_path(drafter_dir: str | Path) -> Path:
     return where / "config.json"
 
 
-def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
+def load_eagle3(drafter_dir: str | Path, target: CausalLM,
+                tables: Callable[[], CausalLM] | None = None) -> Eagle3Drafter:
+    """`tables`: what gives the embedding a drafter without its own shares (the target; under
+    tensor parallelism its whole copy, called only when needed: models/drafter_tables.py)."""
     cfg_path = eagle3_config_path(drafter_dir)
     where = cfg_path.parent
     try:
@@ -183,7 +187,7 @@ def load_eagle3(drafter_dir: str | Path, target: CausalLM) -> Eagle3Drafter:
         if c.hidden_size != target.hidden_size:
             raise VerispecError(f"EAGLE3 drafter at {where} has no embed_tokens and hidden size {c.hidden_size}; "
                                 f"sharing the target's needs hidden size {target.hidden_size}")
-        drafter.__dict__["shared_embedding"] = target.input_embeddings()
+        drafter.__dict__["shared_embedding"] = (tables() if tables is not None else target).input_embeddings()
     expected = dict(drafter.named_parameters())
     expected["d2t"] = drafter.d2t
     for name, p in expected.items():

@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -191,8 +192,11 @@ def supports_mtp(model: CausalLM) -> bool:
     return isinstance(model, Qwen3_5ForCausalLM)
 
 
-def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
-    """The target's MTP head, or None (with one log line saying why) when it has none."""
+def load_mtp_head(model_dir: str | Path, target: CausalLM,
+                  tables: Callable[[], CausalLM] | None = None) -> MtpHead | None:
+    """The target's MTP head, or None (with one log line saying why) when it has none. `tables`:
+    what gives the embedding and head it shares (the target; under tensor parallelism their whole
+    copy: models/drafter_tables.py)."""
     model_dir = Path(model_dir)
     if not supports_mtp(target):  # checked first: a GGUF target has no config.json to read
         log.warning("--mtp: model type '%s' has no MTP head (MTP self-speculation is for %s); "
@@ -211,11 +215,12 @@ def load_mtp_head(model_dir: str | Path, target: CausalLM) -> MtpHead | None:
                 head_name = head_tensor_name(name, source.sidecar)
                 if head_name is not None:
                     tensors[renamed(head_name, target.checkpoint_renames)] = f.get_tensor(name)
-    param = next(target.parameters())
+    param = next(p for p in target.parameters() if p.is_floating_point())
     where = ", ".join(str(p) for p in source.files)
     quantized = any(name.endswith(".scales") for name in tensors)
+    shared = tables() if tables is not None else target
     with torch.device("meta"):  # allocated once, on the target's device and dtype
-        head = MtpHead(target.settings, target)
+        head = MtpHead(target.settings, shared)
         if quantized:
             _quantized_layers(head, config, tensors, where)
     tensors = stack_parts(head, tensors)  # an MoE head's experts one linear each -> the stacks

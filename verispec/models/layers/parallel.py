@@ -8,12 +8,15 @@ and the head split the vocabulary.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from verispec.models.layers.moe import FusedExperts
 
 
 @dataclass(frozen=True)
@@ -27,19 +30,29 @@ class Shard:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Which part of a checkpoint tensor a rank loads: [start, stop) along `dim`, zero-padded to
-    `size` (a vocabulary that the ranks split unevenly)."""
+    """Which part of a checkpoint tensor a rank loads: [start, stop) along `dim`, then each range
+    of `more` joined after it (a fused tensor's parts, such as a Gated DeltaNet's q|k|v or fused
+    experts' gate|up, each split over the ranks), zero-padded to `size` (a vocabulary that the
+    ranks split unevenly)."""
 
     dim: int
     start: int
     stop: int
     size: int
+    more: tuple[tuple[int, int], ...] = ()
 
-    def index(self, ndim: int) -> tuple[slice, ...]:
-        return tuple(slice(self.start, self.stop) if d == self.dim else slice(None) for d in range(ndim))
+    def index(self, ndim: int, start: int | None = None, stop: int | None = None) -> tuple[slice, ...]:
+        span = slice(self.start if start is None else start, self.stop if stop is None else stop)
+        return tuple(span if d == self.dim else slice(None) for d in range(ndim))
 
     def local_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(self.size if d == self.dim else n for d, n in enumerate(full_shape))
+
+    def read(self, tensor, ndim: int) -> torch.Tensor:
+        """This rank's part of `tensor` (a torch tensor or a safetensors slice, which reads only
+        those bytes), padded to `size`."""
+        parts = [tensor[self.index(ndim, a, b)] for a, b in ((self.start, self.stop), *self.more)]
+        return self.fit(parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim))
 
     def fit(self, part: torch.Tensor) -> torch.Tensor:
         """The loaded part, zero-padded along `dim` to the local size."""
@@ -50,11 +63,29 @@ class ShardSpec:
         pad_shape[self.dim] = missing
         return torch.cat([part, part.new_zeros(pad_shape)], dim=self.dim)
 
+    def along(self, dim: int, scale: int = 1, divisor: int = 1) -> "ShardSpec":
+        """The same split along another dim, its offsets times scale / divisor (the columns of a
+        row-parallel weight; a quantized weight's packed words or per-group scales)."""
+        conv = lambda i: i * scale // divisor  # noqa: E731
+        return ShardSpec(dim, conv(self.start), conv(self.stop), conv(self.size),
+                         tuple((conv(a), conv(b)) for a, b in self.more))
+
 
 def even_split(total: int, shard: Shard) -> ShardSpec:
     """Rank's equal part of `total` along dim 0 (the caller checked that it divides)."""
     size = total // shard.world_size
     return ShardSpec(0, shard.rank * size, (shard.rank + 1) * size, size)
+
+
+def split_parts(sizes: list[int], shard: Shard) -> ShardSpec:
+    """Rank's equal part of each of a fused tensor's consecutive parts along dim 0 (each divides)."""
+    ranges, offset = [], 0
+    for n in sizes:
+        part = n // shard.world_size
+        ranges.append((offset + shard.rank * part, offset + (shard.rank + 1) * part))
+        offset += n
+    (start, stop), *more = ranges
+    return ShardSpec(0, start, stop, sum(n // shard.world_size for n in sizes), tuple(more))
 
 
 def vocab_split(vocab_size: int, shard: Shard) -> ShardSpec:
@@ -122,3 +153,37 @@ class VocabParallelHead(nn.Module):
         parts = [torch.empty_like(local) for _ in range(self.shard.world_size)]
         dist.gather(local, parts, dst=0, group=self.shard.group)
         return torch.cat(parts, dim=-1)[..., :self.out_features]
+
+
+class RowParallelExperts(FusedExperts):
+    """Fused experts holding a part of every expert's intermediate features (gate and up rows,
+    down columns): each rank's weighted sum over its routed experts is partial, one all-reduce
+    sums the ranks' parts. The router runs whole on every rank, so all route alike."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act, shard: Shard):
+        super().__init__(num_experts, hidden, intermediate, "silu")
+        self.act = act  # the whole layer's activation function
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x, top_k_index, top_k_weights)  # [N, H], this rank's features only
+        dist.all_reduce(y, group=self.shard.group)
+        return y
+
+
+@functools.cache
+def _row_parallel_class(cls: type) -> type:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features / world] -> [..., out]
+        y = cls.forward(self, x)
+        dist.all_reduce(y, group=self.shard.group)
+        return y
+
+    return type(f"RowParallel{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+
+
+def make_row_parallel(module: nn.Module, shard: Shard) -> None:
+    """A layer computing x W^T over this rank's input columns (a quantized linear, whose class the
+    quantizer chose) made row-parallel in place: its product is all-reduced. In place, so that its
+    tensors keep their checkpoint names. The caller made sure it has no bias."""
+    module.__class__ = _row_parallel_class(type(module))
+    module.shard = shard
