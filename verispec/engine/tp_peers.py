@@ -39,6 +39,7 @@ class Pools:
     num_blocks: int
     block_size: int
     num_state_slots: int
+    kv_cache_dtype: str = "auto"  # what every rank's pools store, as rank 0's
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,9 @@ class Peers:
     def _send(self, message) -> None:
         dist.broadcast_object_list([message], src=0, group=self.group.control)
 
-    def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+    def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int, kv_cache_dtype: str = "auto") -> None:
         with self.collective():
-            self._send(Pools(num_blocks, block_size, num_state_slots))
+            self._send(Pools(num_blocks, block_size, num_state_slots, kv_cache_dtype))
 
     def apply(self, ops: list[CacheOp]) -> None:
         device_ops = [op for op in ops if isinstance(op, DEVICE_OPS)]
