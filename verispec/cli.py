@@ -87,10 +87,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the free GPU memory after the weights that the KV cache takes (default 0.9)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="the KV cache's size in GiB (CPU default 2; on CUDA it replaces --gpu-memory-utilization)")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8",
-                   help="what the KV cache stores: auto (default: the model's dtype) or fp8 (e4m3 with a scale per "
-                        "token and kv head: about twice the tokens in the same memory); tq4 / tq3 are not served "
-                        "yet (docs/serving.md#kv-cache-compression)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|tq4|tq3",
+                   help="what the KV cache stores: auto (default: the model's dtype), fp8 (e4m3 with a scale per "
+                        "token and kv head: about 2x the tokens of bfloat16 in the same memory), tq4 (rotated rows, "
+                        "4-bit Lloyd-Max codes for keys and values: about 3.8x) or tq3 (4-bit keys, 3-bit values: "
+                        "about 4.3x); tq needs power-of-two head dims. Quality and choice: "
+                        "docs/serving.md#kv-cache-compression")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (default: reuse the cached K/V of a shared prefix)")
     p.add_argument("--numerics", default="auto", choices=("auto", "exact", "fast"),

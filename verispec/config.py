@@ -77,8 +77,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the free GPU memory (after weights) the KV cache takes
     kv_cache_gb: float | None = None  # the KV cache's size in GiB (CPU default 2; on CUDA overrides the fraction)
     prefix_cache: bool = True  # reuse cached K/V blocks of earlier prompts' prefixes (--no-prefix-cache: off)
-    # what the paged KV cache stores: "auto" (the model's dtype) or "fp8" (e4m3 codes with a scale per
-    # token and kv head; kernels/kv_fp8.py, docs/serving.md#kv-cache-compression)
+    # what the paged KV cache stores: "auto" (the model's dtype), "fp8" (e4m3 codes with a scale per
+    # token and kv head; kernels/kv_fp8.py) or "tq4" / "tq3" (rotated rows' 4/4- or 4/3-bit key/value
+    # codes and a scale; kernels/kv_turboquant.py); docs/serving.md#kv-cache-compression
     kv_cache_dtype: str = "auto"
     # "exact": a token's result does not depend on the pass it is computed in (batch, speculation,
     # prompt chunking, prefix cache; docs/serving.md); "fast": torch's own GEMMs and flash attention;

@@ -1,7 +1,11 @@
-"""The TurboQuant-class codec (kernels/kv_turboquant.py; not served yet): the rotation is orthogonal,
-the Lloyd-Max codebook is what the literature gives for these bits, encode/decode against float64
-stays within the codebook's bound, packing round-trips, and attention over the codes (query
-rotated, keys never un-rotated) equals attention over their decoded copy."""
+"""The TurboQuant-class codec (kernels/kv_turboquant.py): the rotation is orthogonal, the Lloyd-Max
+codebook is what the literature gives for these bits, encode/decode against float64 stays within
+the codebook's bound, packing round-trips, and attention over the codes (query rotated, keys never
+un-rotated) equals attention over their decoded copy. Then the rows as the paged pools store them:
+within the same bound, every write path (kv_write's kernel, qk_prep's, the torch path) storing the
+same bits, and the split-K and prompt-chunk kernels and the torch reference over tq pools equal to
+them over their decoded copy at any split. The kernels run on CUDA, and on the CPU in Triton's
+interpreter (tests/conftest.py)."""
 from __future__ import annotations
 
 import math
@@ -9,8 +13,16 @@ import math
 import pytest
 import torch
 
+from verispec.kernels import decode_attention as attention
 from verispec.kernels import kv_turboquant as tq
+from verispec.kernels import kv_write, qk_prep
 from verispec.kernels.decode_attention import decode_attention_reference
+from verispec.kernels.kv_write import KVDestination
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+needs_triton = pytest.mark.skipif(tq.triton is None, reason="needs Triton")
 
 # Lloyd-Max mean squared error of a standard normal (Max 1960): what a coordinate gets at large D
 GAUSSIAN_DISTORTION = {3: 0.03454, 4: 0.009497}
@@ -98,3 +110,148 @@ def test_bytes_per_token():
     # head dim 128, 8 kv heads: bfloat16 K and V take 4096 bytes a layer
     assert 4096 / tq.FORMATS["tq4"].bytes_per_token(8, 128) >= 3.5
     assert tq.FORMATS["tq3"].bytes_per_token(8, 128) < tq.FORMATS["tq4"].bytes_per_token(8, 128)
+
+
+# ---- the rows as the paged pools store them -----------------------------------------------------------
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+@pytest.mark.parametrize("d", [16, 128])
+def test_pool_rows_within_the_codebook_bound_of_float64(name, d):
+    codec = tq.LayerCodec.build(tq.FORMATS[name], 5, d, "cpu")
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(3000, d, generator=gen, dtype=torch.float64) * 3 + torch.randn(d, generator=gen, dtype=torch.float64)
+    x[0] = 0
+    exact = tq.rotate(x, codec.signs.double())  # the rotated rows the pools decode to
+    for code in (codec.key, codec.value):
+        packed, scales = tq.encode_rows(x.float(), codec.signs, code, codec.inv_sqrt_d)
+        assert packed.shape == (3000, d * code.bits // 8) and scales.dtype == torch.float32
+        torch.testing.assert_close(scales.double(), x.norm(dim=-1) / math.sqrt(d), rtol=1e-6, atol=0)
+        decoded = tq.decode_rows(packed, scales, code, torch.float64)
+        assert not decoded[0].any()  # a zero row stays zero
+        relative = ((decoded - exact) ** 2).sum(-1)[1:] / (exact ** 2).sum(-1)[1:]
+        bound = GAUSSIAN_DISTORTION[code.bits] * (1.1 if d >= 128 else 1.6)  # small D: a flatter density
+        assert float(relative.mean()) <= bound
+        # each coordinate within half a cell (of the unit-sphere scale) of its centroid, inside the codebook
+        unit = exact[1:] / scales[1:, None].double()
+        error = (unit - decoded[1:] / scales[1:, None].double()).abs()
+        centroids = code.centroids.double()
+        inside = (unit > centroids[0]) & (unit < centroids[-1])
+        assert float(error[inside].max()) <= float((centroids[1:] - centroids[:-1]).max()) / 2 + 1e-5
+
+
+def tq_pools(slots: int, h: int, d: int, name: str, layer: int = 1):
+    codec = tq.LayerCodec.build(tq.FORMATS[name], layer, d, DEVICE)
+    return (torch.zeros(slots, h, d * codec.key.bits // 8, dtype=torch.uint8, device=DEVICE),
+            torch.zeros(slots, h, d * codec.value.bits // 8, dtype=torch.uint8, device=DEVICE),
+            torch.zeros(slots, h, dtype=torch.float32, device=DEVICE),
+            torch.zeros(slots, h, dtype=torch.float32, device=DEVICE)), codec
+
+
+def kv_rows(b: int, t: int, h: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [B, H, T, D] as attention hands them over (transposed views), over several magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, t, h, d, generator=gen) * 10.0 ** torch.randint(-3, 3, (b, t, h, 1), generator=gen)
+    k[0, 0, 0] = 0
+    v = torch.randn(b, t, h, d, generator=gen) * 5
+    return k.to(DEVICE, DTYPE).transpose(1, 2), v.to(DEVICE, DTYPE).transpose(1, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+@pytest.mark.parametrize("b,t", [(1, 1), (2, 3)])
+def test_write_kernel_stores_what_the_torch_path_stores(name, b, t):
+    h, d, slots = 3, 64, 24
+    k, v = kv_rows(b, t, h, d, seed=b * 5 + t)
+    where = torch.randperm(slots, generator=torch.Generator().manual_seed(t))[: b * t].to(DEVICE)
+    (by_kernel, codec), (by_torch, _) = tq_pools(slots, h, d, name), tq_pools(slots, h, d, name)
+    kv_write.write_kv(k, v, *by_kernel[:2], where, 0, None, 1, *by_kernel[2:], codec=codec)
+    destination = KVDestination(*by_torch[:2], where, 0, None, 1, *by_torch[2:], codec=codec)
+    kv_write.triton, saved = None, kv_write.triton  # the fallback (what a CPU runs)
+    try:
+        destination.write(k, v)
+    finally:
+        kv_write.triton = saved
+    assert all(torch.equal(x, y) for x, y in zip(by_kernel, by_torch))
+    for x, codes, scales, code in ((k, by_torch[0], by_torch[2], codec.key), (v, by_torch[1], by_torch[3], codec.value)):
+        want = tq.encode_rows(x.transpose(1, 2).reshape(b * t, h, d), codec.signs, code, codec.inv_sqrt_d)
+        assert torch.equal(codes[where], want[0]) and torch.equal(scales[where], want[1])
+
+
+@needs_triton
+def test_qk_prep_with_a_tq_destination_writes_its_finished_keys():
+    b, t, hq, hkv, d = 2, 3, 4, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(b, t, hq, d, generator=gen).to(DEVICE, DTYPE)
+    k = torch.randn(b, t, hkv, d, generator=gen).to(DEVICE, DTYPE)
+    v = torch.randn(b, t, hkv, d, generator=gen).to(DEVICE, DTYPE).transpose(1, 2)
+    emb = torch.arange(5, 5 + t)[:, None].float() * torch.rand(d // 2, generator=gen)
+    cos = torch.cat((emb, emb), -1).cos().to(DEVICE, DTYPE)[None].expand(b, t, d)
+    sin = torch.cat((emb, emb), -1).sin().to(DEVICE, DTYPE)[None].expand(b, t, d)
+    where = torch.randperm(16, generator=gen)[: b * t].to(DEVICE)
+    pools, codec = tq_pools(16, hkv, d, "tq3")
+    _, keys = qk_prep.prepare_qk(q, k, cos, sin, None, None, 1e-6, False, v=v,
+                                 cache_rows=KVDestination(*pools[:2], where, 0, None, 1, *pools[2:], codec=codec))
+    for x, codes, scales, code in ((keys, pools[0], pools[2], codec.key), (v, pools[1], pools[3], codec.value)):
+        want = tq.encode_rows(x.transpose(1, 2).reshape(b * t, hkv, d), codec.signs, code, codec.inv_sqrt_d)
+        assert torch.equal(codes[where], want[0]) and torch.equal(scales[where], want[1])
+
+
+def paged_case(length: int, batch: int, hq: int, hkv: int, d: int, name: str, seed: int):
+    """q [B, Hq, L, D] (rotated, as attention hands it over) and tq pools holding each sequence's L + 8
+    keys through shuffled block tables, with their decoded (rotated) copy."""
+    gen = torch.Generator().manual_seed(seed)
+    block = 16
+    blocks = -(-(length + 8) // block)
+    tables = (torch.randperm(batch * blocks, generator=gen) + 1).view(batch, blocks).to(DEVICE)
+    q = torch.randn(batch, hq, length, d, generator=gen).to(DEVICE, DTYPE)
+    pools, codec = tq_pools((batch * blocks + 1) * block, hkv, d, name)
+    s = torch.arange(length + 8)
+    for b in range(batch):
+        where = (tables[b].cpu()[s // block] * block + s % block).to(DEVICE)
+        for codes, scales, code in ((pools[0], pools[2], codec.key), (pools[1], pools[3], codec.value)):
+            x = (torch.randn(length + 8, hkv, d, generator=gen) * 4).to(DEVICE)
+            codes[where], scales[where] = tq.encode_rows(x, codec.signs, code, codec.inv_sqrt_d)
+    decoded = [tq.decode_rows(pools[0], pools[2], codec.key, DTYPE), tq.decode_rows(pools[1], pools[3], codec.value, DTYPE)]
+    return q, tables, block, pools, codec, decoded
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_split_k_over_tq_pools_equals_it_over_their_decoded_copy(name, window):
+    hq, hkv, d, length = (8, 2, 128, 600) if CUDA else (4, 2, 16, 150)
+    q, tables, block, (kc, vc, ks, vs), codec, (k, v) = paged_case(length, 2, hq, hkv, d, name, seed=3)
+    for splits in ((None, 3) if CUDA else (1, 2)):
+        for t, last in ((1, length - 1), (4, 97)):
+            pos = torch.arange(last - t + 1, last + 1, device=DEVICE)[None].expand(2, -1).contiguous()
+            qt = q[:, :, last - t + 1:last + 1].contiguous()
+            got = attention.paged_decode_attention(qt, kc, vc, tables, block, pos, d ** -0.5, window, splits,
+                                                   k_scale=ks, v_scale=vs, codec=codec)
+            plain = attention.paged_decode_attention(qt, k, v, tables, block, pos, d ** -0.5, window, splits)
+            assert torch.equal(got, plain), (splits, t)
+            ref = attention.paged_decode_attention_reference(qt, kc, vc, tables, block, pos, d ** -0.5, window,
+                                                             k_scale=ks, v_scale=vs, codec=codec)
+            assert float((got.double() - ref.double()).norm() / ref.double().norm()) < (1e-2 if CUDA else 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_prompt_chunk_over_tq_pools_equals_it_over_their_decoded_copy(name, window):
+    hq, hkv, d, length = (8, 2, 128, 300) if CUDA else (4, 2, 16, 150)
+    q, tables, block, (kc, vc, ks, vs), codec, (k, v) = paged_case(length, 2, hq, hkv, d, name, seed=4)
+    pos = torch.arange(length, device=DEVICE)[None].expand(2, -1).contiguous()
+    for splits in ((None,) if CUDA else (2,)):  # the split path covers one share and two
+        got = attention.paged_chunk_attention(q, kc, vc, tables, block, pos, d ** -0.5, window, num_splits=splits,
+                                              k_scale=ks, v_scale=vs, codec=codec)
+        assert torch.equal(got, attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window,
+                                                                num_splits=splits))
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+def test_reference_reads_tq_pools_as_their_decoded_copy(name):
+    q, tables, block, (kc, vc, ks, vs), codec, (k, v) = paged_case(40, 2, 4, 2, 16, name, seed=5)
+    pos = torch.arange(30, 34, device=DEVICE)[None].expand(2, -1).contiguous()
+    qt = q[:, :, 30:34].contiguous()
+    got = attention.paged_decode_attention_reference(qt, kc, vc, tables, block, pos, 0.25, k_scale=ks, v_scale=vs,
+                                                     codec=codec)
+    assert torch.equal(got, attention.paged_decode_attention_reference(qt, k, v, tables, block, pos, 0.25))

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from verispec.cache.kv import LayerCacheSpec, RecurrentLayerSpec, _PendingRecurrent
-from verispec.kernels import kv_fp8
+from verispec.kernels import kv_fp8, kv_turboquant
 from verispec.kernels.kv_write import KVDestination
 
 SCRATCH = 0  # block id / state slot that padded rows use
@@ -158,12 +158,15 @@ class SlotAllocator:
 
 
 # --kv-cache-dtype: what the pools store (auto: the model's dtype; docs/serving.md#kv-cache-compression)
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", *kv_turboquant.FORMATS)
 
 
 def kv_bytes_per_token(specs: list, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     if kv_cache_dtype == "fp8":
         return sum(kv_fp8.bytes_per_token(s.num_kv_heads, s.head_dim) for s in specs if isinstance(s, LayerCacheSpec))
+    if kv_cache_dtype in kv_turboquant.FORMATS:
+        fmt = kv_turboquant.FORMATS[kv_cache_dtype]
+        return sum(fmt.bytes_per_token(s.num_kv_heads, s.head_dim) for s in specs if isinstance(s, LayerCacheSpec))
     item = torch.empty((), dtype=dtype).element_size()
     return sum(2 * s.num_kv_heads * s.head_dim * item for s in specs if isinstance(s, LayerCacheSpec))
 
@@ -179,7 +182,10 @@ class PagedPools:
     """One model's paged storage (a target's, or a drafter's own layers). Layers whose spec is
     None (K/V shared with another layer) get no pool. kv_cache_dtype "fp8": keys and values are
     stored as e4m3 codes with a scale exponent per (row, head) in key_scales / value_scales
-    (kernels/kv_fp8.py); `dtype` stays the activations' dtype they decode to."""
+    (kernels/kv_fp8.py). "tq4" / "tq3": packed codes of the layer's rotated rows ([slots, Hkv, D *
+    bits / 8] uint8) with a float32 scale per (row, head) there, read and written through the
+    layer's `codecs[layer]` (kernels/kv_turboquant.py). `dtype` stays the activations' dtype they
+    decode to."""
 
     def __init__(self, specs: list, num_blocks: int, block_size: int, num_state_slots: int,
                  dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto"):
@@ -199,18 +205,29 @@ class PagedPools:
         alloc = torch.empty if self.lazy else torch.zeros
         self.keys: list[torch.Tensor | None] = []  # per layer [slots, Hkv, D]
         self.values: list[torch.Tensor | None] = []
-        self.key_scales: list[torch.Tensor | None] = []  # fp8: per layer [slots, Hkv] uint8 exponents
+        self.key_scales: list[torch.Tensor | None] = []  # fp8: per layer [slots, Hkv] uint8 exponents; tq: float32
         self.value_scales: list[torch.Tensor | None] = []
+        self.codecs: list[kv_turboquant.LayerCodec | None] = []  # tq: each layer's rotation and codebooks
         self.conv_states: dict[int, torch.Tensor] = {}  # [state slots, conv_dim, kernel - 1]
         self.ssm_states: dict[int, torch.Tensor] = {}  # [state slots, H, Dk, Dv] float32
         fp8 = kv_cache_dtype == "fp8"
+        tq = kv_turboquant.FORMATS.get(kv_cache_dtype)
         code_dtype = kv_fp8.CODE_DTYPE if fp8 else dtype
-        for spec in specs:
+        for i, spec in enumerate(specs):
             if not isinstance(spec, LayerCacheSpec):
-                for pools in (self.keys, self.values, self.key_scales, self.value_scales):
+                for pools in (self.keys, self.values, self.key_scales, self.value_scales, self.codecs):
                     pools.append(None)
                 continue
             heads, dim = spec.num_kv_heads, spec.head_dim
+            if tq is not None:
+                codec = kv_turboquant.LayerCodec.build(tq, i, dim, self.device)
+                self.codecs.append(codec)
+                self.keys.append(alloc(slots, heads, dim * tq.key_bits // 8, dtype=torch.uint8, device=device))
+                self.values.append(alloc(slots, heads, dim * tq.value_bits // 8, dtype=torch.uint8, device=device))
+                self.key_scales.append(alloc(slots, heads, dtype=torch.float32, device=device))
+                self.value_scales.append(alloc(slots, heads, dtype=torch.float32, device=device))
+                continue
+            self.codecs.append(None)
             self.keys.append(alloc(slots, heads, dim, dtype=code_dtype, device=device))
             self.values.append(alloc(slots, heads, dim, dtype=code_dtype, device=device))
             self.key_scales.append(alloc(slots, heads, dtype=kv_fp8.SCALE_DTYPE, device=device) if fp8 else None)
@@ -244,9 +261,15 @@ class PagedPools:
 
     def decoded(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of pool rows `slots` [N] in the activations' dtype: [N, Hkv, D] each (fp8 rows
-        decoded as the kernels decode them in registers)."""
+        decoded as the kernels decode them in registers; tq rows too, left in the layer's rotated
+        basis, which attention's query and output are turned into and out of)."""
         k = self.keys[layer].index_select(0, slots)
         v = self.values[layer].index_select(0, slots)
+        codec = self.codecs[layer]
+        if codec is not None:
+            return (kv_turboquant.decode_rows(k, self.key_scales[layer].index_select(0, slots), codec.key, self.dtype),
+                    kv_turboquant.decode_rows(v, self.value_scales[layer].index_select(0, slots), codec.value,
+                                              self.dtype))
         if not self.fp8:
             return k, v
         return (kv_fp8.decode_reference(k, self.key_scales[layer].index_select(0, slots), self.dtype),
@@ -361,7 +384,7 @@ class BatchCache:
         pools = self.pools
         return KVDestination(pools.keys[layer], pools.values[layer], self.write_slots, row_dim=0,
                              batch_dim=None, head_dim=1, k_scale=pools.key_scales[layer],
-                             v_scale=pools.value_scales[layer])
+                             v_scale=pools.value_scales[layer], codec=pools.codecs[layer])
 
     def read_slots(self) -> torch.Tensor:
         """Pool rows of positions 0..num_keys-1 for every sequence: [B, num_keys] (built once a pass)."""

@@ -50,7 +50,7 @@ class EngineDescription:
     # "exact" where a token's result does not depend on its pass (--numerics exact on CUDA, or on a CPU
     # in float16/bfloat16), else "fast"
     numerics: str = "fast"
-    kv_cache_dtype: str = "auto"  # what the KV cache stores: the model's dtype ("bfloat16", ...) or "fp8"
+    kv_cache_dtype: str = "auto"  # what the KV cache stores: the model's dtype ("bfloat16", ...), "fp8", "tq4", "tq3"
 
 
 @runtime_checkable

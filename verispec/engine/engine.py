@@ -35,7 +35,7 @@ from verispec.engine.cache_sizing import size_cache
 from verispec.engine.client import ServedEngine
 from verispec.engine.draft_policy import MEASURE, AdaptiveDrafts, DraftPolicy, draft_policy
 from verispec.engine.limits import RequestLimits
-from verispec.engine.options import check_limits
+from verispec.engine.options import check_kv_cache_dtype, check_limits
 from verispec.engine.output import OutputBuilder
 from verispec.engine.overlap import OverlappedDecode
 from verispec.engine.runner import ModelRunner
@@ -128,6 +128,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
     def _setup_cache(self) -> None:
         specs = self.model.cache_specs()
         cfg = self.config
+        check_kv_cache_dtype(specs, cfg.kv_cache_dtype)
         sizes = size_cache(specs, cfg, self.dtype, self.device, self.max_model_len, self.num_drafts)
         self.max_model_len = sizes.max_model_len
         num_blocks, block, num_slots, num_snapshots = (sizes.num_blocks, sizes.block_size, sizes.num_state_slots,
@@ -135,7 +136,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.pools = PagedPools(specs, num_blocks, block, max(num_slots + num_snapshots, 1), self.dtype, self.device,
                                 kv_cache_dtype=cfg.kv_cache_dtype)
         if self.peers is not None:  # each rank holds its own heads' blocks, under the same block ids
-            self.peers.make_pools(num_blocks, block, max(num_slots + num_snapshots, 1))
+            self.peers.make_pools(num_blocks, block, max(num_slots + num_snapshots, 1), cfg.kv_cache_dtype)
         self.budget = CacheBudget(num_blocks, block, num_slots, sizes.bytes_total)
         self.blocks = BlockAllocator(num_blocks, block)
         slots = SlotAllocator(num_slots) if num_slots else None

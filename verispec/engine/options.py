@@ -6,6 +6,7 @@ head it lacks, a drafter for another vocabulary) stay with the loading.
 """
 from __future__ import annotations
 
+from verispec.cache.kv import LayerCacheSpec
 from verispec.cache.paged import KV_CACHE_DTYPES
 from verispec.config import EngineConfig
 from verispec.engine.draft_schedule import DraftSchedule
@@ -15,7 +16,6 @@ from verispec.loading.model_loader import parse_device, parse_dtype
 
 
 NUMERICS = ("auto", "exact", "fast")
-TURBOQUANT_DTYPES = ("tq4", "tq3")  # named in the flag's help and docs, not in the engine yet
 
 
 def check_limits(config: EngineConfig) -> None:
@@ -28,10 +28,6 @@ def check_limits(config: EngineConfig) -> None:
         raise VerispecError(f"--gpu-memory-utilization must be in (0, 1], got {config.gpu_memory_utilization}")
     if config.kv_cache_gb is not None and config.kv_cache_gb <= 0:
         raise VerispecError(f"--kv-cache-gb must be > 0, got {config.kv_cache_gb}")
-    if config.kv_cache_dtype in TURBOQUANT_DTYPES:
-        raise VerispecError(f"--kv-cache-dtype {config.kv_cache_dtype} is not served yet: its codec and reference "
-                            f"attention exist (kernels/kv_turboquant.py), the engine's pools and kernels do not; "
-                            f"use one of {', '.join(KV_CACHE_DTYPES)}")
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise VerispecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                             f"got {config.kv_cache_dtype!r}")
@@ -42,6 +38,17 @@ def check_limits(config: EngineConfig) -> None:
                         ("--num-draft-tokens", config.num_draft_tokens)):
         if value is not None and value < 1:
             raise VerispecError(f"{flag} must be >= 1, got {value}")
+
+
+def check_kv_cache_dtype(specs: list, kv_cache_dtype: str) -> None:
+    """The model's attention layers can hold --kv-cache-dtype: tq codes rotate a row by a Walsh-Hadamard
+    matrix and pack 8 codes at a time, so head dims must be powers of two, 8 or more."""
+    if not kv_cache_dtype.startswith("tq"):
+        return
+    dims = sorted({s.head_dim for s in specs if isinstance(s, LayerCacheSpec)})
+    if any(d < 8 or d & (d - 1) for d in dims):
+        raise VerispecError(f"--kv-cache-dtype {kv_cache_dtype} needs attention head dims that are powers of two "
+                            f"(8 or more); this model's are {', '.join(map(str, dims))}: use auto or fp8")
 
 
 def check_options(config: EngineConfig) -> None:

@@ -41,6 +41,7 @@ class Pools:
     num_blocks: int
     block_size: int
     num_state_slots: int
+    kv_cache_dtype: str = "auto"  # what every rank's pools store, as rank 0's
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,9 @@ class Peers:
         """One message to every worker (inside `collective()`)."""
         dist.broadcast_object_list([message], src=0, group=self.group.control)
 
-    def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+    def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int, kv_cache_dtype: str = "auto") -> None:
         with self.collective():
-            self.send(Pools(num_blocks, block_size, num_state_slots))
+            self.send(Pools(num_blocks, block_size, num_state_slots, kv_cache_dtype))
 
     def apply(self, ops: list[CacheOp]) -> None:
         device_ops = [op for op in ops if isinstance(op, DEVICE_OPS)]

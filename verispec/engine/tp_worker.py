@@ -57,7 +57,7 @@ def run(config: EngineConfig, rank: int, source) -> None:
                 _apply(pools, message.ops)
             elif isinstance(message, Pools):
                 pools = PagedPools(model.cache_specs(), message.num_blocks, message.block_size,
-                                   message.num_state_slots, dtype, group.device)
+                                   message.num_state_slots, dtype, group.device, message.kv_cache_dtype)
             elif isinstance(message, Stop):
                 dist.destroy_process_group()
                 return

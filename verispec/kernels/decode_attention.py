@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.kernels import kv_fp8, launch
+from verispec.kernels import kv_fp8, kv_turboquant, launch
 
 try:
     import triton
@@ -135,15 +135,21 @@ if triton is not None:
     @triton.jit
     def _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b, stride_kn, stride_vn,
                       stride_btb, offs_n, end, allowed, offs_d, d_valid, scale, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                      PAGE: tl.constexpr, FP8: tl.constexpr):
+                      PAGE: tl.constexpr, FP8: tl.constexpr, KCB, VCB, KBITS: tl.constexpr, VBITS: tl.constexpr):
         """One block of keys `offs_n` added to the rows' running softmax sums (rows attend where
         `allowed`; elsewhere their sums stay bit for bit as they were). FP8: the cache holds e4m3
         codes with a scale exponent per (row, head) at ks_base / vs_base + row * stride_sn, decoded
-        here to q's dtype, the bits the torch path's decoded copy holds (kernels/kv_fp8.py)."""
+        here to q's dtype, the bits the torch path's decoded copy holds (kernels/kv_fp8.py). KBITS /
+        VBITS > 0: tq rows, packed codes with a float32 scale per (row, head) there, decoded through
+        the codebooks KCB / VCB into the rotated basis q was turned into (kernels/kv_turboquant.py)."""
         n_valid = offs_n < end
         kv_mask = n_valid[:, None] & d_valid[None, :]
         rows = _key_rows(BT, b, stride_btb, offs_n, n_valid, PAGED, PAGE)
-        k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KBITS > 0:
+            k = kv_turboquant.decode_tile(k_base, rows * stride_kn, offs_d, kv_mask,
+                                     tl.load(ks_base + rows * stride_sn, mask=n_valid, other=0.0), KCB, KBITS, q.dtype)
+        else:
+            k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         if FP8:
             k = kv_fp8.decode(k, tl.load(ks_base + rows * stride_sn, mask=n_valid, other=0), q.dtype)
         if IEEE:
@@ -156,7 +162,11 @@ if triton is not None:
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + _row_sums(p, IEEE)
-        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if VBITS > 0:
+            v = kv_turboquant.decode_tile(v_base, rows * stride_vn, offs_d, kv_mask,
+                                     tl.load(vs_base + rows * stride_sn, mask=n_valid, other=0.0), VCB, VBITS, q.dtype)
+        else:
+            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         if FP8:
             v = kv_fp8.decode(v, tl.load(vs_base + rows * stride_sn, mask=n_valid, other=0), q.dtype)
         if IEEE:
@@ -169,7 +179,8 @@ if triton is not None:
     def _share_sums(q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b, stride_kn, stride_vn, stride_btb, start_t,
                     end_t, pos_t, row_valid, offs_d, d_valid, scale, window, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-                    PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+                    PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, KCB, VCB, KBITS: tl.constexpr,
+                    VBITS: tl.constexpr):
         """Each row's softmax sums over its own share [start_t, end_t): (lse, out = weighted values).
         The program walks the union of its rows' shares in blocks aligned as theirs are and masks
         each row to its own: a block outside it leaves the row's running sums bit for bit as they
@@ -186,7 +197,7 @@ if triton is not None:
                 allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
             m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b,
                                           stride_kn, stride_vn, stride_btb, offs_n, end, allowed, offs_d, d_valid,
-                                          scale, IEEE, PAGED, PAGE, FP8)
+                                          scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
         return _finish(m_i, l_i, acc)
 
     @triton.jit
@@ -226,7 +237,7 @@ if triton is not None:
     # specialisation is a compile (0.5-1 s on the H200) inside whichever request meets it first.
     @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window"],
                 do_not_specialize_on_alignment=["POS", "BT"])
-    def _split_kernel(Q, K, V, KS, VS, POS, OPART, LSE, BT,
+    def _split_kernel(Q, K, V, KS, VS, POS, OPART, LSE, BT, KCB, VCB,
                       stride_qb, stride_qh, stride_qt,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
@@ -237,7 +248,8 @@ if triton is not None:
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
                       PAGE: tl.constexpr, MIN_KEYS: tl.constexpr = 512, PDL: tl.constexpr = False,
                       EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64,
-                      LINES: tl.constexpr = 2, FP8: tl.constexpr = False):
+                      LINES: tl.constexpr = 2, FP8: tl.constexpr = False, KBITS: tl.constexpr = 0,
+                      VBITS: tl.constexpr = 0):
         # PAGED: K/V are pools [slots, Hkv, D] and key n of row b sits in slot
         # BT[b, n // PAGE] * PAGE + n % PAGE (stride_kb/stride_vb unused); else [B, Hkv, capacity, D]
         b = tl.program_id(0)
@@ -286,7 +298,7 @@ if triton is not None:
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)
         lse, out = _share_sums(q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b, stride_kn, stride_vn, stride_btb,
                                start_t, end_t, pos_t, row_valid, offs_d, d_valid, scale, window, BLOCK_M, BLOCK_N,
-                               BLOCK_D, HAS_WINDOW, IEEE, PAGED, PAGE, FP8)
+                               BLOCK_D, HAS_WINDOW, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
         tl.store(LSE + row * NUM_SPLITS + s, lse, mask=row_valid)
         tl.store(OPART + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :], out,
                  mask=row_valid[:, None] & d_valid[None, :])
@@ -320,7 +332,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window", "T"],
                 do_not_specialize_on_alignment=["POS", "BT", "LEN"])
-    def _chunk_kernel(Q, K, V, KS, VS, POS, LEN, OUT, BT,
+    def _chunk_kernel(Q, K, V, KS, VS, POS, LEN, OUT, BT, KCB, VCB,
                       stride_qb, stride_qh, stride_qt,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
@@ -329,7 +341,8 @@ if triton is not None:
                       G: tl.constexpr, D: tl.constexpr, SHARES: tl.constexpr, TQ: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                      HAS_LEN: tl.constexpr, MIN_KEYS: tl.constexpr = 512, FP8: tl.constexpr = False):
+                      HAS_LEN: tl.constexpr, MIN_KEYS: tl.constexpr = 512, FP8: tl.constexpr = False,
+                      KBITS: tl.constexpr = 0, VBITS: tl.constexpr = 0):
         """A prompt chunk: TQ query tokens of one sequence and kv head a program, each row's shares
         summed and folded as the split path does (the same helpers), so a prompt token's output is
         the bits a decode step or verify pass at its position gives it."""
@@ -385,7 +398,7 @@ if triton is not None:
                 allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
             m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b,
                                           stride_kn, stride_vn, stride_btb, offs_n, end, allowed, offs_d, d_valid,
-                                          scale, IEEE, PAGED, PAGE, FP8)
+                                          scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
         m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, share >= 0)
         out = o / tl.where(row_valid, l, 1.0)[:, None]
         # OUT is [B, T, HQ, D], as the split path's
@@ -410,10 +423,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                      block_tables: torch.Tensor, block_size: int, positions: torch.Tensor,
                                      scale: float, window: int | None = None, k_scale: torch.Tensor | None = None,
-                                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                     v_scale: torch.Tensor | None = None,
+                                     codec: kv_turboquant.LayerCodec | None = None) -> torch.Tensor:
     """q [B, Hq, T, D]; pools [slots, Hkv, D]; block_tables [B, N]: key j of row b is pool row
     block_tables[b, j // block_size] * block_size + j % block_size. Otherwise as the contiguous one.
-    k_scale / v_scale [slots, Hkv]: the pools hold fp8 codes, decoded to q's dtype (kernels/kv_fp8.py)."""
+    k_scale / v_scale [slots, Hkv]: the pools hold fp8 codes, decoded to q's dtype (kernels/kv_fp8.py),
+    or with `codec` tq codes, decoded in the layer's rotated basis: q must come rotated and the
+    result is rotated too (kernels/kv_turboquant.py `LayerCodec.rotate` / `unrotate`)."""
     num_keys = int(positions.max()) + 1
     j = torch.arange(num_keys, device=q.device)
     column = torch.clamp(j // block_size, max=block_tables.shape[1] - 1)
@@ -421,7 +437,10 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
     # keys past a row's last position belong to other sequences (or nothing): zeros, never read
     owned = (j[None, :] <= positions[:, -1:])[:, :, None, None]
     k, v = k_pool[rows], v_pool[rows]
-    if k_scale is not None:
+    if codec is not None:
+        k = kv_turboquant.decode_rows(k, k_scale[rows], codec.key, q.dtype)
+        v = kv_turboquant.decode_rows(v, v_scale[rows], codec.value, q.dtype)
+    elif k_scale is not None:
         k = kv_fp8.decode_reference(k, k_scale[rows], q.dtype)
         v = kv_fp8.decode_reference(v, v_scale[rows], q.dtype)
     k = torch.where(owned, k, 0).transpose(1, 2)
@@ -432,14 +451,15 @@ def paged_decode_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_po
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            block_size: int, positions: torch.Tensor, scale: float, window: int | None = None,
                            num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           codec: kv_turboquant.LayerCodec | None = None) -> torch.Tensor:
     """The split-K kernel over the paged pools, reading each row's keys through its block table;
     same contract as `paged_decode_attention_reference`. On CPU tensors the reference runs."""
     if not available(q.device):
         return paged_decode_attention_reference(q, k_pool, v_pool, block_tables, block_size, positions, scale, window,
-                                                k_scale, v_scale)
+                                                k_scale, v_scale, codec)
     return _launch(q, k_pool, v_pool, positions, scale, window, block_tables, block_size, num_splits,
-                   k_scale=k_scale, v_scale=v_scale)
+                   k_scale=k_scale, v_scale=v_scale, codec=codec)
 
 
 def split_config(d: int, element_size: int) -> dict:
@@ -472,7 +492,7 @@ def _cache_layout(k_cache, v_cache, block_tables, positions):
 
 
 def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, num_splits=None,
-            block_n=None, num_warps=None, num_stages=None, k_scale=None, v_scale=None) -> torch.Tensor:
+            block_n=None, num_warps=None, num_stages=None, k_scale=None, v_scale=None, codec=None) -> torch.Tensor:
     b, hq, t, d = q.shape
     paged = block_tables is not None
     hkv = k_cache.shape[1]
@@ -493,18 +513,22 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
     pdl, early = launch.small_kernel_pdl(q.device)
-    fp8 = _check_scales(k_cache, k_scale, v_scale, paged)
+    fp8, tq = _check_scales(k_cache, k_scale, v_scale, paged, codec)
+    scaled = fp8 or tq
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, positions, opart, lse, table,
+        q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache, positions, opart, lse,
+        table, *_codebooks(codec, k_cache),
         q.stride(0), q.stride(1), q.stride(2),
         *strides_k, *strides_v,
-        positions.stride(0), table_stride, k_scale.stride(0) if fp8 else 0,
+        positions.stride(0), table_stride, k_scale.stride(0) if scaled else 0,
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         MIN_KEYS=_min_share_keys(block_n), num_warps=num_warps or config["num_warps"], num_stages=num_stages,
         PDL=pdl, EARLY=early,
-        PREFETCH=pdl and PREFETCH and t == 1, LINE=config["LINE"], LINES=config["LINES"], launch_pdl=pdl, FP8=fp8,
+        # tq rows are shorter than the D values a prefetch line count assumes
+        PREFETCH=pdl and PREFETCH and t == 1 and not tq, LINE=config["LINE"], LINES=config["LINES"], launch_pdl=pdl,
+        FP8=fp8, **_code_bits(codec),
     )
     _combine_kernel[(b * hq * t,)](opart, lse, out, t, HQ=hq, D=d, NUM_SPLITS=splits, BLOCK_D=block_d, PDL=pdl,
                                    EARLY=early, num_warps=4, launch_pdl=pdl)
@@ -526,25 +550,42 @@ def paged_chunk_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
                           block_size: int, positions: torch.Tensor, scale: float, window: int | None = None,
                           lengths: torch.Tensor | None = None, num_splits: int | None = None,
                           query_tile: int | None = None, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          v_scale: torch.Tensor | None = None,
+                          codec: kv_turboquant.LayerCodec | None = None) -> torch.Tensor:
     """`chunk_attention` over the paged pools, through the block tables (fp8 pools with their
-    k_scale / v_scale [slots, Hkv])."""
+    k_scale / v_scale [slots, Hkv]; tq pools with them and their `codec`, q and the result in the
+    rotated basis)."""
     return _launch_chunk(q, k_pool, v_pool, positions, scale, window, block_tables, block_size, lengths, num_splits,
-                         query_tile, k_scale=k_scale, v_scale=v_scale)
+                         query_tile, k_scale=k_scale, v_scale=v_scale, codec=codec)
 
 
-def _check_scales(k_cache, k_scale, v_scale, paged) -> bool:
-    """Whether the cache is fp8 (codes with [slots, Hkv] scale exponents), checking what the kernels assume."""
+def _check_scales(k_cache, k_scale, v_scale, paged, codec=None) -> tuple[bool, bool]:
+    """(fp8, tq): whether the cache holds fp8 codes with [slots, Hkv] scale exponents, or tq codes
+    with [slots, Hkv] float32 scales, checking what the kernels assume."""
     if k_scale is None:
-        return False
-    if not paged or v_scale is None or k_cache.dtype != kv_fp8.CODE_DTYPE or k_scale.stride(1) != 1 \
-            or v_scale.stride() != k_scale.stride():
+        return False, False
+    if not paged or v_scale is None or k_scale.stride(1) != 1 or v_scale.stride() != k_scale.stride():
+        raise ValueError("compressed attention needs paged pools and both scale pools [slots, Hkv], contiguous heads")
+    if codec is not None:
+        if k_cache.dtype != torch.uint8 or k_scale.dtype != torch.float32:
+            raise ValueError("tq attention needs packed uint8 pools and float32 scales")
+        return False, True
+    if k_cache.dtype != kv_fp8.CODE_DTYPE:
         raise ValueError("fp8 attention needs paged e4m3 pools and both scale pools [slots, Hkv], contiguous heads")
-    return True
+    return True, False
+
+
+def _codebooks(codec, fallback) -> tuple:
+    """The KCB / VCB kernel arguments: a tq layer's key and value centroids (else any pointer, unread)."""
+    return (codec.key.centroids, codec.value.centroids) if codec is not None else (fallback, fallback)
+
+
+def _code_bits(codec) -> dict:
+    return dict(KBITS=codec.key.bits, VBITS=codec.value.bits) if codec is not None else {}
 
 
 def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, lengths, num_splits,
-                  query_tile, num_warps=None, k_scale=None, v_scale=None) -> torch.Tensor:
+                  query_tile, num_warps=None, k_scale=None, v_scale=None, codec=None) -> torch.Tensor:
     b, hq, t, d = q.shape
     paged = block_tables is not None
     hkv = k_cache.shape[1]
@@ -559,17 +600,18 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
     config = split_config(d, q.element_size())
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
-    fp8 = _check_scales(k_cache, k_scale, v_scale, paged)
+    fp8, coded = _check_scales(k_cache, k_scale, v_scale, paged, codec)
+    scaled = fp8 or coded
     _chunk_kernel[(b * triton.cdiv(t, tq), hkv)](
-        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, positions,
-        lengths if lengths is not None else positions, out, table,
+        q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache, positions,
+        lengths if lengths is not None else positions, out, table, *_codebooks(codec, k_cache),
         q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
-        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(0) if scaled else 0,
         scale, window or 0, t,
         G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=block_m,
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
-        MIN_KEYS=_min_share_keys(config["BLOCK_N"]), FP8=fp8,
+        MIN_KEYS=_min_share_keys(config["BLOCK_N"]), FP8=fp8, **_code_bits(codec),
         num_warps=num_warps or (8 if block_m >= 128 else config["num_warps"]),
         # 128 rows staged 3 deep need 237,696 bytes of shared memory where an H200 has 232,448
         num_stages=2 if block_m >= 128 else config["num_stages"])

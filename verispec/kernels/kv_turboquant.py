@@ -1,6 +1,7 @@
-"""TurboQuant-class KV codes (`tq4`, `tq3`; arXiv 2504.19874, its MSE variant): the codec and the
-reference attention over the codes, in torch. Not served yet: the paged pools, the write kernels
-and the split-K kernel do not take these codes (docs/serving.md#kv-cache-compression).
+"""TurboQuant-class KV codes (`tq4`, `tq3`; arXiv 2504.19874, its MSE variant): the codec, the
+reference attention over the codes, and the rows as the paged pools store them (`LayerCodec`:
+packed codes and a float32 scale per row and head, encoded and decoded alike by torch and by the
+Triton kernels; docs/serving.md#kv-cache-compression).
 
 A row x [D] (one token's key or value of one kv head) is stored as its norm (float32) and D codes:
 the row is turned by a fixed random rotation R = H diag(s) / sqrt(D) (H the Walsh-Hadamard matrix,
@@ -22,10 +23,17 @@ issue's peers found keys need more bits than values). Unmeasured on real models 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch functions stand in
+    triton = None
+    tl = None
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,9 @@ def rotation_signs(layer: int, head_dim: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] times the orthonormal Walsh-Hadamard matrix H / sqrt(D) (symmetric, its own inverse)."""
+def butterfly(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times the unnormalised Walsh-Hadamard matrix H (entries +-1), in x's dtype: log2(D)
+    stages of sums and differences of pairs h apart, the order the Triton `_butterfly` adds in."""
     d = x.shape[-1]
     y = x.reshape(-1, d)
     h = 1
@@ -89,7 +98,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         y = y.view(-1, d // (2 * h), 2, h)
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
-    return y.reshape(x.shape) / math.sqrt(d)
+    return y.reshape(x.shape)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] times the orthonormal Walsh-Hadamard matrix H / sqrt(D) (symmetric, its own inverse)."""
+    return butterfly(x) / math.sqrt(x.shape[-1])
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
@@ -130,7 +144,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., D] (D a multiple of 8) -> bytes [..., D * bits / 8], little-endian bit order."""
     d = codes.shape[-1]
     groups = codes.long().reshape(*codes.shape[:-1], d // 8, 8)
-    word = (groups << (torch.arange(8) * bits)).sum(-1)  # 8 codes in 8 * bits bits
+    word = (groups << (torch.arange(8, device=codes.device) * bits)).sum(-1)  # 8 codes in 8 * bits bits
     out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(bits)], dim=-1)
     return out.reshape(*codes.shape[:-1], d * bits // 8).to(torch.uint8)
 
@@ -138,8 +152,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of `pack`: bytes [..., D * bits / 8] -> codes [..., D] uint8."""
     groups = packed.long().reshape(*packed.shape[:-1], -1, bits)
-    word = (groups << (torch.arange(bits) * 8)).sum(-1)
-    codes = (word[..., None] >> (torch.arange(8) * bits)) & ((1 << bits) - 1)
+    word = (groups << (torch.arange(bits, device=packed.device) * 8)).sum(-1)
+    codes = (word[..., None] >> (torch.arange(8, device=packed.device) * bits)) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
@@ -161,3 +175,123 @@ def attention_reference(q: torch.Tensor, key_codes: torch.Tensor, key_norms: tor
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     out = torch.einsum("bhts,bhsd->bhtd", scores.softmax(-1), values)
     return unrotate(out, signs).to(q.dtype)
+
+
+# ---- the rows as the paged pools store them -------------------------------------------------------
+# A pool row is the packed codes (D * bits / 8 bytes) and one float32 scale = |x| / sqrt(D), so a
+# decoded coordinate is centroid x scale: one float32 product, rounded once to the activations'
+# dtype, the same in torch and in a kernel's registers. Encoding is float32 with every sum in a
+# fixed order (the butterfly's stages; the squared norm as the first output of a butterfly over the
+# squares, a pairwise tree) and no division (a coordinate's cell is found by comparing H s x with
+# boundary x |x|), so the torch path and the write kernels store the same bits.
+
+
+@dataclass(frozen=True, eq=False)
+class RowCode:
+    """One tensor's (keys' or values') code: its bits and float32 tables on the pools' device."""
+    bits: int
+    centroids: torch.Tensor  # [2^bits] ascending
+    bounds: torch.Tensor  # [2^bits - 1] the midpoints between centroids
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCodec:
+    """What writing or reading one layer's tq rows takes: the format, the layer's signs [D] and the
+    key and value codes."""
+    fmt: TurboQuantFormat
+    signs: torch.Tensor  # [D] float32 +-1
+    key: RowCode
+    value: RowCode
+    head_dim: int = field(default=0)
+
+    @classmethod
+    def build(cls, fmt: TurboQuantFormat, layer: int, head_dim: int, device: torch.device | str) -> LayerCodec:
+        if head_dim % 8:
+            raise ValueError(f"TurboQuant codes need a head dim that is a multiple of 8, got {head_dim}")
+        signs = rotation_signs(layer, head_dim).to(device)
+
+        def code(bits: int) -> RowCode:
+            centroids = codebook(bits, head_dim)
+            return RowCode(bits, centroids.float().to(device), ((centroids[1:] + centroids[:-1]) / 2).float().to(device))
+        return cls(fmt, signs, code(fmt.key_bits), code(fmt.value_bits), head_dim)
+
+    @property
+    def inv_sqrt_d(self) -> float:
+        """1 / sqrt(D) as the float32 that scales are multiplied by."""
+        return float(torch.tensor(1 / math.sqrt(self.head_dim), dtype=torch.float32))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """R x in float32 (a query before attention over the rotated rows), back in x's dtype."""
+        return rotate(x.float(), self.signs).to(x.dtype)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """R^T y in float32 (attention's output, summed in the rotated basis), back in y's dtype."""
+        return unrotate(y.float(), self.signs).to(y.dtype)
+
+
+def encode_rows(x: torch.Tensor, signs: torch.Tensor, code: RowCode, inv_sqrt_d: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (packed codes [..., D * bits / 8] uint8, scales [...] float32): the torch path of
+    the write kernels (`encode_tile` below), bit for bit."""
+    xf = x.float() * signs
+    y = butterfly(xf)  # sqrt(D) R x
+    # rounded once from float64: torch's float32 sqrt on a CPU is not always correctly rounded (Triton's sqrt_rn is)
+    norm = butterfly(xf * xf)[..., 0].double().sqrt().float()
+    codes = (y[..., None] > code.bounds * norm[..., None, None]).sum(-1)
+    return pack(codes, code.bits), norm * inv_sqrt_d
+
+
+def decode_rows(packed: torch.Tensor, scales: torch.Tensor, code: RowCode, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows -> R x in `dtype` [..., D] (still rotated): what the kernels decode in registers."""
+    codes = unpack(packed, code.bits)
+    return (code.centroids[codes.long()] * scales[..., None]).to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _butterfly(x, M: tl.constexpr, D: tl.constexpr):
+        """x [M, D] times H along its rows, the stages of the torch `butterfly`."""
+        for i in tl.static_range(0, 16):
+            h: tl.constexpr = 1 << i
+            if h < D:
+                y = tl.permute(tl.reshape(x, (M, D // (2 * h), 2, h)), (0, 1, 3, 2))
+                a, b = tl.split(y)
+                x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, D))
+        return x
+
+    @triton.jit
+    def encode_tile(x, SIGNS, BOUNDS, inv_sqrt_d, M: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """Rows x [M, D] -> (codes [M, D] int32, scales [M] float32), bit for bit `encode_rows`."""
+        d = tl.arange(0, D)
+        xf = x.to(tl.float32) * tl.load(SIGNS + d)[None, :]
+        y = _butterfly(xf, M, D)
+        squares = _butterfly(xf * xf, M, D)
+        norm = tl.sqrt_rn(tl.sum(tl.where(d[None, :] == 0, squares, 0.0), 1))  # column 0 alone: exact
+        codes = tl.zeros([M, D], tl.int32)
+        for j in tl.static_range(0, (1 << BITS) - 1):
+            codes += (y > tl.load(BOUNDS + j) * norm[:, None]).to(tl.int32)
+        return codes, norm * inv_sqrt_d
+
+    @triton.jit
+    def store_packed(dst, codes, mask, M: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """codes [M, D] packed as `pack` packs them: row m's bytes from dst[m] ([M] pointers) on."""
+        groups = tl.reshape(codes, (M, D // 8, 8)).to(tl.int64)
+        word = tl.sum(groups << (tl.arange(0, 8) * BITS)[None, None, :], 2)  # disjoint bits: exact
+        g = tl.arange(0, D // 8)
+        for i in tl.static_range(0, BITS):
+            tl.store(dst[:, None] + g[None, :] * BITS + i, ((word >> (8 * i)) & 0xFF).to(tl.uint8),
+                     mask=mask[:, None])
+
+    @triton.jit
+    def decode_tile(base, offsets, offs_d, mask, scales, CENTROIDS, BITS: tl.constexpr, dtype: tl.constexpr):
+        """Packed rows at base + offsets [N] -> their coordinates offs_d [BD] in `dtype` ([N, BD];
+        0 where not `mask`), the bits of `decode_rows`: centroid x scale [N] in float32."""
+        bit = offs_d * BITS
+        shift = bit % 8
+        ptrs = base + offsets[:, None] + (bit // 8)[None, :]
+        word = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        if 8 % BITS != 0:  # a code may run into the next byte
+            word |= tl.load(ptrs + 1, mask=mask & (shift[None, :] > 8 - BITS), other=0).to(tl.int32) << 8
+        codes = (word >> shift[None, :]) & ((1 << BITS) - 1)
+        return tl.where(mask, tl.load(CENTROIDS + codes) * scales[:, None], 0.0).to(dtype)

@@ -10,7 +10,9 @@ Destinations: row r of token (b, t) is `rows[b * T + t]` of a cache whose elemen
 sits at r * stride_row + b * stride_batch + h * stride_head + d: the paged pools ([slots, Hkv, D],
 batch stride 0) and the contiguous cache ([B, Hkv, capacity, D], rows = positions) both fit.
 An fp8 cache (kernels/kv_fp8.py) takes codes there and each (row, head)'s scale exponent in scale
-pools [slots, Hkv]: the kernel encodes as it copies.
+pools [slots, Hkv]: the kernel encodes as it copies. A tq cache (kernels/kv_turboquant.py) takes
+packed codes of the rotated rows and a float32 scale per (row, head), from its own kernel
+(`_tq_write_kernel`: its K and V rows differ in length, so their strides do).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.kernels import kv_fp8
+from verispec.kernels import kv_fp8, kv_turboquant
 
 try:
     import triton
@@ -54,6 +56,29 @@ if triton is not None:
         tl.store(KC + dst, k, mask=ok)
         tl.store(VC + dst, v, mask=ok)
 
+    @triton.jit
+    def _tq_write_kernel(K, V, KC, VC, KS, VS, ROWS, SIGNS, KB, VB, T, sr_b, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                         skc_row, skc_h, svc_row, svc_h, ss_row, inv_sqrt_d, H: tl.constexpr, D: tl.constexpr,
+                         BLOCK_H: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
+        """One token's heads into tq pools: each row encoded (`kv_turboquant.encode`), its codes
+        packed, its scale into KS / VS [slots, Hkv]."""
+        token = tl.program_id(0)  # b * T + t
+        b = token // T
+        t = token % T
+        row = tl.load(ROWS + b * sr_b + t).to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)
+        h = heads[:, None]
+        d = tl.arange(0, D)[None, :]
+        ok = heads < H
+        k = tl.load(K + b * sk_b + h * sk_h + t * sk_t + d, mask=ok[:, None], other=0.0)
+        v = tl.load(V + b * sv_b + h * sv_h + t * sv_t + d, mask=ok[:, None], other=0.0)
+        codes, scales = kv_turboquant.encode_tile(k, SIGNS, KB, inv_sqrt_d, BLOCK_H, D, KBITS)
+        kv_turboquant.store_packed(KC + row * skc_row + heads * skc_h, codes, ok, BLOCK_H, D, KBITS)
+        tl.store(KS + row * ss_row + heads, scales, mask=ok)
+        codes, scales = kv_turboquant.encode_tile(v, SIGNS, VB, inv_sqrt_d, BLOCK_H, D, VBITS)
+        kv_turboquant.store_packed(VC + row * svc_row + heads * svc_h, codes, ok, BLOCK_H, D, VBITS)
+        tl.store(VS + row * ss_row + heads, scales, mask=ok)
+
 
 @dataclass(frozen=True)
 class KVDestination:
@@ -67,13 +92,19 @@ class KVDestination:
     row_dim: int
     batch_dim: int | None
     head_dim: int
-    # fp8 pools: each (row, head)'s scale exponent, [slots, Hkv] (None: the cache stores values)
+    # fp8 pools: each (row, head)'s scale exponent, [slots, Hkv] (None: the cache stores values);
+    # tq pools: each (row, head)'s float32 scale
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    codec: kv_turboquant.LayerCodec | None = None  # tq pools: the layer's rotation and codebooks
 
     @property
     def fp8(self) -> bool:
-        return self.k_scale is not None
+        return self.k_scale is not None and self.codec is None
+
+    @property
+    def tq(self) -> bool:
+        return self.codec is not None
 
     @property
     def stride_row(self) -> int:
@@ -96,21 +127,34 @@ class KVDestination:
         """A pass of b x t tokens with values v can be written here (ValueError naming what not)."""
         if v is None:
             raise ValueError("a cache destination needs the values too")
-        if self.k_cache.stride(-1) != 1 or self.k_cache.stride() != self.v_cache.stride() or v.stride(-1) != 1:
+        alike = self.tq or self.k_cache.stride() == self.v_cache.stride()  # tq: K and V rows differ in length
+        if self.k_cache.stride(-1) != 1 or not alike or v.stride(-1) != 1:
             raise ValueError("KVDestination: the head dimension must be contiguous and both caches laid out alike")
         if self.rows.numel() not in (b * t, t) or self.rows.stride(-1) != 1:
             raise ValueError(f"KVDestination: {self.rows.numel()} rows for {b} x {t} tokens")
         if self.fp8 and (self.batch_dim is not None or self.k_scale.stride() != (self.k_scale.shape[1], 1)
                          or self.v_scale.stride() != self.k_scale.stride()):
             raise ValueError("KVDestination: fp8 scales need paged pools and contiguous [slots, Hkv] scale pools")
+        if self.tq and (self.batch_dim is not None or self.k_scale.stride() != (self.k_scale.shape[1], 1)
+                        or self.v_scale.stride() != self.k_scale.stride()):
+            raise ValueError("KVDestination: tq codes need paged pools and contiguous [slots, Hkv] scale pools")
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, Hkv, T, D] written here (write_kv; index_copy_ off CUDA)."""
         if available(k.device):
             write_kv(k, v, self.k_cache, self.v_cache, self.rows, self.row_dim, self.batch_dim, self.head_dim,
-                     self.k_scale, self.v_scale)
+                     self.k_scale, self.v_scale, self.codec)
             return
         b, h, t, d = k.shape
+        if self.tq:  # paged pools: packed codes and scales, encoded as the kernel encodes
+            codec = self.codec
+            for x, cache, scales, code in ((k, self.k_cache, self.k_scale, codec.key),
+                                           (v, self.v_cache, self.v_scale, codec.value)):
+                packed, row_scales = kv_turboquant.encode_rows(x.transpose(1, 2).reshape(b * t, h, d), codec.signs,
+                                                               code, codec.inv_sqrt_d)
+                cache.index_copy_(0, self.rows, packed)
+                scales.index_copy_(0, self.rows, row_scales)
+            return
         if self.fp8:  # paged pools: codes and scale exponents, encoded as the kernel encodes
             for x, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
                 codes, exponents = kv_fp8.encode_reference(x.transpose(1, 2).reshape(b * t, h, d))
@@ -132,16 +176,25 @@ def available(device: torch.device) -> bool:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
              row_dim: int, batch_dim: int | None, head_dim: int, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, codec: kv_turboquant.LayerCodec | None = None) -> None:
     """k, v [B, Hkv, T, D] (any strides, last dim contiguous) into k_cache / v_cache (same shape
     and strides) along `row_dim` at rows [B * T] (one row per token) or [T] (every sequence the
     same rows); `batch_dim` is the caches' batch dimension (None: no batch dimension, as in the
-    paged pools), `head_dim` their head dimension; k_scale / v_scale: an fp8 cache's scale pools."""
+    paged pools), `head_dim` their head dimension; k_scale / v_scale: an fp8 cache's scale pools, or
+    with `codec` a tq cache's (kernels/kv_turboquant.py)."""
     b, h, t, d = k.shape
-    dest = KVDestination(k_cache, v_cache, rows, row_dim, batch_dim, head_dim, k_scale, v_scale)
+    dest = KVDestination(k_cache, v_cache, rows, row_dim, batch_dim, head_dim, k_scale, v_scale, codec)
     if k.stride(-1) != 1:
         raise ValueError("kv_write.write_kv: the head dimension must be contiguous and both caches laid out alike")
     dest.check(v, b, t)
+    if dest.tq:
+        _tq_write_kernel[(b * t,)](
+            k, v, k_cache, v_cache, k_scale, v_scale, rows, codec.signs, codec.key.bounds, codec.value.bounds, t,
+            dest.rows_batch_stride(b, t), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_scale.stride(0),
+            codec.inv_sqrt_d, H=h, D=d, BLOCK_H=triton.next_power_of_2(h), KBITS=codec.key.bits,
+            VBITS=codec.value.bits, num_warps=4)
+        return
     _kv_write_kernel[(b * t,)](
         k, v, k_cache, v_cache, k_scale if dest.fp8 else k_cache, v_scale if dest.fp8 else v_cache, rows, t,
         dest.rows_batch_stride(b, t),

@@ -137,7 +137,13 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     first rot dims), per-head norm weights [D] (both or neither) -> q [B, Hq, T, D], k [B, Hkv,
     T, D], contiguous. With `cache_rows` (and v [B, Hkv, T, D], any strides) the finished keys
     and the values are also written into the cache there, in the same launch (what
-    kernels/kv_write.py would do next; an fp8 destination gets codes and scales)."""
+    kernels/kv_write.py would do next; an fp8 destination gets codes and scales, a tq one is written
+    by kv_write after this launch)."""
+    if cache_rows is not None and cache_rows.tq:
+        # tq rows are encoded a token's heads at a time by kv_write's kernel: a second launch here
+        qo, ko = prepare_qk(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
+        cache_rows.write(ko, v)
+        return qo, ko
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qo = torch.empty((b, hq, t, d), dtype=q.dtype, device=q.device)

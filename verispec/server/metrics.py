@@ -73,7 +73,7 @@ class ServerMetrics:
                               "does not depend on the batch, speculation or cache) or fast", ["mode"],
                               registry=self.registry)
         self.kv_cache_dtype = Gauge("verispec_kv_cache_dtype_info", "1 for what the KV cache stores: the model's "
-                                    "dtype (--kv-cache-dtype auto) or fp8", ["dtype"], registry=self.registry)
+                                    "dtype (--kv-cache-dtype auto), fp8, tq4 or tq3", ["dtype"], registry=self.registry)
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
         endpoint = endpoint_label(path)

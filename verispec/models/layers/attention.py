@@ -147,11 +147,23 @@ def paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window
                     scale: float) -> torch.Tensor:
     """q [B, Hq, T, D] over `layer`'s K/V in the paged pools (this pass's rows already written)
     -> out [B, Hq, T, D]. Short passes on CUDA read the pools in place through the block tables
-    (split-K kernel, graph-capturable); otherwise the rows are gathered and SDPA runs masked."""
+    (split-K kernel, graph-capturable); otherwise the rows are gathered and SDPA runs masked.
+    tq pools hold rotated rows: the query is rotated once, attends there (q . k = Rq . Rk, values
+    summed rotated) and the output is rotated back once; keys are never un-rotated."""
+    codec = inputs.cache.pools.codecs[layer]
+    if codec is None:
+        return _paged_attention(q, inputs, layer, window, scale)
+    return codec.unrotate(_paged_attention(codec.rotate(q), inputs, layer, window, scale))
+
+
+def _paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, window: int | None,
+                     scale: float) -> torch.Tensor:
     cache: BatchCache = inputs.cache
     pools = cache.pools
-    # fp8 pools: the kernels decode codes in registers, the gather below decodes a copy, alike
+    # fp8 / tq pools: the kernels decode codes in registers, the gather below decodes a copy, alike
     scales = dict(k_scale=pools.key_scales[layer], v_scale=pools.value_scales[layer])
+    if pools.codecs[layer] is not None:
+        scales["codec"] = pools.codecs[layer]
     if inputs.use_kernel:
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window, **scales)
