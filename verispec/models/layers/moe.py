@@ -114,8 +114,12 @@ class FusedExperts(nn.Module):
     def checkpoint_part(self, local_name: str) -> tuple[str, tuple] | None:
         """Where one expert's matrix of a per-expert checkpoint lands (what transformers saves for
         Qwen3-MoE and the original releases ship): `{e}.gate_proj.weight` -> (`gate_up_proj`,
-        index [e, :I]), `{e}.up_proj.weight` -> [e, I:], `{e}.down_proj.weight` -> (`down_proj`, [e]).
-        None for any other name."""
+        index [e, :I]), `{e}.up_proj.weight` -> [e, I:], `{e}.down_proj.weight` -> (`down_proj`, [e]);
+        and the gate or up stack of all experts (GGUF's ffn_gate_exps / ffn_up_exps, [E, I, H]):
+        `gate_proj` -> [:, :I], `up_proj` -> [:, I:]. None for any other name."""
+        i = self.intermediate
+        if local_name in ("gate_proj", "up_proj"):
+            return "gate_up_proj", (slice(None), slice(0, i) if local_name == "gate_proj" else slice(i, 2 * i))
         expert, _, rest = local_name.partition(".")
         if not expert.isdigit() or int(expert) >= self.num_experts:
             return None
