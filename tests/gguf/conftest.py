@@ -11,6 +11,8 @@ CASES = [("llama", t) for t in ALL_TYPES] + [
     ("qwen2", "F16"), ("qwen2", "Q8_0"),
     ("qwen3", "BF16"), ("qwen3", "Q4_0"), ("qwen3", "Q6_K"),
     ("gemma3", "F32"), ("gemma3", "Q8_0"), ("gemma3", "Q4_1"), ("gemma3", "Q4_K"),
+    # expert stacks [E, I, H] in each kind of block: unpacked by us (Q8_0, Q4_1) or by the library (Q4_K)
+    ("qwen3moe", "F32"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_1"), ("qwen3moe", "Q4_K"),
 ]
 # tied embeddings (no output.weight) on qwen2. Not on gemma3: a tied random Gemma repeats its input token
 # (the 16x-scaled embedding dominates the stream), which would make greedy parity a weak test.

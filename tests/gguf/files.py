@@ -30,8 +30,14 @@ SHAPES = {
     # head_dim 256 = transformers' default query_pre_attn_scalar, which its GGUF loader always uses
     "gemma3": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=256, sliding_window=8, rope_theta=1e6),
+    # top-2 of 4 experts renormalised (llama.cpp's qwen3moe always renormalises)
+    "qwen3moe": dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=128, rope_theta=1e6, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=256, norm_topk_prob=True),
 }
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+# llama.cpp's quantizer leaves the MoE router in float (ffn_gate_inp), as the files people run have it
+FLOAT_MATRICES = ("ffn_gate_inp.weight",)
 CHAT_TEMPLATE_MARK = "{# tiny gguf chat template #}"
 # (offset of d, offset of dmin or None) in each k-quant block, as gguf.quants lays them out
 K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
@@ -58,7 +64,7 @@ def tensor_names(arch: str) -> dict[str, str]:
     layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
     if arch == "gemma3":
         layer.update({"pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
@@ -67,7 +73,19 @@ def tensor_names(arch: str) -> dict[str, str]:
     for hf, gg in layer.items():
         for kind in ("weight", "bias"):
             names[f"model.layers.{{i}}.{hf}.{kind}"] = f"blk.{{i}}.{gg}.{kind}"
+    # transformers' fused expert stacks; gate_up_proj is split into gate and up (gguf_tensors)
+    names["model.layers.{i}.mlp.experts.down_proj"] = "blk.{i}.ffn_down_exps.weight"
+    names["model.layers.{i}.mlp.experts.gate_up_proj"] = "blk.{i}.ffn_gate_up_exps.weight"
     return names
+
+
+def gguf_tensors(gguf_name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """What llama.cpp's converter writes for one tensor: the fused gate/up expert stack [E, 2I, H]
+    as ffn_gate_exps [E, I, H] and ffn_up_exps."""
+    if gguf_name.endswith(".ffn_gate_up_exps.weight"):
+        gate, up = w.chunk(2, dim=1)
+        return [(gguf_name.replace("gate_up", "gate"), gate), (gguf_name.replace("gate_up", "up"), up)]
+    return [(gguf_name, w)]
 
 
 def build_hf_model(arch: str, vocab_size: int, seed: int, tie: bool, **overrides):
@@ -107,6 +125,10 @@ def encode(array: np.ndarray, qtype: str, gen: np.random.Generator) -> tuple[np.
     if qtype not in K_QUANT_SCALES:
         return quantize(array.astype(np.float32), t), t
     block_size, type_size = GGML_QUANT_SIZES[t]
+    if array.ndim == 3:  # an expert stack: each expert's matrix as llama.cpp lays them, one after another
+        experts, rows, cols = array.shape
+        data, t = encode(array.reshape(experts * rows, cols), qtype, gen)
+        return data.reshape(experts, rows, -1), t
     rows, cols = array.shape
     blocks = gen.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
     d_at, dmin_at = K_QUANT_SCALES[qtype]
@@ -168,6 +190,10 @@ def write_gguf(out_dir: Path, arch: str, qtype: str, hf_tokenizer, seed: int = 0
         writer.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(c.sliding_window)
+    if arch == "qwen3moe":
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_vocab_size(vocab)
     eos_id, template = _write_tokenizer(writer, hf_tokenizer, arch)
 
@@ -189,11 +215,12 @@ def write_gguf(out_dir: Path, arch: str, qtype: str, hf_tokenizer, seed: int = 0
             w = llama_permute(w, c.num_attention_heads if ".attn_q." in gguf_name else c.num_key_value_heads)
         if arch == "gemma3" and gguf_name.endswith("norm.weight"):
             w = w + 1.0
-        if w.dim() == 1:
-            writer.add_tensor(gguf_name, w.numpy().astype(np.float32))
-        else:
-            data, raw = encode(w.numpy(), qtype, gen)
-            writer.add_tensor(gguf_name, data, raw_dtype=raw)
+        for gguf_name, w in gguf_tensors(gguf_name, w):
+            if w.dim() == 1 or gguf_name.endswith(FLOAT_MATRICES):
+                writer.add_tensor(gguf_name, w.numpy().astype(np.float32))
+            else:
+                data, raw = encode(w.numpy(), qtype, gen)
+                writer.add_tensor(gguf_name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

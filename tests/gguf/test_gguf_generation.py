@@ -25,7 +25,8 @@ NEW_TOKENS = 64
 MIN_DISTINCT_TOKENS = 8
 PROMPT_LENS = (9, 40)  # both longer than gemma3's 8-token window; 40 spans several prefill chunks
 GENERATION_CASES = [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama", "Q4_K"), ("llama", "F16"), ("qwen2", "Q8_0"),
-                    ("qwen3", "Q4_0"), ("qwen3", "Q6_K"), ("gemma3", "Q4_1"), ("gemma3", "Q4_K")]
+                    ("qwen3", "Q4_0"), ("qwen3", "Q6_K"), ("gemma3", "Q4_1"), ("gemma3", "Q4_K"),
+                    ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K")]
 
 
 def hf_from_gguf(path):

@@ -19,6 +19,20 @@ def hf_from_gguf(path):
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+def fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names with each layer's gate and up expert stacks side by side in transformers' fused
+    `gate_up_proj` [E, 2I, H] (as FusedExperts.checkpoint_part places them at load)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".experts.up_proj"):
+            continue
+        if name.endswith(".experts.gate_proj"):
+            prefix = name[: -len("gate_proj")]
+            name, t = f"{prefix}gate_up_proj", torch.cat([t, tensors[f"{prefix}up_proj"]], dim=1)
+        out[name] = t
+    return out
+
+
 @pytest.mark.parametrize("arch, qtype", CASES, ids=[f"{a}-{t}" for a, t in CASES])
 def test_tensors_equal_library_dequantization(gguf_files, arch, qtype):
     from gguf.quants import dequantize
@@ -37,7 +51,7 @@ def test_tensors_equal_library_dequantization(gguf_files, arch, qtype):
 @pytest.mark.parametrize("arch, qtype", CASES, ids=[f"{a}-{t}" for a, t in CASES])
 def test_weights_equal_transformers_gguf_loading(gguf_files, arch, qtype):
     case = gguf_files.get(arch, qtype)
-    ours = dict(GGUFCheckpoint(case.path).tensors())
+    ours = fused_experts(dict(GGUFCheckpoint(case.path).tensors()))
     ref = hf_from_gguf(case.path).state_dict()
     tied = arch in TIED
     assert set(ref) - set(ours) == ({"lm_head.weight"} if tied else set())
@@ -47,11 +61,12 @@ def test_weights_equal_transformers_gguf_loading(gguf_files, arch, qtype):
 
 def test_unquantized_file_round_trips_the_original_weights(gguf_files):
     """F32 llama: permuting q/k (the writer, as llama.cpp) and unpermuting (the reader) is the
-    identity; gemma3's 1 + w norms come back to w up to float32 rounding of the +1 / -1."""
-    for arch in ("llama", "gemma3"):
+    identity; gemma3's 1 + w norms come back to w up to float32 rounding of the +1 / -1; qwen3moe's
+    gate and up expert stacks, split by the writer, come back to transformers' fused stack."""
+    for arch in ("llama", "gemma3", "qwen3moe"):
         case = gguf_files.get(arch, "F32")
         original = case.hf_model.state_dict()
-        for name, tensor in GGUFCheckpoint(case.path).tensors():
+        for name, tensor in fused_experts(dict(GGUFCheckpoint(case.path).tensors())).items():
             if arch == "llama" or not name.endswith("norm.weight"):
                 assert torch.equal(tensor, original[name]), name
             else:
@@ -78,11 +93,25 @@ def test_affine_description(gguf_files, qtype):
         assert torch.equal(a.dequantize(), dense_weights[name]), name
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_expert_stack_affine_description(gguf_files, qtype):
+    """A 3-D expert stack [E, I, H] unpacks expert by expert into the same affine form (scales and
+    biases [E, I, H/32]) as a matrix, dequantizing to the dense load's values."""
+    checkpoint = GGUFCheckpoint(gguf_files.get("qwen3moe", qtype).path)
+    dense_weights = dict(checkpoint.tensors())
+    stacks = {n: v for n, v in checkpoint.tensors(keep_affine=True) if ".experts." in n}
+    assert len(stacks) == 3 * 2
+    for name, a in stacks.items():
+        experts, rows, cols = a.shape
+        assert a.scales.shape == a.biases.shape == (experts, rows, cols // 32)
+        assert torch.equal(a.dequantize(), dense_weights[name]), name
+
+
 def test_all_types_covered():
     assert {t for a, t in CASES if a == "llama"} == set(ALL_TYPES)
 
 
-@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_1"), ("qwen3", "Q4_0"), ("gemma3", "Q4_1")])
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_1"), ("qwen3", "Q4_0"), ("gemma3", "Q4_1"), ("qwen3moe", "Q4_1")])
 def test_4bit_weights_kept_quantized_compute_what_the_dense_load_does(gguf_files, arch, qtype):
     """Q4_0 / Q4_1 linears loaded as quantized layers (what CUDA in bfloat16 gets, for torch's int4
     kernel) dequantize to the library's values: in float32 on the CPU the logits equal the dense load's."""

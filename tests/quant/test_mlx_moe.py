@@ -14,7 +14,6 @@ import torch
 from tools.tiny import build_tiny_gemma4
 from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
-from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.quant.layers.experts import MLXQuantizedExperts
 
@@ -80,13 +79,20 @@ def test_expert_paths_agree(moe_checkpoints):
     torch.testing.assert_close(experts(x, index, weights), loop, rtol=1e-5, atol=1e-6)
 
 
-def test_float_switch_glu_is_refused_with_the_reason(moe_float, tmp_path):
+def test_float_switch_glu_fills_the_fused_experts(moe_float, tmp_path):
+    """mlx_lm.convert without quantizing (mlx-community's bf16 conversions): the float
+    `switch_glu` stacks load into FusedExperts and decode as mlx-lm does."""
     import_mlx()
     from mlx_lm import convert
 
-    convert(str(moe_float), str(tmp_path / "float-mlx"))
-    with pytest.raises(UnsupportedModelError, match="float SwitchGLU"):
-        load_model(tmp_path / "float-mlx", torch.float32, torch.device("cpu"))
+    from verispec.models.layers.moe import FusedExperts
+
+    out = tmp_path / "float-mlx"
+    convert(str(moe_float), str(out), dtype="float32")
+    model = load_model(out, torch.float32, torch.device("cpu"))
+    assert isinstance(model.model.layers[0].experts, FusedExperts)
+    mlx_model, _ = mlx_tensors(out)
+    assert verispec_greedy(out, 16) == mlx_greedy(mlx_model, PROMPT, 16)
 
 
 def test_verispec_quantize_writes_experts_mlx_lm_reads(moe_float, tmp_path):

@@ -1,8 +1,9 @@
 """Quantized experts of the Qwen MoE families in mlx-lm's layout (`mlp.switch_mlp.{gate,up,down}_proj`,
 the router `mlp.gate` at 8 bits): a tiny Qwen3-MoE converted by `mlx_lm.convert` (as the
-mlx-community Qwen3-30B-A3B conversions are made), and a tiny Qwen3.5-MoE in the releases' stacked
-layout quantized by `verispec quantize`, must decode the same greedy tokens as mlx-lm itself. Experts
-quantized one linear per expert (compressed-tensors' layout) are refused by name."""
+mlx-community Qwen3-30B-A3B conversions are made), a tiny Qwen3.5-MoE in the releases' stacked
+layout and a tiny Qwen3-MoE with one linear per expert (as transformers saves it) quantized by
+`verispec quantize`, must decode the same greedy tokens as mlx-lm itself. Experts quantized one
+linear per expert (compressed-tensors' layout) are refused by name."""
 from __future__ import annotations
 
 import json
@@ -67,6 +68,50 @@ def test_verispec_quantize_of_qwen3_5_moe_is_read_by_mlx_lm(tmp_path, tokenizer_
     assert all(isinstance(layer.mlp.experts, MLXQuantizedExperts) for layer in model.model.layers)
     mlx_model, _ = mlx_tensors(tmp_path / "q8")
     assert verispec_greedy(tmp_path / "q8", 16) == mlx_greedy(mlx_model, PROMPT, 16)
+
+
+def test_verispec_quantize_stacks_per_expert_weights(qwen3_moe_float, tmp_path):
+    """Per-expert float matrices are stacked at conversion, so the experts come out quantized in
+    mlx-lm's switch_mlp layout rather than kept in float."""
+    from safetensors import safe_open
+
+    from verispec.cli import main
+
+    out = tmp_path / "q4"
+    assert main(["quantize", "-m", str(qwen3_moe_float), "--format", "mlx-4bit", "--group-size", "32",
+                 "--out", str(out)]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert tuple(f.get_slice("model.layers.0.mlp.switch_mlp.up_proj.scales").get_shape()) == (8, 64, 2)
+    assert not any(".experts." in n for n in names)
+    assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer's MLP, quantized as before
+    model = load_model(out, torch.float32, torch.device("cpu"))
+    for i, layer in enumerate(model.model.layers):
+        if i not in QWEN3_MOE["mlp_only_layers"]:
+            assert isinstance(layer.mlp.experts, MLXQuantizedExperts) and layer.mlp.experts.switch_glu.down_proj.bits == 4
+    mlx_model, _ = mlx_tensors(out)
+    assert verispec_greedy(out, 16) == mlx_greedy(mlx_model, PROMPT, 16)
+
+
+def test_expert_stacker_places_parts_and_returns_incomplete_ones():
+    from verispec.quant.convert import meta_model
+    from verispec.quant.expert_stacks import ExpertStacker
+
+    config = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_experts=2, num_experts_per_tok=1,
+                  moe_intermediate_size=4)
+    stacker = ExpertStacker(meta_model(config))
+    prefix = "model.layers.0.mlp.experts"
+    parts = {f"{prefix}.{e}.{proj}.weight": torch.full((4, 8), 10.0 * e + i) for e in range(2)
+             for i, proj in enumerate(("gate_proj", "up_proj"))}
+    assert stacker.add("model.norm.weight", "model.norm.weight", torch.ones(8)) is None
+    done = [stacker.add(name, name, t) for name, t in parts.items()]
+    assert done[:-1] == [[]] * 3 and [s.our_name for s in done[-1]] == [f"{prefix}.gate_up_proj"]
+    stack = done[-1][0].tensor  # [E, 2I, H]: gate rows then up rows, per expert
+    assert [stack[e, r, 0].item() for e in range(2) for r in (0, 4)] == [0.0, 1.0, 10.0, 11.0]
+    down = f"{prefix}.0.down_proj.weight"
+    assert stacker.add(down, down, torch.zeros(8, 4)) == []
+    assert [name for name, _ in stacker.leftover()] == [down]
 
 
 def test_per_expert_quantized_linears_are_refused(qwen3_moe_float):

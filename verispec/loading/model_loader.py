@@ -207,6 +207,7 @@ def _load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], 
             name, index = part
         param = params[name]
         dest = param[index] if index else param
+        tensor = model.checkpoint_tensor(ckpt_name, tensor)
         check_part_shape(ckpt_name, tensor, dest)
         with torch.no_grad():
             dest.copy_(as_stored(ckpt_name, tensor, param, dtype).to(device=device))

@@ -45,6 +45,11 @@ class CausalLM(nn.Module):
     # checkpoint name prefixes to ignore silently (e.g. vision towers); logged once under debug
     ignored_prefixes: tuple[str, ...] = ()
 
+    def checkpoint_tensor(self, ckpt_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor (by the checkpoint's name) as our parameter holds it: formats that
+        store a weight in another convention (mlx-lm's Qwen3.5 norms, say) convert it here."""
+        return tensor
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 capture: tuple[int, ...] = ()) -> ForwardOutput:
         raise NotImplementedError

@@ -10,6 +10,10 @@ Four model_types share one decoder:
   shared expert gated by sigmoid(shared_expert_gate)); experts stacked (`mlp.experts.gate_up_proj`,
   as the releases ship them) or one linear each (as transformers' save_pretrained writes them).
 
+mlx-lm's conversions of all four (mlx-community's Qwen3.5 / 3.6, float or quantized) load as they
+are: its names (`language_model.model.*`, experts as `mlp.switch_mlp.*`), its (1 + w) norms stored
+with the 1 added, its conv1d kernels as [C, K, 1] (`checkpoint_tensor` undoes the last two).
+
 Layer i is Gated DeltaNet ("linear_attention") or gated full attention per `layer_types`
 (older configs: `full_attention_interval`, full attention when (i + 1) % interval == 0). Every
 RMSNorm except the GDN output norm scales by (1 + w). RoPE covers the first
@@ -36,8 +40,15 @@ from verispec.models.layers.rotary import RotaryEmbedding, rope_parameters
 from verispec.models.layers.sparse_moe import MLX_SWITCH_MLP_RENAMES, MoeSettings
 
 # The multimodal checkpoints (Qwen/Qwen3.5-*, and what transformers saves) keep the text weights
-# under `model.language_model.*`; text-only ones under `model.*`, which needs no mapping.
-TEXT_PREFIX_MAP = {"model.language_model.": "model."}
+# under `model.language_model.*`; text-only ones under `model.*`, which needs no mapping; mlx-lm's
+# conversions (mlx-community's Qwen3.5 / 3.6) under its own module path `language_model.model.*`.
+MLX_PREFIX = "language_model."
+TEXT_PREFIX_MAP = {"model.language_model.": "model.", "language_model.model.": "model.",
+                   "language_model.lm_head.": "lm_head."}
+# mlx-lm's RMSNorm multiplies by its weight alone, so its conversions store these (1 + w) norms
+# with the 1 added (mlx_lm qwen3_5 `sanitize`); the GDN output norm is a plain w in both.
+MLX_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".model.norm.weight",
+                     ".q_norm.weight", ".k_norm.weight")
 # Not part of the text model: the vision tower and the MTP head (loaded by the MTP proposer).
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
 
@@ -196,6 +207,16 @@ class Qwen3_5ForCausalLM(FoldedDecoderLM):
     @classmethod
     def _settings(cls, config: dict) -> Qwen3_5Settings:
         return Qwen3_5Settings(config, moe=cls.mixture_of_experts)
+
+    def checkpoint_tensor(self, ckpt_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """mlx-lm's layout (names under `language_model.`) back to Hugging Face's conventions."""
+        if not ckpt_name.startswith(MLX_PREFIX):
+            return tensor
+        if ckpt_name.endswith(MLX_SHIFTED_NORMS) and tensor.dim() == 1:
+            return tensor.to(torch.float32) - 1.0
+        if ckpt_name.endswith(".conv1d.weight") and tensor.dim() == 3:
+            return tensor.transpose(1, 2)  # [C, K, 1] -> torch's [C, 1, K]
+        return tensor
 
     def cache_specs(self) -> list[LayerCacheSpec | RecurrentLayerSpec]:
         return [layer.cache_spec() for layer in self.model.layers]

@@ -7,7 +7,9 @@
   (W8A16); readable by compressed-tensors (and so transformers / vLLM).
 - `nvfp4`: compressed-tensors nvfp4-pack-quantized, weights only (NVFP4A16).
 For the compressed-tensors formats linear weights are quantized and lm_head is kept in float,
-as llm-compressor's recipes do. Layers are found through verispec's own model of the
+as llm-compressor's recipes do. MoE experts are quantized in the MLX formats only, as mlx-lm's
+stacks (`switch_mlp` / `switch_glu`); experts stored one linear each are stacked first
+(quant/expert_stacks.py). Layers are found through verispec's own model of the
 architecture; everything else is copied unchanged, with the tokenizer and other sidecar files.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from verispec import log
 from verispec.errors import VerispecError
 from verispec.models.base import renamed
 from verispec.quant import compressed_tensors, detect_format, mlx_affine, nvfp4
+from verispec.quant.expert_stacks import CompletedStack, ExpertStacker
 
 SHARD_BYTES = 5 * 2 ** 30  # mlx-lm's default shard size
 
@@ -149,13 +152,18 @@ def parse_format(name: str, group_size: int | None = None) -> OutputFormat:
     return fmt
 
 
-def quantizable_weights(config: dict) -> tuple[dict[str, str], dict[str, str], tuple[tuple[str, str], ...]]:
-    """Our names of this architecture's linear / embedding weights -> "linear" | "embedding",
-    the model's checkpoint prefix map (checkpoint name prefix -> ours) and its checkpoint renames."""
+def meta_model(config: dict) -> nn.Module:
+    """Our model of the architecture on the meta device: its layers tell what gets quantized."""
     from verispec.models.registry import model_class
 
     with torch.device("meta"):
-        model = model_class(config.get("model_type"))(config)
+        return model_class(config.get("model_type"))(config)
+
+
+def quantizable_weights(model: nn.Module) -> tuple[dict[str, str], dict[str, str], tuple[tuple[str, str], ...]]:
+    """Our names of this architecture's linear / embedding weights -> "linear" | "embedding"
+    (expert stacks: "experts-gate-up" | "experts-down"), the model's checkpoint prefix map
+    (checkpoint name prefix -> ours) and its checkpoint renames."""
     from verispec.models.layers.moe import FusedExperts
 
     kinds = {}
@@ -186,7 +194,9 @@ def quantize_checkpoint(source: Source, format_name: str, out: str | Path, group
         raise VerispecError(f"--out {out_dir} exists and is not empty (choose a new directory)", param="out")
     if detect_format(config) is not None:
         raise VerispecError(f"{src} is already quantized (config.json declares its quantization)")
-    kinds, prefix_map, renames = quantizable_weights(config)
+    model = meta_model(config)
+    kinds, prefix_map, renames = quantizable_weights(model)
+    stacker = ExpertStacker(model) if hasattr(writer, "quantize_experts") else None
     # written names in the architecture's MLX layout (Qwen MoE experts: mlp.switch_mlp.*), as mlx-lm reads them
     mlx_names = tuple((ours, theirs) for theirs, ours in renames)
     tied = bool(config.get("tie_word_embeddings", False) or
@@ -203,6 +213,11 @@ def quantize_checkpoint(source: Source, format_name: str, out: str | Path, group
         ours = _our_name(prefix_map, name)
         if tied and ours == "lm_head.weight":
             continue  # the tied head is the embedding; mlx-lm drops this copy too
+        completed = stacker.add(name, ours, tensor) if stacker is not None else None
+        if completed is not None:  # one expert's matrix: written once its whole stack has arrived
+            for stack in completed:
+                _write_stack(stack, writer, kinds, shards, mlx_names, summary, quantized_layers)
+            continue
         reason = "not a linear or embedding weight"
         experts = kinds.get(ours, "").startswith("experts")
         if experts and not hasattr(writer, "quantize_experts"):
@@ -222,11 +237,36 @@ def quantize_checkpoint(source: Source, format_name: str, out: str | Path, group
             shards.add(name, tensor)
             summary.kept += 1
     bar.close()
+    leftover = stacker.leftover() if stacker is not None else []
+    if leftover:
+        log.debug("kept %d per-expert tensors in float: their expert stacks are incomplete (e.g. %s)",
+                  len(leftover), leftover[0][0])
+    for name, tensor in leftover:
+        shards.add(name, tensor)
+        summary.kept += 1
     summary.bytes_out = shards.finish()
     config.update(writer.config_update(quantized_layers))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _copy_sidecars(src, out_dir, skip={f.name for f in files})
     return summary
+
+
+def _write_stack(stack: CompletedStack, writer, kinds: dict[str, str], shards: "_ShardWriter",
+                 mlx_names: tuple[tuple[str, str], ...], summary: QuantizeSummary, quantized_layers: list[str]) -> None:
+    """A stack assembled from per-expert parts: quantized as one, or (when the writer cannot take
+    its width) its parts written unchanged."""
+    kind = kinds[stack.our_name]
+    reason = writer.skip_reason(stack.our_name, kind, tuple(stack.tensor.shape))
+    if reason is not None:
+        log.debug("kept %s's %d expert parts in float: %s", stack.checkpoint_name, len(stack.parts), reason)
+        for name, part in stack.parts:
+            shards.add(name, part)
+            summary.kept += 1
+        return
+    for out_name, out_tensor in writer.quantize_experts(stack.checkpoint_name, kind, stack.tensor).items():
+        shards.add(renamed(out_name, mlx_names), out_tensor)
+    quantized_layers.append(stack.checkpoint_name)
+    summary.quantized += 1
 
 
 def _copy_sidecars(src: Path, out_dir: Path, skip: set[str]) -> None:

@@ -31,10 +31,6 @@ def prepare_model(model: nn.Module, config: dict, tensors: dict[str, CheckpointT
     """Swap quantized layers in; `tensors` maps our parameter names (after the model's
     checkpoint_prefix_map) to the checkpoint's. Returns the format, None for float weights."""
     fmt = detect_format(config)
-    if fmt is None and any(".switch_glu." in name for name in tensors):
-        raise UnsupportedModelError("this checkpoint stores its experts as mlx-lm's float SwitchGLU stacks "
-                                    "(experts.switch_glu.*), which verispec reads only quantized; load the "
-                                    "Hugging Face checkpoint, or an MLX 4/8-bit one")
     if fmt is QuantFormat.MLX_AFFINE:
         _prepare_mlx(model, config["quantization"], tensors)
     elif fmt is QuantFormat.COMPRESSED_TENSORS:

@@ -9,13 +9,18 @@ per-architecture rules, which we follow where they decide the arithmetic:
 - llama: `rope.dimension_count` is the head dim; llama.cpp's q/k row permutation is undone by
   the tensor reader (names.py); Llama 3.x's RoPE scaling comes as the `rope_freqs` tensor
   (a factor per frequency pair that llama.cpp divides the frequency by).
+- qwen3moe: Qwen3's decoder with a sparse MoE MLP; llama.cpp always renormalises the top-k
+  routing weights (norm_topk_prob) and wants a router (`ffn_gate_inp`) in every layer; a layer
+  without one is read as a dense MLP layer (`mlp_only_layers`).
 """
 from __future__ import annotations
 
 from verispec.errors import UnsupportedModelError
 
 # GGUF general.architecture -> our model_type
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                 "qwen3moe": "qwen3_moe"}
+MIXTURE_OF_EXPERTS = ("qwen3moe",)
 SUPPORTED_ROPE_SCALING = ("none", "linear")
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_27B_LAYERS = 62
@@ -61,9 +66,9 @@ def hf_config(meta: Metadata, tensor_shapes: dict[str, tuple[int, ...]],
     if rope_freqs is not None and arch != "llama":
         raise UnsupportedModelError(f"GGUF file {meta.path} carries rope_freqs (per-frequency RoPE factors) on a "
                                     f"{arch} model; they are supported on llama files only")
-    if meta.arch("expert_count", 0):
+    if meta.arch("expert_count", 0) and arch not in MIXTURE_OF_EXPERTS:
         raise UnsupportedModelError(f"GGUF file {meta.path} is a mixture-of-experts {arch} model, which is not "
-                                    "supported from GGUF (supported: dense llama, qwen2, qwen3, gemma3)")
+                                    f"supported from GGUF (mixture-of-experts: {', '.join(MIXTURE_OF_EXPERTS)})")
     hidden = int(meta.arch("embedding_length"))
     heads = int(meta.uniform("attention.head_count"))
     kv_heads = int(meta.uniform("attention.head_count_kv", heads))
@@ -80,7 +85,8 @@ def hf_config(meta: Metadata, tensor_shapes: dict[str, tuple[int, ...]],
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": int(meta.uniform("feed_forward_length")),
+        # MoE files need it only for dense layers (qwen3moe has none unless a layer lacks a router)
+        "intermediate_size": int(meta.uniform("feed_forward_length", 0 if arch in MIXTURE_OF_EXPERTS else ...)),
         # the embedding's rows, not {arch}.vocab_size: the weights decide what the model computes
         "vocab_size": int(tensor_shapes["token_embd.weight"][0]),
         "max_position_embeddings": int(meta.arch("context_length", 4096)),
@@ -88,6 +94,8 @@ def hf_config(meta: Metadata, tensor_shapes: dict[str, tuple[int, ...]],
         "tie_word_embeddings": "output.weight" not in tensor_shapes,
     }
     full_rope = _rope(meta, default_theta=1_000_000.0 if arch == "gemma3" else 10_000.0)
+    if arch in MIXTURE_OF_EXPERTS:
+        config.update(_qwen3_moe(meta, config, tensor_shapes))
     if arch == "gemma3":
         config.update(_gemma3(meta, config, full_rope))
     else:
@@ -114,6 +122,23 @@ def _rope(meta: Metadata, default_theta: float) -> dict:
     if scaling == "linear" and factor != 1.0:
         params.update(rope_type="linear", factor=factor)
     return params
+
+
+def _qwen3_moe(meta: Metadata, config: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> dict:
+    layers = range(config["num_hidden_layers"])
+    dense = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+    sparse = [i for i in layers if i not in dense]
+    # the expert width from the stacks themselves when the converter left it out ([E, I, H])
+    stack = tensor_shapes.get(f"blk.{sparse[0]}.ffn_gate_exps.weight") if sparse else None
+    expert_width = meta.arch("expert_feed_forward_length", None) or (stack[1] if stack else 0)
+    return {
+        "num_experts": int(meta.arch("expert_count")),
+        "num_experts_per_tok": int(meta.arch("expert_used_count")),
+        "moe_intermediate_size": int(expert_width),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
 
 
 def _gemma3(meta: Metadata, config: dict, full_rope: dict) -> dict:

@@ -2,6 +2,8 @@
 - llama: q and k projection rows permuted (llama.cpp rotates interleaved pairs, HF rotates halves):
   within each head, HF row i (first half) and i + D/2 (second half) were moved next to each other;
 - gemma3: norm weights stored as 1 + w (llama.cpp's RMSNorm multiplies by the weight alone).
+MoE expert stacks (`ffn_{gate,up,down}_exps`, [E, rows, cols]) keep their layout: gate and up
+each fill one half of our fused gate_up_proj (FusedExperts.checkpoint_part), down is down_proj.
 """
 from __future__ import annotations
 
@@ -27,6 +29,13 @@ LAYER_COMMON = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+# whole-layer expert stacks: named without the `.weight` suffix, as our fused parameters are
+EXPERT_STACKS = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # the same GGUF name means another norm in Gemma's four-norm layer
 LAYER_BY_ARCH = {
@@ -45,6 +54,8 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     if match is None:
         return None
     layer, part, kind = match.groups()
+    if part in EXPERT_STACKS and kind == "weight":
+        return f"model.layers.{layer}.{EXPERT_STACKS[part]}"
     table = LAYER_BY_ARCH.get(architecture, LAYER_DEFAULT)
     module = table.get(part) or LAYER_COMMON.get(part)
     return f"model.layers.{layer}.{module}.{kind}" if module else None

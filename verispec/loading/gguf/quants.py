@@ -29,12 +29,13 @@ GROUP_SIZE = 32  # the block size of Q8_0 / Q4_0 / Q4_1
 
 @dataclass
 class AffineQuantized:
-    """A 2-D weight [rows, cols] in MLX's affine form (module docstring), unpacked: one q value per
-    byte in natural column order, so a quantized linear layer can pack it as its kernel wants."""
+    """A weight [rows, cols] (or an expert stack [E, rows, cols]) in MLX's affine form (module
+    docstring), unpacked: one q value per byte in natural column order, so a quantized linear layer
+    can pack it as its kernel wants."""
 
-    q: torch.Tensor  # [rows, cols] uint8, values in [0, 2**bits)
-    scales: torch.Tensor  # [rows, cols // group_size] float32 (float16 values from the file)
-    biases: torch.Tensor  # [rows, cols // group_size] float32
+    q: torch.Tensor  # [..., rows, cols] uint8, values in [0, 2**bits)
+    scales: torch.Tensor  # [..., rows, cols // group_size] float32 (float16 values from the file)
+    biases: torch.Tensor  # [..., rows, cols // group_size] float32
     bits: int
     group_size: int = GROUP_SIZE
 
@@ -43,11 +44,11 @@ class AffineQuantized:
         return tuple(self.q.shape)
 
     def dequantize(self) -> torch.Tensor:
-        """[rows, cols] float32."""
-        rows, cols = self.q.shape
-        groups = self.q.view(rows, cols // self.group_size, self.group_size).to(torch.float32)
+        """[..., rows, cols] float32."""
+        *lead, cols = self.q.shape
+        groups = self.q.view(*lead, cols // self.group_size, self.group_size).to(torch.float32)
         w = groups * self.scales[..., None] + self.biases[..., None]
-        return w.reshape(rows, cols)
+        return w.reshape(self.q.shape)
 
     def take_rows(self, index: torch.Tensor) -> "AffineQuantized":
         """The same weight with its rows reordered (index [rows]): groups run along columns, so a
@@ -92,9 +93,15 @@ def dense(value: torch.Tensor | AffineQuantized) -> torch.Tensor:
 
 
 def _affine(name: str, data: np.ndarray, shape: tuple[int, ...]) -> AffineQuantized:
-    """Unpack Q8_0 / Q4_0 / Q4_1 blocks (data [rows, bytes per row] uint8) into the affine form."""
-    if len(shape) != 2:
-        raise UnsupportedModelError(f"a {name} tensor of shape {shape} is not a matrix (only 2-D {name} is supported)")
+    """Unpack Q8_0 / Q4_0 / Q4_1 blocks (data [..., rows, bytes per row] uint8) into the affine form;
+    an expert stack [E, rows, cols] is unpacked as E * rows rows, since blocks never cross a row."""
+    if len(shape) not in (2, 3):
+        raise UnsupportedModelError(f"a {name} tensor of shape {shape} is neither a matrix nor an expert stack "
+                                    f"(2-D and 3-D {name} are supported)")
+    if len(shape) == 3:
+        experts, rows, cols = shape
+        flat = _affine(name, np.ascontiguousarray(data).reshape(experts * rows, -1), (experts * rows, cols))
+        return AffineQuantized(*(t.reshape(experts, rows, -1) for t in (flat.q, flat.scales, flat.biases)), flat.bits)
     rows, cols = shape
     num_groups = cols // GROUP_SIZE
     blocks = np.ascontiguousarray(data).reshape(rows, num_groups, -1)

@@ -26,6 +26,8 @@ from verispec.models.layers.mlp import activation
 
 from verispec.kernels import expert_gemv
 
+# mlx-lm's container of the three expert stacks (its SwitchGLU), float or quantized
+MLX_SWITCH_GLU = "switch_glu."
 # Above this many token/expert pairs the gathered path would copy too many weights.
 MAX_GATHERED_PAIRS = 64
 # Up to this many pairs (a verify pass of 8 tokens x top-8) each pair streams its experts' weights;
@@ -114,8 +116,17 @@ class FusedExperts(nn.Module):
     def checkpoint_part(self, local_name: str) -> tuple[str, tuple] | None:
         """Where one expert's matrix of a per-expert checkpoint lands (what transformers saves for
         Qwen3-MoE and the original releases ship): `{e}.gate_proj.weight` -> (`gate_up_proj`,
-        index [e, :I]), `{e}.up_proj.weight` -> [e, I:], `{e}.down_proj.weight` -> (`down_proj`, [e]).
-        None for any other name."""
+        index [e, :I]), `{e}.up_proj.weight` -> [e, I:], `{e}.down_proj.weight` -> (`down_proj`, [e]);
+        and the gate or up stack of all experts, [E, I, H] (GGUF's ffn_gate_exps / ffn_up_exps, and
+        mlx-lm's float `switch_glu.gate_proj.weight`): `gate_proj` -> [:, :I], `up_proj` -> [:, I:],
+        `switch_glu.down_proj.weight` -> all of `down_proj`. None for any other name."""
+        i = self.intermediate
+        stack = local_name.removeprefix(MLX_SWITCH_GLU).removesuffix(".weight") \
+            if local_name.startswith(MLX_SWITCH_GLU) else local_name
+        if stack in ("gate_proj", "up_proj"):
+            return "gate_up_proj", (slice(None), slice(0, i) if stack == "gate_proj" else slice(i, 2 * i))
+        if stack == "down_proj" and local_name != stack:
+            return "down_proj", ()
         expert, _, rest = local_name.partition(".")
         if not expert.isdigit() or int(expert) >= self.num_experts:
             return None
