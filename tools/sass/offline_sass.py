@@ -63,15 +63,16 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
     fn = da._split_kernel
     signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "POS": "*i32",
                  "OPART": "*fp32", "LSE": "*fp32",
-                 "BT": "*i32", "scale": "fp32", "window": "i32"}
+                 "BT": "*i32", "KCB": "*bf16", "VCB": "*bf16", "scale": "fp32", "window": "i32"}
     strides = [name for name in fn.arg_names if name.startswith("stride_")]
     signature.update({name: "i32" for name in strides})
     config = da.split_config(128, 2)
     num_warps, num_stages = config.pop("num_warps"), config.pop("num_stages")
     constexprs = dict(config, T=tokens, G=4, D=128, NUM_SPLITS=16, BLOCK_M=16, HAS_WINDOW=False, IEEE=False,
-                      PAGED=paged, PAGE=16, MIN_KEYS=da.MIN_SHARE_KEYS, PDL=pdl, EARLY=pdl, PREFETCH=prefetch)
+                      PAGED=paged, PAGE=16, MIN_KEYS=da.MIN_SHARE_KEYS, PDL=pdl, EARLY=pdl, PREFETCH=prefetch,
+                      FP8=False, KBITS=0, VBITS=0)
     # the launcher's 16-divisibility specializations (the positions' and table's are turned off)
-    divisible = ("Q", "K", "V", "KS", "VS", "OPART", "LSE", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
+    divisible = ("Q", "K", "V", "KS", "VS", "OPART", "LSE", "KCB", "VCB", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
     return compile_gluon(fn, signature, constexprs, divisible, num_warps, num_stages=num_stages, gluon=False)
 
 

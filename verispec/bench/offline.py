@@ -42,6 +42,11 @@ class Setup:
     bandwidth: float | None  # bytes/s
     bandwidth_source: str
 
+    def close(self) -> None:
+        """Stop a split target's worker ranks (the process group goes with them)."""
+        if self.target.peers is not None:
+            self.target.peers.stop()
+
 
 def setup_target(opts: BenchOptions) -> Setup:
     """The target (random weights of a --shape, or a checkpoint), quantized if asked, and the bandwidth."""
@@ -102,6 +107,7 @@ def run_offline(opts: BenchOptions) -> BenchReport:
             rows.extend(_measure_peer(setup, peer, progress))
     finally:
         progress.close()
+        setup.close()
     _speedups(rows)
     meta = run_metadata(opts, device, dtype)
     meta.update({

@@ -60,6 +60,7 @@ def run_prefix(opts: BenchOptions) -> BenchReport:
             _free(setup.device)
     finally:
         progress.close()
+        setup.close()
     meta = run_metadata(opts, setup.device, setup.dtype)
     meta.update({"target": setup.target.name,
                  "weights": "random weights" if setup.target.random else f"checkpoint {setup.target.model_dir}",

@@ -174,7 +174,12 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
 
         parts = load_parts(config)
         t0 = time.perf_counter()
-        engine = cls(*parts)
+        try:
+            engine = cls(*parts)
+        except BaseException:
+            if parts[-1] is not None:  # the tensor-parallel peers: stopped, not left waiting on rank 0
+                parts[-1].stop()
+            raise
         log.startup_phase("allocating the KV cache", time.perf_counter() - t0)
         return engine
 

@@ -55,6 +55,16 @@ def load_parts(config: EngineConfig) -> tuple:
     else:
         model, peers = load_sharded(config, model_dir, dtype)
         device = next(model.parameters()).device
+    try:
+        return _finish_parts(config, model, model_dir, dtype, device, peers, t1)
+    except BaseException:
+        if peers is not None:  # a failed start leaves no worker ranks waiting on a collective
+            peers.stop()
+        raise
+
+
+def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, t1: float) -> tuple:
+    """load_parts after the weights: the tokenizer, the proposer, the numerics and the device's rewrites."""
     t2 = time.perf_counter()
     log.startup_phase(f"loading the weights ({type(model).__name__}, {str(dtype).removeprefix('torch.')}, "
                       f"{device})", t2 - t1)
