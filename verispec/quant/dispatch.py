@@ -272,8 +272,12 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
     for layer in _quantized_linears(root):
         if layer.int4_packed is not None or layer.frag is not None:
             continue
-        kernel, reasons = choose(layer, layer.packed_values().device, dtype)
-        _log_once(logged, reasons)
+        device = layer.packed_values().device
+        kernel, reasons = choose(layer, device, dtype)
+        if device.type != "cpu":
+            _log_once(logged, reasons)
+        elif kernel is not Kernel.TINYGEMM:  # the one CPU kernel: the CUDA kernels' reasons say nothing there
+            _log_once(logged, [f"not {Kernel.TINYGEMM.value}: {tinygemm_reason(layer, device, dtype)}"])
         if kernel is Kernel.FRAG:
             layer.use_fragment_order(dtype)
         elif kernel is Kernel.TINYGEMM:
@@ -362,7 +366,8 @@ def bind_all(root: nn.Module, device: torch.device, dtype: torch.dtype,
     for layer in _quantized_linears(root):
         bound = layer.bind(device, dtype)
         counts[bound.kernels[0]] += 1
-        _log_once(logged, bound.reasons)
+        if device.type == "cuda":  # on a CPU make_copies logged why a layer has no copy
+            _log_once(logged, bound.reasons)
     if counts:
         log.debug("quantized layers' decode / verify kernels: %s",
                   ", ".join(f"{kernel.value} x{count}" for kernel, count in counts.items()))

@@ -112,3 +112,15 @@ def test_float32_and_float64_passes_keep_the_dequantized_product():
     layer.scales.data, layer.biases.data = layer.scales.double(), layer.biases.double()
     torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-12, atol=1e-12)  # ...and one that has it skips it
     assert layer.bound.kernels == (dispatch.Kernel.DEQUANTIZE,)
+
+
+def test_a_cpu_fallback_logs_the_cpu_kernels_reason_only(monkeypatch):
+    from verispec import log
+
+    lines = []
+    monkeypatch.setattr(log, "debug", lambda message, *args: lines.append(message % args))
+    layer, _ = cpu_layer("Q4_0", torch.float32)  # its copy refused here, so prepare asks again
+    dispatch.prepare(torch.nn.Sequential(layer), torch.float32)
+    text = "\n".join(lines)
+    assert "not tinygemm: activations in float32 on a CPU" in text
+    assert "not frag" not in text and "not mma" not in text and "not gemv" not in text

@@ -23,7 +23,8 @@ AVX2 CI machine), so float16 activations are rounded to bfloat16 for the product
 back to float16; the scale and zero are bfloat16 there too, and the weights are decoded and summed
 in float32. Each row is one float32 multiply-add chain over K in order whatever the pass's width
 or thread count (bitwise, tests/quant/kernels/test_int4_cpu.py), and on that machine it beat the
-float16 GEMM on the dense weights at every width measured (1.3x at 1 row, 1.6-3.6x at 2-512 rows), so on a CPU it runs every pass, prompts included (`max_rows`).
+float16 GEMM on the dense weights at every width measured (1.3x at 1 row, 1.6-3.6x at 2-512 rows),
+so on a CPU it runs every pass, prompts included (`max_rows`; docs/quantization.md, "On a CPU").
 """
 from __future__ import annotations
 
