@@ -475,6 +475,12 @@ def cmd_generate(args) -> int:
     config = _engine_config(args)
     if (code := _run_node(config)) is not None:
         return code
+    from verispec.demo.default import default_device_type
+
+    if default_device_type(config.device) == "cpu":
+        from verispec.engine.cpu_threads import set_generate_threads
+
+        set_generate_threads()
     engine = Engine.load(config)
     tok = engine.tokenizer
     if args.no_chat_template or not tok.has_chat_template:

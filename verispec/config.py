@@ -20,7 +20,7 @@ class EnvSettings:
     hf_offline: bool = False
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
-    omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` leaves the CPU thread count to it
+    omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` and `generate` leave the thread count
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":

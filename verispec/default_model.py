@@ -37,7 +37,9 @@ SPECULATION_FILE = "speculation.json"
 # float32 on CPU), chosen by measurement: CPU decode is bound by reading the weights, and float16
 # halves that; on the 2-core CI machine (plain greedy, 200 tokens) float32 15.6 tok/s, bfloat16
 # 19.0, float16 23.7, and float16's greedy tokens equalled float32's on 5 chat prompts x 60 tokens
-# where bfloat16's diverged on 2 (scripts/default_model_dtypes.py)
+# where bfloat16's diverged on 2 (scripts/default_model_dtypes.py). Its Q4_1 layers now stay 4-bit
+# on a CPU and multiply in bfloat16 inside torch's int4 kernel (quant/kernels/int4_builtin.py), the
+# rest of the model (residual stream, norms, attention, the tied Q8_0 head) in float16
 SMOLLM2_DTYPE_BY_DEVICE = {"cpu": "float16"}
 
 

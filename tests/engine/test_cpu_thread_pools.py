@@ -85,3 +85,32 @@ def test_engine_leaves_no_pool_on_the_callers_thread(qwen3_dir):
     generated, threads_engine = engine_run.split()
     assert generated == "8"
     assert threads_engine == by_hand.split()[1]
+
+
+def test_physical_cores_count_smt_siblings_once(tmp_path, monkeypatch):
+    from verispec.engine import cpu_threads
+
+    # 4 CPUs: two cores with two SMT siblings each
+    for cpu, (package, core) in enumerate([(0, 0), (0, 1), (0, 0), (0, 1)]):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_threads.physical_cores(str(tmp_path)) == 2
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0})  # a cpuset of one CPU
+    assert cpu_threads.physical_cores(str(tmp_path)) == 1
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})  # no topology for cpu4
+    assert cpu_threads.physical_cores(str(tmp_path)) == 5
+
+
+def test_generate_takes_a_thread_per_physical_core_unless_told(monkeypatch):
+    from verispec.engine import cpu_threads
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(cpu_threads, "physical_cores", lambda: 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_threads.set_generate_threads() is None and calls == []
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cpu_threads.set_generate_threads() == 3 and calls == [3]

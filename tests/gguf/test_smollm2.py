@@ -71,3 +71,31 @@ def test_smollm2_answers_a_chat_through_the_openai_client():
     answer = out.choices[0].message.content
     assert "Paris" in answer, answer
     assert out.choices[0].finish_reason == "stop"  # ended on its own <|im_end|>, from the GGUF's eos id
+
+
+@pytest.mark.slow
+@needs_wheel
+def test_smollm2_on_a_cpu_answers_the_readme_prompts_as_its_float16_weights_do(monkeypatch):
+    """On a CPU the Q4_1 weights stay 4-bit for torch's int4 kernel (bfloat16 products in the
+    float16 model); the README's prompts give the greedy tokens of the same model with its weights
+    dequantized to float16 (the CPU path before the kernel)."""
+    import verispec.loading.gguf as gguf_loading
+    from verispec.engine.engine import load_engine
+    from verispec.quant.dispatch import Kernel
+    from verispec.quant.layers.linear import QuantizedLinear
+    from verispec.sampling.params import SamplingParams
+
+    prompts = ["Name three primary colors.", "What is the capital of France?"]
+
+    def answers(engine) -> list[list[int]]:
+        ids = [engine.tokenizer.chat_prompt_ids([{"role": "user", "content": p}])[1] for p in prompts]
+        return [engine.generate_all(i, SamplingParams(max_tokens=40, temperature=0)).token_ids for i in ids]
+
+    quantized = load_engine("smollm2", dtype="float16", device="cpu")
+    layers = [m for m in quantized.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * 30 and all(m.bound.kernels[0] is Kernel.TINYGEMM for m in layers)
+    four_bit = answers(quantized)
+    monkeypatch.setattr(gguf_loading, "keeps_4bit", lambda device, dtype: "dequantized for the comparison")
+    dense = load_engine("smollm2", dtype="float16", device="cpu")
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
+    assert four_bit == answers(dense)

@@ -137,7 +137,7 @@ def test_serving_threads_leave_a_core_free_unless_told(monkeypatch):
     assert [cpu_threads.threads_for_host(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "physical_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # restored after the test, whatever set_serving_threads writes
     assert cpu_threads.set_serving_threads() is None and calls == []
     monkeypatch.delenv("OMP_NUM_THREADS")

@@ -18,6 +18,9 @@ thread's own pool goes away when the worker exits after an idle spell.
 its slowest thread; with one thread per core, any other busy thread on the host (the server's
 event loop, tokenizing, a neighbour) deschedules a helper mid-region and every region stalls
 (2 threads on a busy 2-core host decoded 10-20x slower than 1). One core is left free.
+`verispec generate` computes alone and takes one thread per physical core (`set_generate_threads`).
+Both count physical cores, not SMT siblings: two threads on one core share its vector units, and
+decode's small products gain nothing from the second while every region waits for both.
 """
 from __future__ import annotations
 
@@ -99,6 +102,25 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def physical_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
+    """Physical cores among the usable CPUs: SMT siblings (same package and core id) count once.
+    Without the topology files (not Linux, some containers): the usable CPUs."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return usable_cpus()
+    cores = set()
+    for cpu in cpus:
+        topology = os.path.join(sysfs, f"cpu{cpu}", "topology")
+        try:
+            with open(os.path.join(topology, "physical_package_id")) as package, \
+                    open(os.path.join(topology, "core_id")) as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
 def set_serving_threads() -> int | None:
     """`verispec serve` on a CPU: threads_for_host() unless OMP_NUM_THREADS says otherwise. Also
     exported, so an engine process (spawned, a fresh interpreter) starts with the same count.
@@ -107,9 +129,23 @@ def set_serving_threads() -> int | None:
 
     if env().omp_num_threads is not None:
         return None
-    num_threads = threads_for_host(usable_cpus())
+    num_threads = threads_for_host(physical_cores())
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
-    log.info("CPU compute threads: %d of %d usable CPUs (OMP_NUM_THREADS sets another count)", num_threads,
-             usable_cpus())
+    log.info("CPU compute threads: %d of %d physical cores (OMP_NUM_THREADS sets another count)", num_threads,
+             physical_cores())
+    return num_threads
+
+
+def set_generate_threads() -> int | None:
+    """`verispec generate` on a CPU: one compute thread per physical core, unless OMP_NUM_THREADS
+    says otherwise (torch's default counts SMT siblings too). Returns the count set (None: left
+    to OMP_NUM_THREADS)."""
+    import torch
+
+    if env().omp_num_threads is not None:
+        return None
+    num_threads = physical_cores()
+    torch.set_num_threads(num_threads)
+    log.debug("CPU compute threads: %d, one per physical core (OMP_NUM_THREADS sets another count)", num_threads)
     return num_threads

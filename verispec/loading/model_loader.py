@@ -58,7 +58,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                keep_gguf_4bit: bool | None = None, shard: Shard | None = None) -> CausalLM:
     """A checkpoint directory (config.json + safetensors; quantized formats load as stored) or a
     GGUF file (see resolve_model). A GGUF's Q4_0 / Q4_1 linear weights stay quantized where torch's
-    int4 kernel runs (CUDA, bfloat16; `keep_gguf_4bit` overrides), the rest arrive dequantized.
+    int4 kernel runs (CUDA in bfloat16, a CPU in bfloat16 or float16; `keep_gguf_4bit` overrides),
+    the rest arrive dequantized.
     `shard`: this tensor-parallel rank's share of the model, read alone from the files
     (models/sharding.py; a dense safetensors checkpoint, checked by check_shardable)."""
     from verispec.loading import quantized_shards
@@ -73,7 +74,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         four_bit = gguf.kept_4bit_names()
         kept = four_bit if keep else set()
         if four_bit and not keep and keep_gguf_4bit is None:
-            log.debug("GGUF %s: 4-bit weights dequantized %s", gguf.path.name, reason)
+            log.debug("GGUF %s: 4-bit weights dequantized: %s", gguf.path.name, reason)
         config = dict(gguf.config, quantization=QUANTIZATION_CONFIG) if kept else gguf.config
         tensors = gguf.tensors_for_model(kept)
         shapes = gguf.checkpoint_shapes(kept) if kept else None

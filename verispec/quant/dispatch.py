@@ -11,9 +11,11 @@ the layer:
    torch's int4 kernel on a copy in its layout (kernels/int4_builtin.py), the words kept;
 4. GEMV: 2 / 4 / 8-bit on CUDA with Gluon: the GEMV on the checkpoint's words (kernels/gemv.py);
 then, for wider passes up to 128 rows (and decode passes nothing above took), the dequantizing
-Triton product (kernels/matmul.py) on CUDA, and beyond that (prefill) or on a CPU the weight
-dequantized into one GEMM. Every kernel here sums a row the same way whatever the pass's width,
-so speculative verify equals plain decode row by row.
+Triton product (kernels/matmul.py) on CUDA, and beyond that (prefill) the weight dequantized into
+one GEMM. On a CPU only TINYGEMM runs, and for every pass (bfloat16 and float16 activations, 4-bit
+groups of 32-256: GGUF's Q4_0 / Q4_1 among them); other layers dequantize into one GEMM.
+Every kernel here sums a row the same way whatever the pass's width, so speculative verify equals
+plain decode row by row.
 
 A layer keeps its choice (`Bound`), so a pass costs a row count and a call: forward never asks
 the rule again for the same device and dtype. Each fallback's reason is logged under
@@ -197,7 +199,9 @@ def bind(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> Bo
             return Bound(device, dtype, ((sys.maxsize, Kernel.EXACT, _exact),))
         reasons.append(f"not exact: {reason}")
     copy = layer.frag if layer.frag_terms is not None and layer.frag_terms.dtype == dtype else None
-    if layer.int4_packed is not None:
+    if layer.int4_packed is not None and int4_builtin.activation_reason(device, dtype) is None:
+        if device.type == "cpu":  # every pass: row invariant at every width, and the fastest at each
+            return Bound(device, dtype, ((int4_builtin.max_rows(device), Kernel.TINYGEMM, _tinygemm),))
         steps.append((int4_builtin.MAX_ROWS, Kernel.TINYGEMM, _tinygemm))
     elif copy is not None:
         steps += [(frag.MAX_ROWS, Kernel.FRAG, _frag), (FRAG_CHUNKED_MAX_ROWS, Kernel.FRAG, _frag_pieces)]
@@ -230,10 +234,12 @@ def bind(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> Bo
 def prepare(model: nn.Module, dtype: torch.dtype | None = None, exact_numerics: bool = False) -> None:
     """Applies the rule to every quantized layer of `model` (after loading and after the model's
     projections were merged, so one copy serves a merged layer), before the KV cache is sized from
-    the free memory. On CUDA, in this order: the copies for FRAG and TINYGEMM layers, SiLU(gate) *
-    up in merged gate/up products (the rows interleaved through the copy), the checkpoint's words
-    a fragment-order copy replaced dropped, gate/up -> down as one streaming launch where it runs
-    (its descriptors hold the final copies' addresses); then every layer binds its kernels. Safe to
+    the free memory. On a CPU: the copies for TINYGEMM layers, which then run every pass (so
+    exact numerics hold with them too). On CUDA, in this order: the copies for FRAG and TINYGEMM
+    layers, SiLU(gate) * up in merged gate/up products (the rows interleaved through the copy),
+    the checkpoint's words a fragment-order copy replaced dropped, gate/up -> down as one
+    streaming launch where it runs (its descriptors hold the final copies' addresses); then every
+    layer binds its kernels. Safe to
     call again on the same model: nothing is converted twice. With `exact_numerics` every layer
     keeps the checkpoint's words and binds kernels/exact.py (no copies: their kernels sum in their
     own orders)."""
@@ -245,7 +251,9 @@ def prepare(model: nn.Module, dtype: torch.dtype | None = None, exact_numerics: 
     if exact_numerics:
         for layer in _quantized_linears(model):
             layer.exact = True
-    if device.type == "cuda" and not exact_numerics:
+    if device.type == "cpu":
+        make_copies(model, dtype, logged)  # row invariant at every width: exact numerics hold too
+    elif device.type == "cuda" and not exact_numerics:
         make_copies(model, dtype, logged)
         gate_in_products(model, dtype)
         release_converted_checkpoints(model)
@@ -264,8 +272,12 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
     for layer in _quantized_linears(root):
         if layer.int4_packed is not None or layer.frag is not None:
             continue
-        kernel, reasons = choose(layer, layer.packed_values().device, dtype)
-        _log_once(logged, reasons)
+        device = layer.packed_values().device
+        kernel, reasons = choose(layer, device, dtype)
+        if device.type != "cpu":
+            _log_once(logged, reasons)
+        elif kernel is not Kernel.TINYGEMM:  # the one CPU kernel: the CUDA kernels' reasons say nothing there
+            _log_once(logged, [f"not {Kernel.TINYGEMM.value}: {tinygemm_reason(layer, device, dtype)}"])
         if kernel is Kernel.FRAG:
             layer.use_fragment_order(dtype)
         elif kernel is Kernel.TINYGEMM:
@@ -356,7 +368,7 @@ def bind_all(root: nn.Module, device: torch.device, dtype: torch.dtype,
     for layer in _quantized_linears(root):
         bound = layer.bind(device, dtype)
         counts[bound.kernels[0]] += 1
-        if device.type == "cuda":  # on a CPU the dequantized GEMM is the design, not a fallback
+        if device.type == "cuda":  # on a CPU make_copies logged why a layer has no copy
             _log_once(logged, bound.reasons)
     if counts:
         log.debug("quantized layers' decode / verify kernels: %s",

@@ -81,24 +81,26 @@ def test_mapping_is_wrong_without_the_midpoint_shift():
         close_to_reference(layer, x, reference)
 
 
-def test_kept_words_serve_wide_passes():
-    """A pass wider than MAX_ROWS takes the checkpoint's words (tinygemm is slow from 16 rows)."""
+def test_kept_words_serve_wide_passes_on_cuda():
+    """On CUDA a pass wider than MAX_ROWS takes the checkpoint's words (tinygemm is slow from 16
+    rows there); on a CPU the copy serves every pass (tests/quant/kernels/test_int4_cpu.py)."""
     layer = mlx_layer(64)
-    x = torch.randn(int4_builtin.MAX_ROWS + 1, K, dtype=torch.bfloat16)
     layer.use_builtin_int4()
     assert not layer.released() and layer.checkpoint_bytes() > 0
-    wide = layer(x)
-    assert torch.equal(wide, torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16)))
-    narrow = layer(x[:int4_builtin.MAX_ROWS])
-    assert torch.equal(narrow, int4_builtin.matmul(x[:int4_builtin.MAX_ROWS], layer.int4_packed, 64,
-                                                   layer.int4_scale_zero))
+    bound = dispatch.bind(layer, torch.device("cuda"), torch.bfloat16)  # the rule only: nothing runs
+    assert bound.steps[0][:2] == (int4_builtin.MAX_ROWS, dispatch.Kernel.TINYGEMM)
+    assert bound.kernel_for(int4_builtin.MAX_ROWS + 1) is not bound.steps[0][2]
 
 
 def test_reasons():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     ok = int4_builtin.unsupported_reason(cuda, torch.bfloat16, 4, 64, 4096, 4096)
     assert ok is None
-    assert "cpu" in int4_builtin.unsupported_reason(cpu, torch.bfloat16, 4, 64, 4096, 4096)
+    assert int4_builtin.unsupported_reason(cpu, torch.bfloat16, 4, 64, 4096, 4096) is None
+    assert int4_builtin.unsupported_reason(cpu, torch.float16, 4, 32, 576, 576) is None  # through bfloat16
+    assert "float32 on a CPU" in int4_builtin.unsupported_reason(cpu, torch.float32, 4, 64, 4096, 4096)
+    assert "multiple of 16" in int4_builtin.unsupported_reason(cpu, torch.bfloat16, 4, 64, 4104, 4096)
+    assert "device mps" in int4_builtin.unsupported_reason(torch.device("mps"), torch.bfloat16, 4, 64, 4096, 4096)
     assert "float16" in int4_builtin.unsupported_reason(cuda, torch.float16, 4, 64, 4096, 4096)
     assert "8-bit" in int4_builtin.unsupported_reason(cuda, torch.bfloat16, 8, 64, 4096, 4096)
     assert "group size 16" in int4_builtin.unsupported_reason(cuda, torch.bfloat16, 4, 16, 4096, 4096)
@@ -106,13 +108,15 @@ def test_reasons():
     assert "input features" in int4_builtin.unsupported_reason(cuda, torch.bfloat16, 4, 32, 4096, 4080)
 
 
-def test_load_time_choice_leaves_cpu_layers_and_names_each_reason():
+def test_load_time_choice_on_a_cpu_and_each_reason():
     from verispec.quant.kernels import gemv as quant_gemv
     from verispec.quant.kernels import mma as quant_mma
 
     model = torch.nn.Sequential(mlx_layer(64))
-    assert dispatch.make_copies(model, torch.bfloat16) == 0  # on the CPU: the layer keeps its words
-    assert model[0].int4_packed is None and model[0].weight.numel() > 0
+    assert dispatch.make_copies(model, torch.float32) == 0  # float32 on the CPU: the layer keeps its words only
+    assert model[0].int4_packed is None
+    assert dispatch.make_copies(model, torch.bfloat16) == 1
+    assert model[0].int4_packed is not None and model[0].weight.numel() > 0
     layer, cuda, cpu = model[0], torch.device("cuda"), torch.device("cpu")
     assert dispatch.gemv_reason(layer, cpu, torch.bfloat16) == "device cpu"
     assert dispatch.mma_reason(layer, cpu, torch.bfloat16) == "device cpu"
@@ -120,4 +124,7 @@ def test_load_time_choice_leaves_cpu_layers_and_names_each_reason():
                                                                                               4, 64)
     assert dispatch.mma_reason(layer, cuda, torch.bfloat16) == quant_mma.unsupported_reason(cuda, torch.bfloat16, 4,
                                                                                             64, layer.in_features)
-    assert dispatch.tinygemm_reason(layer, cpu, torch.bfloat16).startswith("device cpu")
+    assert dispatch.tinygemm_reason(layer, cpu, torch.bfloat16) is None
+    assert "float32" in dispatch.tinygemm_reason(layer, cpu, torch.float32)
+    # a float32 pass on a layer holding the copy dequantizes (the copy's product would round to bfloat16)
+    assert dispatch.bind(layer, cpu, torch.float32).kernels == (dispatch.Kernel.DEQUANTIZE,)

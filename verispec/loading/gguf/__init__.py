@@ -27,8 +27,9 @@ from verispec.loading.gguf.quants import AFFINE_TYPES, GROUP_SIZE, AffineQuantiz
 
 SUFFIX = ".gguf"
 # Kept quantized where torch's int4 kernel (tinygemm) takes them: 4-bit groups of 32, on CUDA in
-# bfloat16 (verispec/quant/kernels/int4_builtin.py). Q8_0 stays dense: our 8-bit kernel is slower than a
-# bfloat16 GEMM (docs/benchmarks.md), and on a CPU the float16 GEMM beats dequantizing per call.
+# bfloat16, on a CPU in bfloat16 or float16 (verispec/quant/kernels/int4_builtin.py). Q8_0 stays
+# dense: our 8-bit kernel is slower than a bfloat16 GEMM (docs/benchmarks.md), and torch's CPU int8
+# product takes one scale per output row where Q8_0 has one per 32 values (docs/quantization.md).
 KEPT_4BIT_TYPES = ("Q4_0", "Q4_1")
 QUANTIZATION_CONFIG = {"group_size": GROUP_SIZE, "bits": 4}  # the MLX-affine form the kept weights take
 ROPE_FREQS = "rope_freqs.weight"
@@ -157,11 +158,9 @@ class GGUFCheckpoint:
 def keeps_4bit(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why a GGUF's Q4_0 / Q4_1 weights are dequantized at load on this device and dtype (None:
     they stay quantized, for torch's int4 kernel)."""
-    if device.type != "cuda":
-        return f"on {device.type} (the float GEMM is faster there than dequantizing per call)"
-    if dtype != torch.bfloat16:
-        return f"in {str(dtype).removeprefix('torch.')} (torch's int4 kernel takes bfloat16)"
-    return None
+    from verispec.quant.kernels.int4_builtin import activation_reason
+
+    return activation_reason(device, dtype)
 
 
 def _field_value(name: str, field):

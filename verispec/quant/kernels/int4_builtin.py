@@ -16,8 +16,19 @@ The packed layout is tinygemm's own (built once at load by `_convert_weight_to_i
 QuantizedLinear.use_builtin_int4 converts a layer (its checkpoint words kept for wider passes). Its rows
 are computed independently of the pass's width (row 0 alone == row 0 of 4 or 16, bitwise, on the
 H200), as the Triton kernel's are, so speculative verify and plain decode agree row by row.
+
+On a CPU (`_weight_int4pack_mm_for_cpu`) the kernel is vectorized for bfloat16 activations only
+on x86 (float16 and float32 take a scalar loop, 11-15x slower on SmolLM2's shapes on the 2-core
+AVX2 CI machine), so float16 activations are rounded to bfloat16 for the product and its result
+back to float16; the scale and zero are bfloat16 there too, and the weights are decoded and summed
+in float32. Each row is one float32 multiply-add chain over K in order whatever the pass's width
+or thread count (bitwise, tests/quant/kernels/test_int4_cpu.py), and on that machine it beat the
+float16 GEMM on the dense weights at every width measured (1.3x at 1 row, 1.6-3.6x at 2-512 rows),
+so on a CPU it runs every pass, prompts included (`max_rows`; docs/quantization.md, "On a CPU").
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -27,24 +38,44 @@ SUPPORTED_GROUPS = (32, 64, 128, 256)
 # (docs/benchmarks.md; its CUDA packing: tests/gpu/test_gpu_int4_builtin.py)
 MAX_ROWS = 8
 INNER_K_TILES = (8, 4, 2)  # the largest that divides K (in units of 16 columns) is used
+CPU_DTYPES = (torch.bfloat16, torch.float16)  # float16 through bfloat16 casts (module docstring)
+CPU_ROW_MULTIPLE = 16  # the CPU packing takes output features in multiples of 16 (CUDA's: 8)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int, out_features: int,
                        in_features: int) -> str | None:
     """Why this layer cannot take the built-in kernel (None: it can)."""
-    if device.type != "cuda":
-        return f"device {device.type} (the built-in int4 product is used on CUDA)"
-    if dtype != torch.bfloat16:
-        return f"activations in {str(dtype).removeprefix('torch.')} (tinygemm takes bfloat16)"
+    if (reason := activation_reason(device, dtype)) is not None:
+        return reason
     if bits != 4:
         return f"{bits}-bit weights (tinygemm is 4-bit)"
     if group_size not in SUPPORTED_GROUPS:
         return f"group size {group_size} (tinygemm takes {', '.join(map(str, SUPPORTED_GROUPS))})"
-    if out_features % 8:
-        return f"{out_features} output features (tinygemm needs a multiple of 8)"
+    row_multiple = CPU_ROW_MULTIPLE if device.type == "cpu" else 8
+    if out_features % row_multiple:
+        return f"{out_features} output features (tinygemm needs a multiple of {row_multiple})"
     if inner_k_tiles(in_features) is None:
         return f"{in_features} input features (tinygemm needs a multiple of 32)"
     return None
+
+
+def activation_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why no layer on `device` with activations in `dtype` takes the built-in kernel (None: 4-bit
+    layers of a supported shape do)."""
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        return None if dtype == torch.bfloat16 else f"activations in {name} (tinygemm takes bfloat16)"
+    if device.type == "cpu":
+        if dtype in CPU_DTYPES:
+            return None
+        return (f"activations in {name} on a CPU (its int4 kernel runs bfloat16, float16 through casts; "
+                f"{name} would lose its precision there)")
+    return f"device {device.type} (the built-in int4 product runs on CUDA and CPUs)"
+
+
+def max_rows(device: torch.device) -> int:
+    """The widest pass given to the kernel on `device` (wider ones take the dequantized weight)."""
+    return sys.maxsize if device.type == "cpu" else MAX_ROWS
 
 
 def inner_k_tiles(in_features: int) -> int | None:
@@ -73,7 +104,9 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bfloat16 -> [M, N] bfloat16."""
+    """x [M, K] -> [M, N] in x's dtype: bfloat16, or float16 on a CPU (computed in bfloat16)."""
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group_size, scale_zero)
+    if x.dtype != torch.bfloat16:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group_size, scale_zero).to(x.dtype)
     return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
