@@ -138,3 +138,37 @@ def tiny_models(tmp_path_factory, tokenizer_dir) -> TinyModels:
 def qwen3_dir(tiny_models) -> Path:
     """The default small model for engine-level tests (GQA, q/k norms)."""
     return tiny_models.get("qwen3", "qwen3")
+
+
+# Parametrized cases kept out of `make test` for time (the default suite stays near 7 minutes on
+# 2 cores): each feature keeps a quick case there; `make test-slow` (and CI) runs these too.
+SLOW_CASES = {
+    "tests/spec/test_identity.py::test_eagle3_random_drafter_identity[offset-qwen3]",
+    "tests/spec/test_identity.py::test_eagle3_random_drafter_identity[offset-qwen2]",
+    "tests/spec/test_identity.py::test_eagle3_random_drafter_identity[full-qwen3]",
+    "tests/spec/test_identity.py::test_eagle3_random_drafter_identity[full-qwen2]",
+    "tests/spec/test_mtp.py::test_identity_random_head[hf-sidecar]",
+    "tests/spec/test_mtp.py::test_identity_random_head[mlx-sidecar]",
+    "tests/spec/test_gemma4_eagle3.py::test_eagle3_random_drafter_identity[moe_wrapper]",
+    *(f"tests/spec/test_gemma4_eagle3.py::test_partly_right_proposer[moe_wrapper-{k}]" for k in (1, 2, 3, 4)),
+    "tests/spec/test_gemma3_eagle3.py::test_eagle3_random_drafter_identity[wrapper]",
+    "tests/engine/test_tensor_parallel.py::test_two_ranks_give_the_whole_models_output[llama]",
+    "tests/engine/test_tensor_parallel_families.py::test_two_ranks_give_the_whole_models_output[gemma3]",
+    "tests/engine/test_tensor_parallel_families.py::test_two_ranks_give_the_whole_models_output[gemma4]",
+    "tests/engine/test_tensor_parallel_quantized.py::test_a_quantized_checkpoint_sharded_at_load_gives_its_unsharded_output[8bit]",
+    "tests/engine/test_prefix_cache.py::test_gemma4_with_assistant[True]",
+    "tests/engine/test_compressed_kv_cache.py::test_prefix_hits_batching_and_preemption_change_nothing[gemma3-tq3]",
+    "tests/engine/test_compressed_kv_cache.py::test_prefix_hits_batching_and_preemption_change_nothing[gemma3-fp8]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config, items):
+    collected = {item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in collected}
+    stale = sorted(c for c in SLOW_CASES if c.split("::")[0] in files and c not in collected)
+    if stale and not config.option.keyword:  # a -k run collects a file's other cases too
+        raise pytest.UsageError(f"tests/conftest.py SLOW_CASES names cases that do not exist: {stale}")
+    for item in items:
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)

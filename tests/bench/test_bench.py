@@ -237,6 +237,7 @@ def test_device_cuda_without_cuda(capsys):
     assert err.count("\n") == 1 and "CUDA is not available" in err
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_serve_that_fails_to_start_is_one_line(capsys, tmp_path):
     rc = main(["bench", f"--serve=-m {tmp_path / 'missing'}", "--contexts", "16", "--repeats", "1",
                "--serve-timeout", "60"])
@@ -252,6 +253,7 @@ def test_argparse_needs_exactly_one_source(capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_offline_bench_needs_no_server_packages(tmp_path):
     """The GPU machine has no fastapi/uvicorn/pydantic (nor the openai client): offline mode must
     not import them (nor httpx)."""
@@ -309,6 +311,7 @@ def test_qwen_moe_shapes_read_routed_and_shared_experts(name, total, active):
         assert any(".mlp.shared_expert." in n for n in params)  # read in full: not in the stacks
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_offline_shape_split_over_two_ranks(tmp_path, capsys):
     """Random weights on each of two ranks (gloo); eagle3's random drafter runs on rank 0."""
     out = tmp_path / "out"

@@ -76,6 +76,7 @@ ENGINE_RUN = """
 """
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_engine_leaves_no_pool_on_the_callers_thread(qwen3_dir):
     """After a request, the process has the threads of a run whose caller freed its pool by hand
     (the main thread, the worker and its helper, other libraries' threads): not the caller's

@@ -64,5 +64,6 @@ def qwen3_5_with_mtp(tmp_path_factory, tokenizer_dir):
     return out
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_the_mtp_head_drafts_for_a_split_hybrid(qwen3_5_with_mtp):
     speculate_whole_and_split(qwen3_5_with_mtp, {"mtp": dict(mtp=True)}, {"suffix": dict(suffix=True)})

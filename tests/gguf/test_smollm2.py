@@ -29,6 +29,7 @@ def test_smollm2_resolves_to_the_wheels_gguf_without_importing_it():
     assert SMOLLM2.module not in sys.modules  # found with find_spec, never imported
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 @needs_wheel
 def test_smollm2_tokenizer_decodes_what_its_vocabulary_spells(caplog):
     """No WordPiece clean-up on its BPE vocabulary (transformers' GGUF converter turns it on, and 5.17

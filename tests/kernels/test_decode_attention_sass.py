@@ -14,6 +14,9 @@ import pytest
 
 from tools.sass import offline_sass
 
+# each module compiles its kernels for sm_90 in a subprocess (10-25 s): `make test-slow` and CI run it
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 CASES = [dict(tokens=t, paged=paged, pdl=pdl, prefetch=prefetch)

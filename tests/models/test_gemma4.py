@@ -298,6 +298,7 @@ def test_merged_projections_same_outputs(gemma4_dirs, name):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_compiled_small_ops_match_eager(gemma4_dirs):
     """fuse_small_ops() also compiles the norms and RoPE (torch.compile; inductor on CPU here)."""
     eager = load_model(gemma4_dirs["e_series"], torch.float32, torch.device("cpu"))

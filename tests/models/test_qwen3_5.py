@@ -395,6 +395,7 @@ def spec_target(qwen3_5_dirs):
     return engine, prompts, plain
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_eagle3_identity(spec_target, tmp_path):
     engine, prompts, plain = spec_target
     text_config = json.loads((engine.model_dir / "config.json").read_text())

@@ -81,6 +81,7 @@ def assert_mtp_lossless(engine, head) -> None:
             assert result.token_ids == expected and result.stats.method == "mtp", f"k={k}"
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_quantized_mtp_sidecar_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
     """An MLX 4-bit MTP sidecar (its linears packed by mx.quantize, the checkpoint's own
     `quantization` section) loads as quantized layers whose weights are mx.dequantize's, and the
@@ -115,6 +116,7 @@ def test_quantized_mtp_sidecar_on_quantized_qwen3_5(tmp_path, tokenizer_dir):
     assert_mtp_lossless(engine, quantized)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_gemma4_assistant_on_quantized_gemma4(tmp_path, tokenizer_dir):
     src = tmp_path / "float"
     build_tiny_gemma4(src, seed=41, tokenizer_dir=tokenizer_dir)

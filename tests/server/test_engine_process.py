@@ -139,6 +139,7 @@ def get(url: str, timeout: float) -> httpx.Response:
     return httpx.get(url, timeout=timeout)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_a_stopped_or_dead_engine_process_never_freezes_or_hides(qwen3_dir, monkeypatch):
     """`verispec serve --engine-process` (run_server): with the child stopped (SIGSTOP), /health and
     /metrics still answer (nothing on the event loop waits for the child); once it is killed,
@@ -274,6 +275,7 @@ def test_the_proxy_is_an_engine_client(engine_process):
     assert engine_process.default_seed is None and engine_process.load_stats()["running"] == 0
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_the_draft_policy_described_is_the_one_in_use_after_its_costs_are_measured(qwen3_dir):
     """--draft-costs measure times the passes at the child's first step (prewarm's generation): the
     proxy's description (GET /v1/verispec/info, the start-up log) then names the measured table."""

@@ -517,6 +517,7 @@ def run_cli(*commands: list[str]) -> list[tuple[int, str, str]]:
     return [(p.returncode, *out) for p, out in ((p, p.communicate()) for p in procs)]
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_cli_mtp_on_gemma(plain, dirs):
     """Without an assistant: one stderr line and plain decoding. With --mtp-model: the assistant,
     the same tokens."""

@@ -30,6 +30,7 @@ def test_eagle3_random_drafter_identity(targets, eagle3_dirs, prompt_ids, plain,
             assert result.stats.drafted >= result.stats.accepted >= 0
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 @pytest.mark.parametrize("target", ["llama", "qwen3"])
 def test_eagle3_trained_drafter_identity_with_acceptance(targets, eagle3_dirs, prompt_ids, plain, target):
     """A drafter fitted to the target is accepted often: partial acceptance at every depth,

@@ -482,6 +482,7 @@ def trained(plain, mtp_dirs):
     return head, held_out
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_identity_trained_head_with_partial_acceptance(plain, trained):
     engine, prompts, outputs = plain
     head, held_out = trained
@@ -499,6 +500,7 @@ def test_identity_trained_head_with_partial_acceptance(plain, trained):
     assert 0 < accepted < drafted, (accepted, drafted)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_sampling_keeps_the_target_distribution(plain, trained):
     """End to end with the (trained) MTP head drafting from q = its processed distribution: the
     pair (first token, second token) follows the target's processed distribution p(a) p(b | a).
@@ -538,6 +540,7 @@ def run_cli(*commands: list[str]) -> list[tuple[int, str, str]]:
     return [(p.returncode, *out) for p, out in zip(procs, outputs)]
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_cli_generate_json_reports_mtp(mtp_dirs):
     common = ["generate", "-m", str(mtp_dirs["hf-sidecar"]), "--prompt", "def f", "--max-tokens", "9", "--json",
               "--dtype", "float64"]
@@ -550,6 +553,7 @@ def test_cli_generate_json_reports_mtp(mtp_dirs):
     assert out["stats"]["drafted"] > 0
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_cli_mtp_without_a_head_logs_why_and_generates(mtp_dirs):
     [(code, stdout, stderr)] = run_cli(["generate", "-m", str(mtp_dirs["none"]), "--prompt", "def f",
                                         "--max-tokens", "5", "--json", "--mtp"])

@@ -62,6 +62,7 @@ def test_chi_square_detects_a_wrong_acceptance_ratio():
     assert chi_square(counts, P, n) > CHI2_CRIT_5DF_P001 * 10
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_multi_draft_joint_distribution():
     """Two drafts: the pair of emitted tokens follows p(x1) p(x2 | x1) exactly."""
     p2 = {a: torch.roll(P, a) for a in range(6)}  # a different second-step target for each first token

@@ -62,6 +62,7 @@ def test_a_biased_sampler_fails_the_same_check():
     assert chi_square(counts, P, n) > CHI2_CRIT_5DF_P001 * 10
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_engine_seeded_first_token_follows_the_target(targets, prompt_ids):
     engine = targets[TARGET]
     ids = prompt_ids[0]

@@ -224,6 +224,7 @@ def test_engine_config_builds_the_asked_proposer(qwen3_dir):
         load_engine(str(qwen3_dir), suffix=True, ngram=True)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_cli_generate_json_reports_suffix(qwen3_dir):
     from tests.spec.test_mtp import run_cli
 

@@ -39,6 +39,7 @@ def test_split_holds_out_every_nth_prompt():
     assert held == [[3], [7]] and len(train) == 8
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_greedy_row_answers_its_prompt_as_the_engine_does_then_takes_the_next(qwen3_target):
     engine = load_engine(str(qwen3_target), dtype="float64", device="cpu")
     tok = engine.tokenizer

@@ -107,6 +107,7 @@ def test_eagle3_on_qwen3_5_target_via_cli(tmp_path, qwen3_5_target, data_file, c
     transformers_loads(qwen3_5_target)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_eagle3_on_llama_family_target(tmp_path, qwen3_target, train_text):
     out = tmp_path / "eagle3"
     summary = train_drafter(DrafterTrainOptions(method=Method.EAGLE3, model=str(qwen3_target), out=str(out),
@@ -122,6 +123,7 @@ def test_eagle3_on_llama_family_target(tmp_path, qwen3_target, train_text):
     transformers_loads(qwen3_target)
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_mtp_head_for_a_target_that_has_none(tmp_path, qwen3_5_target, train_text):
     target = tmp_path / "target"
     shutil.copytree(qwen3_5_target, target)

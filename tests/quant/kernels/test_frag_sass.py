@@ -18,6 +18,9 @@ import pytest
 from tools.sass import offline_sass
 from verispec.quant.kernels import frag as qf
 
+# each module compiles its kernels for sm_90 in a subprocess (10-25 s): `make test-slow` and CI run it
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton.experimental.gluon")
 
 H200_MULTIPROCESSORS = 132

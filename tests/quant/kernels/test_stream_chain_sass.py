@@ -11,6 +11,9 @@ import pytest
 
 from tools.sass import offline_sass
 
+# each module compiles its kernels for sm_90 in a subprocess (10-25 s): `make test-slow` and CI run it
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton.experimental.gluon")
 
 H200_SHARED_PER_BLOCK = 232448  # bytes a program may take (cudaDevAttrMaxSharedMemoryPerBlockOptin)
