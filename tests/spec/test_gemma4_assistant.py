@@ -414,6 +414,7 @@ def test_sampling_through_the_assistant_keeps_the_target_distribution(plain, tra
     assert chi_square(counts, target, n) < 16.27  # 3 degrees of freedom, p = 0.001
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_sampled_drafts_follow_the_assistants_q(plain, trained, dirs):
     """Sampling drafts: q is the processed distribution of the assistant's own logits (a second
     draft's q given the first draft), the drafts are drawn from q (chi-square), and padding rows

@@ -65,6 +65,7 @@ def test_greedy_row_answers_its_prompt_as_the_engine_does_then_takes_the_next(qw
             assert any(rest[:len(p)] == p[:len(rest)] for p in prompts), rest
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_train_drafter_with_gen_prompts_evaluates_on_held_out_prompts(tmp_path, qwen3_target, train_text):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 3))

@@ -36,6 +36,7 @@ def test_merged_projections_same_outputs(tiny_models):
     assert other.generate_all(ids, GREEDY).token_ids == engine.generate_all(ids, GREEDY).token_ids
 
 
+@pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_compiled_small_ops_match_eager(tiny_models):
     path = tiny_models.get("fused-qwen3", "qwen3")
     engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=16)
