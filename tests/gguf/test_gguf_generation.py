@@ -16,7 +16,7 @@ from verispec.errors import ModelNotFoundError, UnsupportedModelError
 from verispec.loading.gguf import GGUFCheckpoint
 from verispec.loading.resolve import resolve_model
 
-from tests.models.test_gemma4 import hf_logits, our_logits, random_ids
+from tests.models.family_checks import hf_logits, our_logits, random_ids
 
 # Same weights and the same float32 kernels on both sides: measured 0.0 for every case.
 LOGITS_ATOL = 1e-5

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,14 @@ from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditionalGeneration
 
 from tools.tiny import GEMMA3_TINY_TEXT, build_tiny_gemma3
-from verispec.engine.engine import Engine, load_engine
+from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.gemma3 import LayerType
 from verispec.models.registry import model_class
 
-from tests.models.test_gemma4 import hf_logits, our_logits, random_ids, run_passes
+from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids, run_passes
 
 # Measured max |verispec - transformers| over a 100-token prompt, float32, one thread: 0.0 (the same
 # kernels in the same order). Real mistakes (a norm as w instead of 1 + w, head_dim^-0.5 as the
@@ -57,15 +56,6 @@ CASES = {
     "text": dict(wrapper=False),
     "wrapper": dict(wrapper=True, tie_word_embeddings=False, final_logit_softcapping=None),
 }
-
-
-@dataclass
-class Loaded:
-    name: str
-    path: Path
-    hf: torch.nn.Module
-    ours: torch.nn.Module
-    engine: Engine
 
 
 @pytest.fixture(scope="module")

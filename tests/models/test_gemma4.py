@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,15 @@ import torch
 from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 from transformers import Gemma4ForConditionalGeneration as HFGemma4ForConditionalGeneration
 
-from verispec.cache.kv import KVCache
 from tools.tiny import GEMMA4_TINY_TEXT, build_tiny_gemma4
-from verispec.engine.engine import Engine, load_engine
+from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.gemma4 import Gemma4Settings, LayerType, gemma_rms_norm
 from verispec.models.layers import fused, moe
 from verispec.models.registry import model_class
+from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids, run_passes
 
 # Measured max |verispec - transformers| over a 100-token prompt, float32, one thread: 0.0 for every
 # case (the same kernels in the same order; with multi-threaded BLAS the MoE case showed 4.2e-7, the
@@ -73,15 +72,6 @@ CASES = {
 }
 
 
-@dataclass
-class Loaded:
-    name: str
-    path: Path
-    hf: torch.nn.Module
-    ours: torch.nn.Module
-    engine: Engine
-
-
 @pytest.fixture(scope="module")
 def gemma4_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gemma4")
@@ -103,35 +93,6 @@ def loaded(request, gemma4_dirs) -> Loaded:
     ours = load_model(path, torch.float32, torch.device("cpu"))
     engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
     return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
-
-
-def random_ids(length: int, vocab: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (length,), generator=gen).tolist()
-
-
-@torch.inference_mode()
-def run_passes(model, cache: KVCache, ids: list[int], sizes: list[int], start: int = 0) -> torch.Tensor:
-    """Run `ids` as consecutive passes of the given sizes, committing each whole; logits [T, V]."""
-    out, pos = [], start
-    for size in sizes:
-        part = ids[pos - start:pos - start + size]
-        positions = torch.arange(pos, pos + len(part))[None]
-        out.append(model.logits(model(torch.tensor([part]), positions, cache).hidden)[0])
-        cache.commit(len(part))
-        pos += len(part)
-    return torch.cat(out)
-
-
-def our_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    step = chunk or len(ids)
-    sizes = [min(step, len(ids) - s) for s in range(0, len(ids), step)]
-    return run_passes(model, model.make_cache(len(ids)), ids, sizes)
-
-
-@torch.inference_mode()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0]
 
 
 def text_config(path: Path) -> dict:

@@ -21,6 +21,7 @@ from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.loading.model_loader import load_model
 from verispec.models.registry import model_class
+from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids
 
 # Measured max |verispec - transformers| over a 100-token prompt is 0.0 for every case below
 # (both sides run the same float32 kernels in the same order). The tolerance leaves room for a
@@ -79,14 +80,6 @@ CASES = {
 }
 
 
-@dataclass
-class Loaded:
-    path: Path
-    hf: torch.nn.Module
-    ours: torch.nn.Module
-    engine: object
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def loaded(request, tiny_models) -> Loaded:
     case = CASES[request.param]
@@ -95,31 +88,7 @@ def loaded(request, tiny_models) -> Loaded:
     hf.generation_config.eos_token_id = None  # run the full 64 tokens on both sides
     ours = load_model(path, torch.float32, torch.device("cpu"))
     engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
-    return Loaded(path, hf, ours, engine)
-
-
-def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (length,), generator=gen).tolist()
-
-
-@torch.inference_mode()
-def our_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Logits [T, V] for every prompt position, prefilled in chunks of `chunk` (None: at once)."""
-    cache = model.make_cache(len(ids))
-    step = chunk or len(ids)
-    out = []
-    for start in range(0, len(ids), step):
-        part = torch.tensor([ids[start:start + step]])
-        positions = torch.arange(start, start + part.shape[1])[None]
-        out.append(model.logits(model(part, positions, cache).hidden)[0])
-        cache.commit(part.shape[1])
-    return torch.cat(out)
-
-
-@torch.inference_mode()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0]
+    return Loaded(request.param, path, hf, ours, engine)
 
 
 def test_config_matches_case(loaded):
@@ -140,7 +109,7 @@ def test_config_matches_case(loaded):
 
 def test_logits_match_transformers(loaded):
     vocab = loaded.ours.vocab_size
-    ids = random_prompt(LOGITS_PROMPT_LEN, vocab, seed=0)
+    ids = random_ids(LOGITS_PROMPT_LEN, vocab, seed=0)
     ref = hf_logits(loaded.hf, ids)
     got = our_logits(loaded.ours, ids)
     assert got.shape == ref.shape == (LOGITS_PROMPT_LEN, vocab)
@@ -150,14 +119,14 @@ def test_logits_match_transformers(loaded):
 def test_bf16_logits_match_transformers(loaded):
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.bfloat16).eval()
     ours = load_model(loaded.path, torch.bfloat16, torch.device("cpu"))
-    ids = random_prompt(LOGITS_PROMPT_LEN, ours.vocab_size, seed=0)
+    ids = random_ids(LOGITS_PROMPT_LEN, ours.vocab_size, seed=0)
     got, ref = our_logits(ours, ids), hf_logits(hf, ids)
     assert got.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(got, ref, atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
 def test_chunked_prefill_matches_one_shot(loaded):
-    ids = random_prompt(53, loaded.ours.vocab_size, seed=1)
+    ids = random_ids(53, loaded.ours.vocab_size, seed=1)
     one_shot = our_logits(loaded.ours, ids)
     for chunk in (1, 7, PREFILL_STEP):
         torch.testing.assert_close(our_logits(loaded.ours, ids, chunk), one_shot,
@@ -166,7 +135,7 @@ def test_chunked_prefill_matches_one_shot(loaded):
 
 @pytest.mark.parametrize("prompt_len", GREEDY_PROMPT_LENS)
 def test_greedy_matches_transformers(loaded, prompt_len):
-    ids = random_prompt(prompt_len, loaded.engine.tokenizer.vocab_size, seed=100 + prompt_len)
+    ids = random_ids(prompt_len, loaded.engine.tokenizer.vocab_size, seed=100 + prompt_len)
     with torch.inference_mode():
         ref = loaded.hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
                                  pad_token_id=0)[0, prompt_len:].tolist()
@@ -188,7 +157,7 @@ def test_window_config_without_layer_types(tiny_models, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ours = load_model(path, torch.float32, torch.device("cpu"))
     assert ours.settings.windows == [None, 16]
-    ids = random_prompt(LOGITS_PROMPT_LEN, ours.vocab_size, seed=0)
+    ids = random_ids(LOGITS_PROMPT_LEN, ours.vocab_size, seed=0)
     torch.testing.assert_close(our_logits(ours, ids), hf_logits(hf, ids), atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
 
 
@@ -207,6 +176,6 @@ def test_feature_is_exercised(tiny_models, name):
     config.update(case.feature_off)
     plain = model_class(config["model_type"])(config)
     plain.load_state_dict(ours.state_dict())
-    ids = random_prompt(LOGITS_PROMPT_LEN, ours.vocab_size, seed=0)
+    ids = random_ids(LOGITS_PROMPT_LEN, ours.vocab_size, seed=0)
     diff = (our_logits(plain, ids) - our_logits(ours, ids)).abs().max().item()
     assert diff > FEATURE_EFFECT_MIN, f"{name}: switching the feature off changed logits by only {diff}"

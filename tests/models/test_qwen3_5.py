@@ -12,7 +12,6 @@ prefill chunk, greedy ids for 64 new tokens, chunked vs one-shot prefill, the re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delt
 from verispec.cache.paged import BatchCache
 from verispec.cache.kv import KVCache, LayerCacheSpec, RecurrentLayerSpec
 from tools.tiny import build_tiny_qwen3_5, write_random_eagle3
-from verispec.engine.engine import Engine, load_engine
+from verispec.engine.engine import load_engine
 from verispec.loading.model_loader import load_model
 from verispec.models.layers import gated_delta_net
 from verispec.models.layers.attention import AttentionInputs
@@ -34,6 +33,7 @@ from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5Setti
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 
 from tests.spec.conftest import ReplayProposer, greedy, spec_engine
+from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids, run_passes
 
 # One-shot prefill runs the chunked GDN algorithm, as transformers does for a whole prompt:
 # measured max |verispec - transformers| 4.9e-6 (text) / 1.4e-6 (wrapper) on logits of magnitude ~3.
@@ -69,15 +69,6 @@ CASES = {
 }
 
 
-@dataclass
-class Loaded:
-    name: str
-    path: Path
-    hf: torch.nn.Module
-    ours: torch.nn.Module
-    engine: Engine
-
-
 @pytest.fixture(scope="module")
 def qwen3_5_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3_5")
@@ -99,36 +90,6 @@ def loaded(request, qwen3_5_dirs) -> Loaded:
     ours = load_model(path, torch.float32, torch.device("cpu"))
     engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
     return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
-
-
-def random_ids(length: int, vocab: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (length,), generator=gen).tolist()
-
-
-@torch.inference_mode()
-def run_passes(model, cache: KVCache, ids: list[int], sizes: list[int], start: int = 0) -> torch.Tensor:
-    """Run `ids` as consecutive passes of the given sizes, committing each whole; logits [T, V]."""
-    out, pos = [], start
-    device = next(model.parameters()).device
-    for size in sizes:
-        part = ids[pos - start:pos - start + size]
-        positions = torch.arange(pos, pos + len(part), device=device)[None]
-        out.append(model.logits(model(torch.tensor([part], device=device), positions, cache).hidden)[0])
-        cache.commit(len(part))
-        pos += len(part)
-    return torch.cat(out)
-
-
-def our_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    step = chunk or len(ids)
-    sizes = [min(step, len(ids) - s) for s in range(0, len(ids), step)]
-    return run_passes(model, model.make_cache(len(ids)), ids, sizes)
-
-
-@torch.inference_mode()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0]
 
 
 # ---- config and layout -----------------------------------------------------------------------

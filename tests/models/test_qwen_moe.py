@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,14 @@ import transformers
 from tests.engine.test_batch_identity import check_identical, proposers
 from tests.spec.conftest import ReplayProposer, greedy, spec_engine
 from tools.tiny import build_tiny_qwen3_5, random_mtp_head, stack_expert_tensors, write_mtp_sidecar
-from verispec.engine.engine import Engine, load_engine
+from verispec.engine.engine import load_engine
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.layers.moe import FusedExperts
 from verispec.models.layers.sparse_moe import SparseMoeBlock
 from verispec.models.registry import model_class
 from verispec.spec.mtp import MtpProposer, load_mtp_head
+from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids
 
 # Measured max |verispec - transformers| over a 100-token prompt, float32, one thread: 0.0 for
 # qwen3_moe (the same kernels in the same order); 3.4e-6 / 2.3e-6 for the hybrids, whose one-shot
@@ -81,43 +81,12 @@ def hf_model(name: str, path: Path, dtype=torch.float32) -> torch.nn.Module:
     return hf
 
 
-@dataclass
-class Loaded:
-    name: str
-    path: Path
-    hf: torch.nn.Module
-    ours: torch.nn.Module
-    engine: Engine
-
-
 @pytest.fixture(scope="module", params=CASES)
 def loaded(request, moe_dirs) -> Loaded:
     path = moe_dirs[request.param]
     ours = load_model(path, torch.float32, torch.device("cpu"))
     engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
     return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
-
-
-def random_ids(length: int, vocab: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (length,), generator=gen).tolist()
-
-
-@torch.inference_mode()
-def our_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    cache = model.make_cache(len(ids))
-    step = chunk or len(ids)
-    out = []
-    for start in range(0, len(ids), step):
-        part = torch.tensor([ids[start:start + step]])
-        out.append(model.logits(model(part, torch.arange(start, start + part.shape[1])[None], cache).hidden)[0])
-        cache.commit(part.shape[1])
-    return torch.cat(out)
-
-
-@torch.inference_mode()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0]
 
 
 def hf_text_model(loaded: Loaded):
