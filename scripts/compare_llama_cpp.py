@@ -81,6 +81,7 @@ class Verispec:
     def __init__(self, gguf: Path, threads: int, dtype: str | None, no_spec: bool):
         import torch
 
+        from verispec import log
         from verispec.config import EngineConfig
         from verispec.default_model import default_model
         from verispec.engine.engine import Engine
@@ -89,7 +90,8 @@ class Verispec:
         chosen = default_model("cpu")
         speculation = {} if no_spec else chosen.speculation
         self.describe = (f"dtype {dtype or chosen.dtype}, "
-                         + (f"EAGLE3 {speculation['num_draft_tokens']} drafts" if speculation else "plain decoding"))
+                         + (f"EAGLE3, {log.count(speculation['num_draft_tokens'], 'draft')} per round" if speculation
+                            else "plain decoding"))
         self.engine = Engine.load(EngineConfig(model=str(gguf), dtype=dtype or chosen.dtype, device="cpu",
                                                prefix_cache=False, **speculation))
         self.tokenizer = self.engine.tokenizer
