@@ -10,7 +10,6 @@ import queue
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -56,6 +55,24 @@ def assert_same(whole: list, split: list) -> None:
             assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-9)
 
 
+def assert_split_gives_whole(model_dir, check_split) -> dict:
+    """The model whole and over two ranks give the same outputs (the split one with prefix-cache
+    hits); `check_split(engine)` inspects the split model first. Returns its prefix-cache stats."""
+    whole = load_engine(str(model_dir), **ENGINE)
+    vocab = whole.model.vocab_size
+    expected = run(whole, vocab)
+    split = load_engine(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        check_split(split)
+        got = run(split, vocab)
+        stats = split.prefix_cache_stats()
+        assert stats["hits"] >= 2
+    finally:
+        split.close()
+    assert_same(expected, got)
+    return stats
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_two_ranks_give_the_whole_models_output(tiny_models, family):
     if family == "llama":  # one KV head (replicated on both ranks), biases, a vocabulary split unevenly
@@ -63,17 +80,10 @@ def test_two_ranks_give_the_whole_models_output(tiny_models, family):
                                     attention_bias=True, mlp_bias=True)
     else:
         model_dir = tiny_models.get("qwen3", "qwen3")
-    whole = load_engine(str(model_dir), **ENGINE)
-    vocab = whole.model.vocab_size
-    expected = run(whole, vocab)
-    split = load_engine(str(model_dir), tensor_parallel_size=2, **ENGINE)
-    try:
-        assert split.model.lm_head.weight.shape[0] == -(-vocab // 2)  # rank 0 holds half the head
-        got = run(split, vocab)
-        assert split.prefix_cache_stats()["hits"] >= 2
-    finally:
-        split.close()
-    assert_same(expected, got)
+    def rank0_holds_half_the_head(split):
+        assert split.model.lm_head.weight.shape[0] == -(-split.model.vocab_size // 2)
+
+    assert_split_gives_whole(model_dir, rank0_holds_half_the_head)
 
 
 def test_a_killed_worker_fails_the_open_request_and_later_ones(qwen3_dir):

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.test_tensor_parallel import ENGINE, assert_same, run
-from verispec.engine.engine import load_engine
+from tests.engine.test_tensor_parallel import assert_split_gives_whole
 from verispec.errors import VerispecError
 from verispec.loading.model_loader import load_model, read_config
 from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
@@ -35,19 +34,12 @@ def mlx_dirs(qwen3_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["4bit", "8bit"])
 def test_a_quantized_checkpoint_sharded_at_load_gives_its_unsharded_output(mlx_dirs, name):
-    whole = load_engine(str(mlx_dirs[name]), **ENGINE)
-    vocab = whole.model.vocab_size
-    expected = run(whole, vocab)
-    split = load_engine(str(mlx_dirs[name]), tensor_parallel_size=2, **ENGINE)
-    try:
+    def rank0_holds_half_of_each_group_row(split):
         layer = split.model.model.layers[0]
         assert isinstance(layer.self_attn.o_proj, MLXAffineLinear) and layer.self_attn.o_proj.in_features == 32
         assert layer.mlp.down_proj.scales.shape[1] == 64 // 32  # half of the 128 features' 4 groups
-        got = run(split, vocab)
-        assert split.prefix_cache_stats()["hits"] >= 2
-    finally:
-        split.close()
-    assert_same(expected, got)
+
+    assert_split_gives_whole(mlx_dirs[name], rank0_holds_half_of_each_group_row)
 
 
 def test_a_split_that_cuts_a_quantization_group_is_one_line(mlx_dirs):
