@@ -17,6 +17,16 @@ class Loaded:
     engine: object
 
 
+def load_case(name: str, path: Path, hf: torch.nn.Module, prefill_step: int) -> Loaded:
+    """Our model and an engine (float32, CPU, `prefill_step`-token prompt chunks) over `path`, beside `hf`."""
+    from verispec.engine.engine import load_engine
+    from verispec.loading.model_loader import load_model
+
+    ours = load_model(path, torch.float32, torch.device("cpu"))
+    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=prefill_step)
+    return Loaded(name, path, hf, ours, engine)
+
+
 def random_ids(length: int, vocab: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=gen).tolist()

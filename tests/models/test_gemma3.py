@@ -24,14 +24,13 @@ from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 from transformers import Gemma3ForConditionalGeneration as HFGemma3ForConditionalGeneration
 
 from tools.tiny import GEMMA3_TINY_TEXT, build_tiny_gemma3
-from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import UnsupportedModelError
 from verispec.loading.model_loader import load_model
 from verispec.models.gemma3 import LayerType
 from verispec.models.registry import model_class
 
-from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids, run_passes
+from tests.models.family_checks import Loaded, hf_logits, load_case, our_logits, random_ids, run_passes
 
 # Measured max |verispec - transformers| over a 100-token prompt, float32, one thread: 0.0 (the same
 # kernels in the same order). Real mistakes (a norm as w instead of 1 + w, head_dim^-0.5 as the
@@ -76,9 +75,7 @@ def hf_model(name: str, path: Path, dtype=torch.float32) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=list(CASES))
 def loaded(request, gemma3_dirs) -> Loaded:
     path = gemma3_dirs[request.param]
-    ours = load_model(path, torch.float32, torch.device("cpu"))
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
-    return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
+    return load_case(request.param, path, hf_model(request.param, path), PREFILL_STEP)
 
 
 def test_checkpoint_has_the_case_features(loaded):

@@ -33,7 +33,7 @@ from verispec.loading.model_loader import load_model
 from verispec.models.gemma4 import Gemma4Settings, LayerType, gemma_rms_norm
 from verispec.models.layers import fused, moe
 from verispec.models.registry import model_class
-from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids, run_passes
+from tests.models.family_checks import Loaded, hf_logits, load_case, our_logits, random_ids, run_passes
 
 # Measured max |verispec - transformers| over a 100-token prompt, float32, one thread: 0.0 for every
 # case (the same kernels in the same order; with multi-threaded BLAS the MoE case showed 4.2e-7, the
@@ -90,9 +90,7 @@ def hf_model(name: str, path: Path, dtype=torch.float32) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=list(CASES))
 def loaded(request, gemma4_dirs) -> Loaded:
     path = gemma4_dirs[request.param]
-    ours = load_model(path, torch.float32, torch.device("cpu"))
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
-    return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
+    return load_case(request.param, path, hf_model(request.param, path), PREFILL_STEP)
 
 
 def text_config(path: Path) -> dict:

@@ -17,11 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
 from verispec.loading.model_loader import load_model
 from verispec.models.registry import model_class
-from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids
+from tests.models.family_checks import Loaded, hf_logits, load_case, our_logits, random_ids
 
 # Measured max |verispec - transformers| over a 100-token prompt is 0.0 for every case below
 # (both sides run the same float32 kernels in the same order). The tolerance leaves room for a
@@ -86,9 +85,7 @@ def loaded(request, tiny_models) -> Loaded:
     path = tiny_models.get(request.param, case.model_type, **case.overrides)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # run the full 64 tokens on both sides
-    ours = load_model(path, torch.float32, torch.device("cpu"))
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
-    return Loaded(request.param, path, hf, ours, engine)
+    return load_case(request.param, path, hf, PREFILL_STEP)
 
 
 def test_config_matches_case(loaded):

@@ -33,7 +33,7 @@ from verispec.models.qwen3_5 import LayerType, Qwen3_5DecoderLayer, Qwen3_5Setti
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 
 from tests.spec.conftest import ReplayProposer, greedy, spec_engine
-from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids, run_passes
+from tests.models.family_checks import Loaded, hf_logits, load_case, our_logits, random_ids, run_passes
 
 # One-shot prefill runs the chunked GDN algorithm, as transformers does for a whole prompt:
 # measured max |verispec - transformers| 4.9e-6 (text) / 1.4e-6 (wrapper) on logits of magnitude ~3.
@@ -87,9 +87,7 @@ def hf_model(name: str, path: Path, dtype=torch.float32) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=list(CASES))
 def loaded(request, qwen3_5_dirs) -> Loaded:
     path = qwen3_5_dirs[request.param]
-    ours = load_model(path, torch.float32, torch.device("cpu"))
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
-    return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
+    return load_case(request.param, path, hf_model(request.param, path), PREFILL_STEP)
 
 
 # ---- config and layout -----------------------------------------------------------------------

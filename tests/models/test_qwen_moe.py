@@ -33,7 +33,7 @@ from verispec.models.layers.moe import FusedExperts
 from verispec.models.layers.sparse_moe import SparseMoeBlock
 from verispec.models.registry import model_class
 from verispec.spec.mtp import MtpProposer, load_mtp_head
-from tests.models.family_checks import Loaded, hf_logits, our_logits, random_ids
+from tests.models.family_checks import Loaded, hf_logits, load_case, our_logits, random_ids
 
 # Measured max |verispec - transformers| over a 100-token prompt, float32, one thread: 0.0 for
 # qwen3_moe (the same kernels in the same order); 3.4e-6 / 2.3e-6 for the hybrids, whose one-shot
@@ -84,9 +84,7 @@ def hf_model(name: str, path: Path, dtype=torch.float32) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=CASES)
 def loaded(request, moe_dirs) -> Loaded:
     path = moe_dirs[request.param]
-    ours = load_model(path, torch.float32, torch.device("cpu"))
-    engine = load_engine(str(path), dtype="float32", device="cpu", prefill_step_size=PREFILL_STEP)
-    return Loaded(request.param, path, hf_model(request.param, path), ours, engine)
+    return load_case(request.param, path, hf_model(request.param, path), PREFILL_STEP)
 
 
 def hf_text_model(loaded: Loaded):
