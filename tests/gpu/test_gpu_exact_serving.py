@@ -15,6 +15,7 @@ from tools.tiny import build_tiny_gemma3, build_tiny_model
 from verispec.cli import main as cli_main
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
+from verispec.quant import dense
 from verispec.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,8 +24,9 @@ NEW_TOKENS = 48
 PROMPT_TOKENS = [17, 70, 129, 250, 300, 33, 190, 96]
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048)
-# the last two: Qwen3 quantized (`verispec quantize`), whose layers run quant/kernels/exact.py
-FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-mlx-4bit", "qwen3-mlx-8bit"]
+# Qwen3 quantized (`verispec quantize`): its layers run quant/kernels/exact.py; "-decoded": the same
+# checkpoint under --numerics auto, whose layers a small model has decoded to bfloat16 (quant/dense.py)
+FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-mlx-4bit", "qwen3-mlx-8bit", "qwen3-mlx-4bit-decoded"]
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,15 @@ def root(tmp_path_factory, tokenizer_dir):
 
 
 def load(root, family: str, **fields) -> Engine:
-    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.25, numerics="exact"), **fields)
-    engine = Engine.load(EngineConfig(model=str(root / family), dtype="bfloat16", device="cuda", max_model_len=1024,
-                                      **fields))
+    decoded = family.endswith("-decoded")
+    fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.25, numerics="auto" if decoded else "exact"), **fields)
+    with pytest.MonkeyPatch.context() as patch:
+        if not decoded:  # the quantized layers' own exact kernels, not a decoded copy
+            patch.setattr(dense, "DENSE_LIMIT_BYTES", 0)
+        engine = Engine.load(EngineConfig(model=str(root / family.removesuffix("-decoded")), dtype="bfloat16",
+                                          device="cuda", max_model_len=1024, **fields))
     assert engine.describe().numerics == "exact"
+    assert dense.has_decodable_layers(engine.model) == ("mlx" in family and not decoded)
     if engine.config.cuda_graphs:
         engine.capture_graphs()
     return engine

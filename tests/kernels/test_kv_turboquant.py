@@ -227,7 +227,8 @@ def test_split_k_over_tq_pools_equals_it_over_their_decoded_copy(name, window):
             got = attention.paged_decode_attention(qt, kc, vc, tables, block, pos, d ** -0.5, window, splits,
                                                    k_scale=ks, v_scale=vs, codec=codec)
             plain = attention.paged_decode_attention(qt, k, v, tables, block, pos, d ** -0.5, window, splits)
-            assert torch.equal(got, plain), (splits, t)
+            # tq pools take their own key blocks (decode_attention.split_config): near, not bitwise
+            assert _relative(got, plain) < (1e-2 if CUDA else 1e-5), (splits, t)
             ref = attention.paged_decode_attention_reference(qt, kc, vc, tables, block, pos, d ** -0.5, window,
                                                              k_scale=ks, v_scale=vs, codec=codec)
             assert float((got.double() - ref.double()).norm() / ref.double().norm()) < (1e-2 if CUDA else 1e-5)
@@ -243,8 +244,19 @@ def test_prompt_chunk_over_tq_pools_equals_it_over_their_decoded_copy(name, wind
     for splits in ((None,) if CUDA else (2,)):  # the split path covers one share and two
         got = attention.paged_chunk_attention(q, kc, vc, tables, block, pos, d ** -0.5, window, num_splits=splits,
                                               k_scale=ks, v_scale=vs, codec=codec)
-        assert torch.equal(got, attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window,
-                                                                num_splits=splits))
+        plain = attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window, num_splits=splits)
+        assert _relative(got, plain) < (1e-2 if CUDA else 1e-5)
+        # exact numerics: a prompt row over tq pools is, bit for bit, the decode step at its position
+        # (both kernels; a CPU's decode step runs the torch reference)
+        for last in ((0, 37, length - 1) if CUDA else ()):
+            step = attention.paged_decode_attention(q[:, :, last:last + 1].contiguous(), kc, vc, tables, block,
+                                                    pos[:, last:last + 1].contiguous(), d ** -0.5, window, splits,
+                                                    k_scale=ks, v_scale=vs, codec=codec)
+            assert torch.equal(got[:, :, last:last + 1], step), last
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 @pytest.mark.parametrize("name", ["tq4", "tq3"])

@@ -51,6 +51,15 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                tie_word_embeddings=False),
           # as RedHatAI / AngelSlim Qwen3-8B EAGLE3 speculators: one Llama layer of the target's width
           Eagle3Shape(draft_vocab_size=32000)),
+    Shape("llama3.1-8b", "Llama 3.1 8B: dense, 32 layers, hidden 4096, 32/8 heads x 128, MLP 14336, vocab 128256, "
+                         "128K context",
+          dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+               max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
+               tie_word_embeddings=False,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}),
+          Eagle3Shape(draft_vocab_size=32000)),
     # Llama 3.3 70B: 141 GB in bf16, so it runs split over 2 H200s or 4 H100s (--tensor-parallel-size)
     Shape("llama3.3-70b", "Llama 3.3 70B: dense, 80 layers, hidden 8192, 64/8 heads x 128, MLP 28672, vocab 128256",
           dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,

@@ -6,6 +6,8 @@ import dataclasses
 import time
 from pathlib import Path
 
+import torch
+
 from verispec import log
 from verispec.config import EngineConfig
 from verispec.engine import warmup
@@ -68,6 +70,8 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     t2 = time.perf_counter()
     log.startup_phase(f"loading the weights ({type(model).__name__}, {str(dtype).removeprefix('torch.')}, "
                       f"{device})", t2 - t1)
+    if peers is None:
+        _decode_small_quantized(model, config.numerics, dtype, device)
     tokenizer = Tokenizer.from_dir(model_dir)
     t3 = time.perf_counter()
     log.startup_phase("the tokenizer", t3 - t2)
@@ -83,6 +87,24 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     prepare_for_device(model, config.fuse_small_ops, numerics)  # after the proposer, which may share its layers
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts, peers
+
+
+def _decode_small_quantized(model, requested: str, dtype, device) -> None:
+    """Exact numerics for a small quantized model on CUDA: its layers decoded to `dtype` once, so the
+    dense row-invariant kernels run it (quant/dense.py), before anything shares its layers. Its
+    quantized kernels are not row-invariant, and at this size the dense weights cost next to nothing."""
+    from verispec.quant import dense
+
+    if requested == "fast" or torch.device(device).type != "cuda" or not dense.has_decodable_layers(model):
+        return
+    size = dense.dense_bytes(model, dtype)
+    if size > dense.DENSE_LIMIT_BYTES:
+        log.debug("numerics: the quantized layers stay quantized (%.2f GiB dense, over %.0f GiB)", size / 2**30,
+                  dense.DENSE_LIMIT_BYTES / 2**30)
+        return
+    replaced = dense.decode_to_dense(model, dtype)
+    log.info("numerics: %s quantized layers decoded to %s (%.2f GiB dense), for exact numerics",
+             replaced, str(dtype).removeprefix("torch."), size / 2**30)
 
 
 def load_sharded(config: EngineConfig, model_dir, dtype) -> tuple:

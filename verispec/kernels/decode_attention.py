@@ -462,10 +462,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                    k_scale=k_scale, v_scale=v_scale, codec=codec)
 
 
-def split_config(d: int, element_size: int) -> dict:
+def split_config(d: int, element_size: int, coded: bool = False) -> dict:
     """The split kernel's tiles and launch options for head dim d in elements of `element_size`
-    bytes (what `_launch` uses unless told otherwise, and tools/sass/offline_sass.py compiles)."""
+    bytes (what `_launch` uses unless told otherwise, and tools/sass/offline_sass.py compiles).
+    `coded`: K/V in tq pools, decoded in registers, which needs 32-key blocks to fit
+    sm_90's registers (128-key blocks spilled 96-232 bytes a thread). The chunk kernel takes the
+    same blocks, so a prompt row's sums stay a decode step's."""
     block_d = max(16, triton.next_power_of_2(d))
+    if coded:
+        return dict(BLOCK_D=block_d, BLOCK_N=32, num_stages=2, num_warps=4, LINE=128 // element_size,
+                    LINES=triton.next_power_of_2(triton.cdiv(d, 128 // element_size)))
     # 16-bit, head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); float32 tiles and
     # larger heads keep smaller blocks so the staged K/V tiles fit in shared memory
     half = element_size <= 2
@@ -502,7 +508,8 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     q = q.contiguous()
     splits = num_splits or shares_for(hkv, q.device)
     block_m = max(16, triton.next_power_of_2(group * t))
-    config = split_config(d, q.element_size())
+    fp8, tq = _check_scales(k_cache, k_scale, v_scale, paged, codec)
+    config = split_config(d, q.element_size(), coded=tq)
     block_d = config["BLOCK_D"]
     block_n = block_n or config["BLOCK_N"]
     num_stages = num_stages or config["num_stages"]
@@ -513,7 +520,6 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
     pdl, early = launch.small_kernel_pdl(q.device)
-    fp8, tq = _check_scales(k_cache, k_scale, v_scale, paged, codec)
     scaled = fp8 or tq
     _split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache, positions, opart, lse,
@@ -595,12 +601,13 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
     # about 128 rows (kv head group x query tokens) a program on 8 warps: fastest of 16-128 rows on
     # the H200 (docs/benchmarks.md); BLOCK_N as the split path's, so the key blocks, and every
     # row's sums, are the same
-    tq = query_tile or max(1, 128 // group)
+    fp8, coded = _check_scales(k_cache, k_scale, v_scale, paged, codec)
+    # tq tiles decoded in registers: 64 rows on 8 warps (128 rows spilled 64-200 bytes a thread)
+    tq = query_tile or max(1, (64 if coded else 128) // group)
     block_m = max(16, triton.next_power_of_2(group * tq))
-    config = split_config(d, q.element_size())
+    config = split_config(d, q.element_size(), coded=coded)
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
-    fp8, coded = _check_scales(k_cache, k_scale, v_scale, paged, codec)
     scaled = fp8 or coded
     _chunk_kernel[(b * triton.cdiv(t, tq), hkv)](
         q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache, positions,
@@ -612,7 +619,7 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
         MIN_KEYS=_min_share_keys(config["BLOCK_N"]), FP8=fp8, **_code_bits(codec),
-        num_warps=num_warps or (8 if block_m >= 128 else config["num_warps"]),
+        num_warps=num_warps or (8 if block_m >= 128 or coded else config["num_warps"]),
         # 128 rows staged 3 deep need 237,696 bytes of shared memory where an H200 has 232,448
         num_stages=2 if block_m >= 128 else config["num_stages"])
     return out.transpose(1, 2)

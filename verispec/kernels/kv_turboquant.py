@@ -250,14 +250,37 @@ def decode_rows(packed: torch.Tensor, scales: torch.Tensor, code: RowCode, dtype
 if triton is not None:
 
     @triton.jit
+    def _stage(x, M: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+        """One butterfly stage: each pair (j, j + H) of every 2H-long run becomes (a + b, a - b)."""
+        y = tl.permute(tl.reshape(x, (M, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, D))
+
+    @triton.jit
     def _butterfly(x, M: tl.constexpr, D: tl.constexpr):
-        """x [M, D] times H along its rows, the stages of the torch `butterfly`."""
-        for i in tl.static_range(0, 16):
-            h: tl.constexpr = 1 << i
-            if h < D:
-                y = tl.permute(tl.reshape(x, (M, D // (2 * h), 2, h)), (0, 1, 3, 2))
-                a, b = tl.split(y)
-                x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, D))
+        """x [M, D] times H along its rows, the stages of the torch `butterfly` (head dims up to
+        1024; spelled out because a compiled loop cannot rebind a constexpr stage width)."""
+        tl.static_assert(D <= 1024)
+        if D > 1:
+            x = _stage(x, M, D, 1)
+        if D > 2:
+            x = _stage(x, M, D, 2)
+        if D > 4:
+            x = _stage(x, M, D, 4)
+        if D > 8:
+            x = _stage(x, M, D, 8)
+        if D > 16:
+            x = _stage(x, M, D, 16)
+        if D > 32:
+            x = _stage(x, M, D, 32)
+        if D > 64:
+            x = _stage(x, M, D, 64)
+        if D > 128:
+            x = _stage(x, M, D, 128)
+        if D > 256:
+            x = _stage(x, M, D, 256)
+        if D > 512:
+            x = _stage(x, M, D, 512)
         return x
 
     @triton.jit
