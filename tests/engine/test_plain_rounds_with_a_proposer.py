@@ -162,3 +162,20 @@ def test_a_suffix_output_joins_the_shared_cache_whole_though_its_last_rows_were_
     engine = spec(target, proposer, None, draft_schedule="1:0")
     result = engine.generate_all(prompt, GREEDY)
     assert list(proposer.cache.index.docs.values()) == [result.token_ids]
+
+
+def test_adaptive_choice_with_overlap_measures_both_kinds_of_round_and_keeps_the_output(target, tmp_path):
+    """The default policy where plain steps run overlapped gets the draft gate (engine/draft_gate.py):
+    after its first speculative rounds it times plain steps too; whichever it then picks, the
+    output is plain greedy's."""
+    prompts = [target.tokenizer.encode(t) for t in TEXTS]
+    params = SamplingParams(max_tokens=3 * NEW, temperature=0.0, ignore_eos=True)
+    plain_long = {tuple(ids): target.generate_all(ids, params).token_ids for ids in prompts}
+    proposer = eagle3(target, tmp_path)().setup(plain_long, target.model.vocab_size)
+    engine = spec(target, proposer, None, draft_schedule=None, overlap_decode=True)
+    assert engine.draft_policy.gate is not None
+    results = engine.generate_batch(prompts, params)
+    assert [r.token_ids for r in results] == [plain_long[tuple(ids)] for ids in prompts]
+    rates = engine.load_stats()["drafts"]["gate"]
+    assert rates and all(r["plain_tok_s"] is not None for r in rates.values()), rates
+    assert any(r["speculative_tok_s"] is not None for r in rates.values()), rates

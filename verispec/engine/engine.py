@@ -33,6 +33,7 @@ from verispec.config import EngineConfig, env
 from verispec.engine import constrained, cpu_threads, warmup
 from verispec.engine.cache_sizing import size_cache
 from verispec.engine.client import ServedEngine
+from verispec.engine.draft_gate import ThroughputGate
 from verispec.engine.draft_policy import MEASURE, AdaptiveDrafts, DraftPolicy, draft_policy
 from verispec.engine.limits import RequestLimits
 from verispec.engine.options import check_kv_cache_dtype, check_limits
@@ -116,6 +117,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         overlap = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         self.overlap = OverlappedDecode(self.scheduler, self.runner, self.update, overlap,
                                         new_work=lambda: not self._inbox.empty(), timings=self.round_timings)
+        if isinstance(self.draft_policy, AdaptiveDrafts) and self.overlap.enabled:
+            self.draft_policy.gate = ThroughputGate()  # plain steps overlap, speculative rounds do not
         self._release_caller_threads()
 
     def _release_caller_threads(self) -> None:
@@ -342,7 +345,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + self._inbox.qsize(),
                 "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_usable,
-                "preemptions": s.num_preemptions, "drafts": self.draft_policy.stats.as_dict(),
+                "preemptions": s.num_preemptions, "drafts": self.draft_policy.describe_choices(),
                 "prefix_cache": self.prefix_cache_stats()}
 
     def prefix_cache_stats(self) -> dict | None:
@@ -383,13 +386,18 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
+            start, before = time.perf_counter(), sum(s.num_tokens for s in decodes)
+            steps = 0
             if self.overlap.eligible(decodes, counts):
                 # the policy chose this round; the rounds after it that run unchosen are accounted to it
                 steps = self.overlap.run(decodes, 1 + self.draft_policy.plain_rounds(decodes))
                 if steps:
                     self.draft_policy.skip(decodes, steps - 1)
-                    return
-            self._round(decodes, counts)
+            if not steps:
+                self._round(decodes, counts)
+            # what the draft gate weighs: this server's speculative rounds against its plain steps
+            self.draft_policy.timed(len(decodes), any(counts), sum(s.num_tokens for s in decodes) - before,
+                                    time.perf_counter() - start, max(steps, 1))
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler

@@ -68,6 +68,10 @@ class ServerMetrics:
                                  "the last decode step", registry=self.registry)
         self.draft_choices = Gauge("verispec_spec_draft_choices_total", "Sequence-rounds by the drafts chosen for "
                                    "them, since start", ["drafts"], registry=self.registry)
+        self.draft_gate = Gauge("verispec_spec_gate_tokens_per_second", "Measured decode tokens per second per "
+                                "sequence by batch size bucket (its smallest size) and round kind; the adaptive "
+                                "choice speculates only where speculative rounds are the faster",
+                                ["batch", "kind"], registry=self.registry)
 
         self.numerics = Gauge("verispec_numerics_info", "1 for the numerics the engine runs: exact (a token's result "
                               "does not depend on the batch, speculation or cache) or fast", ["mode"],
@@ -105,6 +109,10 @@ class ServerMetrics:
             self.zero_drafts.set(drafts["zero"])
             for k, count in drafts["histogram"].items():
                 self.draft_choices.labels(drafts=str(k)).set(count)
+            for batch, rates in (drafts.get("gate") or {}).items():
+                for kind in ("speculative", "plain"):
+                    if rates[f"{kind}_tok_s"] is not None:
+                        self.draft_gate.labels(batch=str(batch), kind=kind).set(rates[f"{kind}_tok_s"])
         prefix = load.get("prefix_cache")
         if prefix is not None:
             self.prefix_lookups.set(prefix["queried_tokens"])

@@ -1,0 +1,83 @@
+"""The draft gate (engine/draft_gate.py): speculation only where this server measured its
+speculative rounds faster than its plain steps, per batch-size bucket, with trials of the other
+kind now and then; and the adaptive policy drafting nothing where the gate is shut although its cost
+model says drafting pays."""
+from __future__ import annotations
+
+from verispec.engine import draft_gate
+from verispec.engine.draft_costs import AnalyticCosts
+from verispec.engine.draft_gate import ThroughputGate, bucket
+from verispec.engine.draft_policy import AdaptiveDrafts
+
+
+def measure(gate: ThroughputGate, batch: int, spec_rate: float, plain_rate: float, rounds: int) -> list[bool]:
+    """Runs `rounds` rounds as the engine would (a plain step where the gate is shut) and returns
+    whether each one speculated; rates are tokens per second per sequence."""
+    choices = []
+    for _ in range(rounds):
+        speculates = gate.allows(batch)
+        choices.append(speculates)
+        rate = spec_rate if speculates else plain_rate
+        gate.record(batch, speculates, tokens=batch * 10, seconds=batch * 10 / (rate * batch))
+    return choices
+
+
+def test_slower_speculation_is_shut_off_after_a_plain_trial():
+    gate = ThroughputGate()
+    choices = measure(gate, 8, spec_rate=100.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS + 50)
+    assert all(choices[:draft_gate.MIN_SPEC])  # nothing known of plain steps yet: the cost model's choice
+    assert not any(choices[draft_gate.MIN_SPEC:])  # a trial, then plain: it was faster
+    assert gate.plain_steps(8) > 1
+    assert gate.as_dict()[8]["speculates"] is False
+
+
+def test_shut_gate_rechecks_speculation_and_opens_when_it_got_faster():
+    gate = ThroughputGate()
+    measure(gate, 4, spec_rate=100.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS)
+    assert not gate.allows(4)
+    choices = measure(gate, 4, spec_rate=400.0, plain_rate=200.0, rounds=draft_gate.RECHECK + 40)
+    first = choices.index(True)
+    assert first >= draft_gate.RECHECK - draft_gate.TRIAL_STEPS - 8  # plain (the trial counting) until the recheck
+    assert all(choices[first:first + draft_gate.TRIAL_ROUNDS])
+    assert gate.as_dict()[4]["speculates"] is True
+
+
+def test_faster_speculation_stays_on_with_a_plain_trial_every_recheck():
+    gate = ThroughputGate()
+    choices = measure(gate, 1, spec_rate=300.0, plain_rate=200.0, rounds=2 * draft_gate.RECHECK + 100)
+    plain = choices.count(False)
+    assert 0 < plain <= 3 * draft_gate.TRIAL_STEPS
+    assert gate.as_dict()[1]["speculates"] is True
+
+
+def test_buckets_are_measured_apart():
+    gate = ThroughputGate()
+    measure(gate, 32, spec_rate=50.0, plain_rate=200.0, rounds=60)
+    measure(gate, 1, spec_rate=300.0, plain_rate=200.0, rounds=60)
+    assert not gate.allows(40) and gate.allows(1)
+    assert bucket(32) == bucket(63) != bucket(64)
+
+
+class _Seq:
+    """What the policy reads of a sequence."""
+
+    def __init__(self, i: int):
+        self.id = i
+        self.drafting = True
+        self.remaining_tokens = 100
+        self.acceptance = None
+        self.rounds_without_drafts = 0
+
+
+def test_policy_drafts_nothing_where_the_gate_is_shut():
+    policy = AdaptiveDrafts(AnalyticCosts(flat_rows=64, row_cost=1 / 384, draft_fraction=0.05), max_drafts=3)
+    policy.gate = ThroughputGate()  # as the engine sets it where plain steps run overlapped
+    seqs = [_Seq(i) for i in range(8)]
+    assert any(policy.choose(seqs))  # the cost model alone: drafting pays at 8 sequences
+    for _ in range(draft_gate.MIN_SPEC):
+        policy.timed(8, True, tokens=8, seconds=0.01)
+    assert not any(policy.choose(seqs))  # the plain trial
+    for _ in range(draft_gate.TRIAL_STEPS):
+        policy.timed(8, False, tokens=8, seconds=0.001)
+    assert not any(policy.choose(seqs))
+    assert policy.plain_rounds(seqs) >= draft_gate.RECHECK // 2
