@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 # it when it decorates. The engine never launches a Triton kernel on CPU tensors.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# what verispec caches (GGUF tokenizers) goes to a directory of this session's, not the user's
+os.environ.setdefault("VERISPEC_CACHE_DIR", tempfile.mkdtemp(prefix="verispec-test-cache-"))
 
 
 def _interpreter_loop_bounds_fix() -> None:

@@ -21,6 +21,7 @@ class EnvSettings:
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
     omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` and `generate` leave the thread count
+    cache_dir: str | None = None  # VERISPEC_CACHE_DIR: what verispec derives once and reuses (GGUF tokenizers)
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -35,7 +36,14 @@ class EnvSettings:
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
             use_fla=_env_flag("VERISPEC_FLA", default=True),
             omp_num_threads=env.get("OMP_NUM_THREADS") or None,
+            cache_dir=env.get("VERISPEC_CACHE_DIR") or None,
         )
+
+    def verispec_cache(self) -> str:
+        """VERISPEC_CACHE_DIR, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec."""
+        if self.cache_dir:
+            return self.cache_dir
+        return os.path.join(self.xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache"), "verispec")
 
 
 def env() -> EnvSettings:

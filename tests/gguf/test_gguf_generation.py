@@ -4,6 +4,7 @@ from the metadata, and what is not supported is refused by name."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,6 +105,21 @@ def test_tokenizer_and_chat_template_from_metadata(gguf_files):
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     result = engine.generate_all(ids, SamplingParams(max_tokens=8, temperature=0))
     assert 1 <= len(result.token_ids) <= 8
+
+
+def test_tokenizer_is_built_once_then_read_from_the_cache(gguf_files, tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    case = gguf_files.get("qwen3", "Q4_0")
+    built = GGUFCheckpoint(case.path).tokenizer()
+    [saved] = (tmp_path / "cache" / "gguf-tokenizers").iterdir()
+    assert (saved / "tokenizer.json").is_file()
+    cached = GGUFCheckpoint(case.path).tokenizer()
+    assert Path(cached.hf.name_or_path) == saved
+    text = "def fibonacci(n):\n    return n <|im_end|> ünïcode"
+    assert cached.encode(text) == built.encode(text) and cached.decode(built.encode(text)) == built.decode(built.encode(text))
+    assert cached.eos_token_ids == built.eos_token_ids and cached.hf.chat_template == built.hf.chat_template
+    assert cached.chat_prompt_ids([{"role": "user", "content": "hi"}]) == built.chat_prompt_ids([{"role": "user",
+                                                                                                  "content": "hi"}])
 
 
 def test_directory_holding_one_gguf_resolves_to_it(gguf_files, tmp_path):

@@ -1,7 +1,7 @@
 """What the engine hands back: token chunks with text, logprobs and, at the end, stats."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from verispec.sampling.sampler import TokenLogprob  # noqa: F401 - part of a chunk

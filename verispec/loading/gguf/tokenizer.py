@@ -4,10 +4,23 @@ What we take from the metadata ourselves: the chat template (`tokenizer.chat_tem
 tokenizer whatever transformers did with it) and the ids that end generation. transformers' llama
 converter swaps bos and eos on the tokenizer it builds, so its eos_token is not used; the ids are
 eos / eot / eom from the metadata plus, as llama.cpp does, the vocabulary's end-of-turn markers.
+
+transformers builds it in Python from the vocabulary and merges: 15-21 s for SmolLM2's 49,152 tokens,
+paid by the server and again by its engine process at every start. So the built tokenizer is saved
+once (tokenizer.json and its settings) under the verispec cache (VERISPEC_CACHE_DIR, by default
+~/.cache/verispec), keyed by the file's path, size and modification time and the transformers
+version, and read from there in 0.3 s after that.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 from verispec import log
+from verispec.config import env
 from verispec.errors import VerispecError
 from verispec.loading.tokenizer import Tokenizer
 
@@ -21,10 +34,16 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     from verispec.loading.gguf import END_OF_GENERATION_KEYS
 
     path = checkpoint.path
-    try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as exc:  # transformers raises many types; the user needs the path + cause
-        raise VerispecError(f"could not build a tokenizer from GGUF file {path}: {exc}") from exc
+    cached = _cache_dir(path)
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        hf = AutoTokenizer.from_pretrained(str(cached))
+    else:
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:  # transformers raises many types; the user needs the path + cause
+            raise VerispecError(f"could not build a tokenizer from GGUF file {path}: {exc}") from exc
+        if cached is not None:
+            _save(hf, cached)
     # GGUF has no such setting and llama.cpp never cleans up; transformers' GGUF converter turns on this
     # WordPiece clean-up (spaces before punctuation stripped), which 5.17 ignores for BPE with a warning
     # at every start. Off, the text is what the file's vocabulary spells (and decoding takes the fast path)
@@ -41,3 +60,28 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     if not eos:
         log.debug("GGUF %s names no eos token; ending generation on %s only", path.name, markers or "max_tokens")
     return Tokenizer(hf, eos + markers)
+
+
+def _cache_dir(path: Path) -> Path | None:
+    import transformers
+
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return Path(env().verispec_cache()) / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _save(hf, cached: Path) -> None:
+    """Writes the tokenizer whole or not at all (a concurrent start may write the same one)."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=cached.parent))
+        hf.save_pretrained(str(staging))
+        try:
+            os.replace(staging, cached)
+        except OSError:  # another process saved it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        log.debug("GGUF tokenizer not cached in %s (%s): it is built again at the next start", cached, exc)
