@@ -91,27 +91,52 @@ class DeferredRows:
 
     def take(self, seqs: list) -> list[tuple[object, TargetStep]]:
         """The unobserved rows of those of `seqs` that have any, one step each (forgotten here)."""
+        taken = [(seq, self._pending.pop(seq.id)) for seq in seqs if seq.id in self._pending]
+        rows = _gather([pending for _, pending in taken if pending.pieces])
         steps = []
-        for seq in seqs:
-            pending = self._pending.pop(seq.id, None)
-            if pending is not None:
-                steps.append((seq, self._step(seq, pending)))
+        for seq, pending in taken:
+            start, end = pending.start, pending.start + pending.num_rows
+            hidden, aux, pre_norm = next(rows) if pending.pieces else (None, [], None)
+            steps.append((seq, TargetStep(seq.token_ids[start:end], start, hidden, aux, seq.token_ids[end], pre_norm)))
         return steps
 
     def drop(self, seq) -> None:
         """The sequence's blocks went back: its drafter state goes, and these rows with it."""
         self._pending.pop(seq.id, None)
 
-    def _step(self, seq, pending: _Pending) -> TargetStep:
-        start, end = pending.start, pending.start + pending.num_rows
-        tokens = seq.token_ids
-        hidden, aux, pre_norm = None, [], None
-        if pending.pieces:
-            def cat(part) -> torch.Tensor:  # the pieces' rows in order -> [num_rows, H]
-                return torch.cat([part(rows)[z, :n] for rows, z, n in pending.pieces])
 
-            hidden = cat(lambda r: r.hidden)
-            aux = [cat(lambda r, i=i: r.aux[i]) for i in range(len(pending.pieces[0][0].aux))]
-            if pending.pieces[0][0].pre_norm is not None:
-                pre_norm = cat(lambda r: r.pre_norm)
-        return TargetStep(tokens[start:end], start, hidden, aux, tokens[end], pre_norm)
+
+def _gather(pendings: list[_Pending]):
+    """Each pending's rows in order, as (hidden [n, H], aux each [n, H_t], pre_norm or None), for all
+    of them at once: every copied pass flattened into one tensor per kind, one index of all the
+    rows wanted, one index_select per kind, then views per pending (a per-sequence cat of up to 32
+    pieces a kind cost a 64-sequence batch thousands of small operations every 32 steps)."""
+    if not pendings:
+        return iter(())
+    passes: dict[int, tuple[_Rows, int]] = {}  # id -> (the pass's rows, its first flat row)
+    flat = 0
+    index: list[int] = []
+    counts = []
+    for pending in pendings:
+        for rows, z, n in pending.pieces:
+            if id(rows) not in passes:
+                passes[id(rows)] = (rows, flat)
+                flat += rows.hidden.shape[0] * rows.hidden.shape[1]
+            first = passes[id(rows)][1] + z * rows.hidden.shape[1]
+            index.extend(range(first, first + n))
+        counts.append(pending.num_rows)
+    ordered = [rows for rows, _ in passes.values()]
+    device = ordered[0].hidden.device
+    if device.type == "cuda":  # without blocking (see add)
+        where = torch.tensor(index, pin_memory=True).to(device, non_blocking=True)
+    else:
+        where = torch.tensor(index, device=device)
+
+    def select(part) -> list[torch.Tensor]:  # one kind of every pass -> its wanted rows, per pending
+        whole = torch.cat([part(rows).reshape(-1, part(rows).shape[-1]) for rows in ordered])
+        return list(whole.index_select(0, where).split(counts))
+
+    hidden = select(lambda r: r.hidden)
+    aux = [select(lambda r, i=i: r.aux[i]) for i in range(len(ordered[0].aux))]
+    pre_norm = select(lambda r: r.pre_norm) if ordered[0].pre_norm is not None else [None] * len(counts)
+    return iter([(hidden[j], [a[j] for a in aux], pre_norm[j]) for j in range(len(counts))])
