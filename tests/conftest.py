@@ -163,6 +163,7 @@ SLOW_CASES = {
     "tests/engine/test_tensor_parallel.py::test_two_ranks_give_the_whole_models_output[llama]",
     "tests/engine/test_tensor_parallel_families.py::test_two_ranks_give_the_whole_models_output[gemma3]",
     "tests/engine/test_tensor_parallel_families.py::test_two_ranks_give_the_whole_models_output[gemma4]",
+    "tests/engine/test_tensor_parallel_families.py::test_two_ranks_give_the_whole_models_output[qwen3_5_moe]",
     "tests/engine/test_tensor_parallel_quantized.py::test_a_quantized_checkpoint_sharded_at_load_gives_its_unsharded_output[8bit]",
     "tests/engine/test_prefix_cache.py::test_gemma4_with_assistant[True]",
     "tests/engine/test_compressed_kv_cache.py::test_prefix_hits_batching_and_preemption_change_nothing[gemma3-tq3]",

@@ -142,6 +142,9 @@ CONFIG = {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads"
     ({"model_type": "gemma4", "text_config": {**CONFIG, "enable_moe_block": True, "num_experts": 4,
                                               "top_k_experts": 2, "moe_intermediate_size": 7}}, 2, "expert MLP width"),
     ({"quantization_config": {"quant_method": "modelopt"}}, 2, "quantized checkpoints"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 36}, 8, "expert MLP width"),
+    ({"model_type": "qwen3_5_moe_text", "moe_intermediate_size": 32, "shared_expert_intermediate_size": 50}, 4,
+     "shared expert MLP width"),
 ])
 def test_a_size_the_model_cannot_split_is_one_line(change, size, message):
     with pytest.raises(VerispecError, match=message) as err:

@@ -1,6 +1,7 @@
 """Tensor parallelism per family (CPU, gloo, 2 processes): the Qwen3.5 hybrid (Gated DeltaNet heads
 and their recurrent states split), Gemma 4 dense and MoE (every expert's features split) and
-Gemma 3, each split over two ranks, give the whole model's output (greedy tokens and logprobs,
+Gemma 3, Qwen3-MoE and the Qwen3.5 MoE hybrid (every expert's and the shared expert's features
+split), each split over two ranks, give the whole model's output (greedy tokens and logprobs,
 seeded samples; float64) in a mixed batch that hits the prefix cache (for the hybrid, its
 recurrent-state snapshots too); the Qwen3.5 MTP head drafts on rank 0 for a split target.
 """
@@ -12,7 +13,8 @@ import pytest
 
 from tests.engine.test_tensor_parallel import assert_split_gives_whole
 from tests.engine.test_tensor_parallel_spec import speculate_whole_and_split
-from tools.tiny import build_tiny_gemma3, build_tiny_gemma4, build_tiny_qwen3_5, random_mtp_head, write_mtp_sidecar
+from tools.tiny import (build_tiny_gemma3, build_tiny_gemma4, build_tiny_model, build_tiny_qwen3_5, random_mtp_head,
+                        write_mtp_sidecar)
 
 # what rank 0 holds of its first layer: half of each split part
 HALF_OF = {
@@ -20,6 +22,9 @@ HALF_OF = {
     "gemma4": lambda layer: layer.self_attn.num_heads == 2 and layer.mlp.down_proj.in_features == 48,
     "gemma4-moe": lambda layer: layer.experts.gate_up_proj.shape[1] == 24 and layer.experts.down_proj.shape[2] == 12,
     "gemma3": lambda layer: layer.self_attn.num_kv_heads == 1 and layer.mlp.down_proj.in_features == 48,
+    "qwen3_moe": lambda layer: layer.mlp.experts.gate_up_proj.shape[1] == 32 and layer.mlp.experts.down_proj.shape[2] == 16,
+    "qwen3_5_moe": lambda layer: (layer.linear_attn.num_value_heads == 2 and layer.mlp.experts.down_proj.shape[2] == 16
+                                  and layer.mlp.shared_expert.down_proj.in_features == 24),
 }
 BUILDERS = {
     # the multimodal layout (text under model.language_model.*, tied head): the released files'
@@ -28,6 +33,10 @@ BUILDERS = {
     "gemma4": lambda out, tok: build_tiny_gemma4(out, seed=32, tokenizer_dir=tok),
     "gemma4-moe": lambda out, tok: build_tiny_gemma4(out, moe=True, seed=33, tokenizer_dir=tok),
     "gemma3": lambda out, tok: build_tiny_gemma3(out, seed=34, tokenizer_dir=tok),
+    "qwen3_moe": lambda out, tok: build_tiny_model(out, "qwen3_moe", seed=36, tokenizer_dir=tok, num_hidden_layers=4,
+                                                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2]),
+    "qwen3_5_moe": lambda out, tok: build_tiny_qwen3_5(out, moe=True, seed=37, tokenizer_dir=tok),
 }
 
 

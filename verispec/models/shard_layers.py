@@ -99,5 +99,10 @@ def fused_experts(prefix: str, parent: nn.Module, name: str, shard: Shard) -> di
     hidden = full.down_proj.shape[1]
     feats = even_split(inter, shard)
     setattr(parent, name, RowParallelExperts(full.num_experts, hidden, feats.size, full.act, shard))
-    return {f"{prefix}.{name}.gate_up_proj": split_parts([inter, inter], shard).along(1),
-            f"{prefix}.{name}.down_proj": feats.along(2)}
+    specs = {f"{prefix}.{name}.gate_up_proj": split_parts([inter, inter], shard).along(1),
+             f"{prefix}.{name}.down_proj": feats.along(2)}
+    # checkpoints with one linear per expert (transformers' Qwen3-MoE layout): each its rows / columns
+    for e in range(full.num_experts):
+        specs[f"{prefix}.{name}.{e}.gate_proj.weight"] = specs[f"{prefix}.{name}.{e}.up_proj.weight"] = feats
+        specs[f"{prefix}.{name}.{e}.down_proj.weight"] = feats.along(1)
+    return specs

@@ -18,10 +18,10 @@ from verispec.models import shard_layers
 from verispec.models.layers.parallel import Shard, ShardSpec, VocabParallelEmbedding, VocabParallelHead
 from verispec.models.shard_layers import kv_head_split
 
-SHARDABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "gemma3", "gemma3_text",
-                   "gemma4", "gemma4_text")
+SHARDABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                   "qwen3_5_moe_text", "gemma3", "gemma3_text", "gemma4", "gemma4_text")
 # configs whose text model sits under `text_config` (the multimodal checkpoints)
-WRAPPED_TYPES = ("qwen3_5", "gemma3", "gemma4")
+WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4")
 
 
 def check_shardable(config: dict, world_size: int) -> None:
@@ -63,7 +63,11 @@ def _split_sizes(model_type: str, c: dict) -> tuple[int, list[int], list[tuple[s
     widths = [("MLP width", int(c.get("intermediate_size", 0)))]
     if model_type.startswith("qwen3_5"):
         widths.append(("Gated DeltaNet key heads", int(c.get("linear_num_key_heads", 16))))
-    return heads, [kv_heads], widths
+    if model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"):
+        widths.append(("expert MLP width", int(c.get("moe_intermediate_size", 0))))
+        if c.get("shared_expert_intermediate_size"):
+            widths.append(("shared expert MLP width", int(c["shared_expert_intermediate_size"])))
+    return heads, [kv_heads], [(what, n) for what, n in widths if n]
 
 
 def shard_model(model: nn.Module, shard: Shard) -> dict[str, ShardSpec]:
