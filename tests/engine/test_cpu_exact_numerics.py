@@ -1,7 +1,8 @@
 """Exact numerics on the CPU in float16 and bfloat16: a request's tokens and logprobs are bit for bit
 the same alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 others, with
 16-token prompt chunks, under preemption, and speculating with replays of its own output that are
-always right and always wrong. Tiny random Llama and Qwen3 checkpoints."""
+always right and always wrong. Tiny random Llama, Qwen3 and Qwen3.5 hybrid checkpoints (the hybrid's
+Gated DeltaNet prompt chunks stepping token by token, as decode steps do)."""
 from __future__ import annotations
 
 import pytest
@@ -17,14 +18,16 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = [17, 70, 129, 250, 33, 190, 96, 5]
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
-FAMILIES = ["llama", "qwen3"]
+FAMILIES = ["llama", "qwen3", "qwen3_5"]
 DTYPES = ["float16", "bfloat16"]
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tiny_models) -> dict:
+def model_dirs(tiny_models, tmp_path_factory, tokenizer_dir) -> dict:
+    hybrid = tmp_path_factory.mktemp("exact-hybrid") / "qwen3_5"
+    build_tiny_qwen3_5(hybrid, seed=41, tokenizer_dir=tokenizer_dir)
     return {"llama": tiny_models.get("exact-llama", "llama", **SHAPE),
-            "qwen3": tiny_models.get("exact-qwen3", "qwen3", head_dim=16, **SHAPE)}
+            "qwen3": tiny_models.get("exact-qwen3", "qwen3", head_dim=16, **SHAPE), "qwen3_5": hybrid}
 
 
 def load(model_dir, dtype: str, **fields) -> Engine:
@@ -63,9 +66,9 @@ def test_cpu_reports_exact_only_where_it_holds(model_dirs, tmp_path, tokenizer_d
     # on a CPU exact prompts cost prefill time: the default asks for them only on CUDA
     assert load(model_dirs["llama"], "float16", numerics="auto").describe().numerics == "fast"
     assert load(model_dirs["llama"], "float32").describe().numerics == "fast"
-    # a hybrid's prompt chunks run the chunked recurrence on a CPU, which decode steps do not
-    build_tiny_qwen3_5(tmp_path / "hybrid", tokenizer_dir=tokenizer_dir)
-    assert load(tmp_path / "hybrid", "float16").describe().numerics == "fast"
+    # a hybrid's prompt chunks step token by token under exact numerics; auto leaves a CPU on fast
+    assert load(model_dirs["qwen3_5"], "float16").describe().numerics == "exact"
+    assert load(model_dirs["qwen3_5"], "float16", numerics="auto").describe().numerics == "fast"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,7 +92,9 @@ def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(mo
 @pytest.mark.parametrize("case", ["chunks-of-16", "preempted"])
 def test_engine_settings_do_not_change_a_request(model_dirs, reference, family, dtype, case):
     _, prompts, alone = reference(family, dtype)
-    fields = {"chunks-of-16": dict(prefill_step_size=16), "preempted": dict(kv_cache_gb=0.0002)}[case]
+    # the hybrid has one attention layer in four, so a token takes fewer bytes of cache
+    small = 0.0001 if family == "qwen3_5" else 0.0002
+    fields = {"chunks-of-16": dict(prefill_step_size=16), "preempted": dict(kv_cache_gb=small)}[case]
     engine = load(model_dirs[family], dtype, **fields)
     check([record(r) for r in engine.generate_batch(prompts, params())], alone, case)
     if case == "preempted":

@@ -41,7 +41,7 @@ if triton is not None:
                                    "stride_kb", "stride_kt", "stride_kh", "stride_kd",
                                    "stride_vb", "stride_vt", "stride_vh", "stride_vd",
                                    "stride_gb", "stride_gt", "stride_gh", "stride_bb", "stride_bt", "stride_bh",
-                                   "stride_ob", "stride_ot", "stride_oh"])
+                                   "stride_ob", "stride_ot", "stride_oh", "T"])
     def _recurrent_kernel(Q, K, V, G, BETA, S0, OUT, STATES,
                           stride_qb, stride_qt, stride_qh, stride_qd,
                           stride_kb, stride_kt, stride_kh, stride_kd,
@@ -49,9 +49,9 @@ if triton is not None:
                           stride_gb, stride_gt, stride_gh,
                           stride_bb, stride_bt, stride_bh,
                           stride_ob, stride_ot, stride_oh,
-                          B, scale, eps,
-                          T: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr):
+                          B, scale, eps, T,
+                          H: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, ALL_STATES: tl.constexpr):
         pid_v = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
@@ -64,7 +64,9 @@ if triton is not None:
         mask_s = mask_k[:, None] & mask_v[None, :]
         state_off = (b * H + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
         s = tl.load(S0 + state_off, mask=mask_s, other=0.0).to(tl.float32)  # [BK, BV]
-        for t in tl.static_range(T):  # T <= 16 (one compilation per pass length)
+        # one loop body compiled for every pass length (T is not specialised), so a position's
+        # arithmetic is the same in a decode step, a verify pass and a prompt chunk
+        for t in range(T):
             q = tl.load(Q + b * stride_qb + t * stride_qt + hk * stride_qh + offs_k * stride_qd,
                         mask=mask_k, other=0.0).to(tl.float32)
             k = tl.load(K + b * stride_kb + t * stride_kt + hk * stride_kh + offs_k * stride_kd,
@@ -82,28 +84,32 @@ if triton is not None:
             out = tl.sum(s * q[:, None], axis=0)
             tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_v, out.to(OUT.dtype.element_ty),
                      mask=mask_v)
-            tl.store(STATES + t * B * H * DK * DV + state_off, s, mask=mask_s)
+            if ALL_STATES:
+                tl.store(STATES + t * B * H * DK * DV + state_off, s, mask=mask_s)
+        if not ALL_STATES:
+            tl.store(STATES + state_off, s, mask=mask_s)
 
 
 def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          state: torch.Tensor, all_states: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [B, T, Hk, Dk] raw (normalised here; any strides); v [B, T, H, Dv] with H a multiple
     of Hk (value head h reads key head h // (H / Hk)); g, beta [B, T, H]; state [B, H, Dk, Dv]
     float32. Returns out [B, T, H, Dv] in v's dtype and the states after each position
-    [T, B, H, Dk, Dv] float32."""
+    [T, B, H, Dk, Dv] float32 (all_states False: after the last only, [1, B, H, Dk, Dv], as a prompt
+    chunk under exact numerics keeps them)."""
     b, t, hk, dk = q.shape
     h, dv = v.shape[2], v.shape[3]
     if h % hk:
         raise ValueError(f"{h} value heads are not a multiple of {hk} key heads")
     state = state.float().contiguous()
     out = torch.empty(b, t, h, dv, dtype=v.dtype, device=v.device)
-    states = torch.empty(t, b, h, dk, dv, dtype=torch.float32, device=v.device)
+    states = torch.empty(t if all_states else 1, b, h, dk, dv, dtype=torch.float32, device=v.device)
     bk = triton.next_power_of_2(dk)
     bv = min(32, triton.next_power_of_2(dv))  # 128 x 32 float32 state tile per program: in registers
     grid = (triton.cdiv(dv, bv), b * h)
     _recurrent_kernel[grid](q, k, v, g, beta, state, out, states,
                             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
                             out.stride(0), out.stride(1), out.stride(2),
-                            b, dk ** -0.5, L2_EPS,
-                            T=t, H=h, GROUP=h // hk, DK=dk, DV=dv, BK=bk, BV=bv)
+                            b, dk ** -0.5, L2_EPS, t,
+                            H=h, GROUP=h // hk, DK=dk, DV=dv, BK=bk, BV=bv, ALL_STATES=all_states)
     return out, states

@@ -108,7 +108,7 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def torch_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, state: torch.Tensor, per_position: bool
+                           beta: torch.Tensor, state: torch.Tensor, per_position: bool, exact: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [B, T, H, Dk] raw (normalised here); v [B, T, H, Dv]; g [B, T, H] float32; beta [B, T, H];
     state [B, H, Dk, Dv] float32. Returns out [B, T, H, Dv] in v's dtype and the states
@@ -119,8 +119,10 @@ def torch_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q = l2_normalize(q.to(compute)) * q.shape[-1] ** -0.5
     k = l2_normalize(k.to(compute))
     v, g, beta, state = v.to(compute), g.to(compute), beta.to(compute), state.to(compute)
-    if per_position:
+    if per_position or exact:  # exact: a prompt chunk steps token by token as decode does (final state kept)
         out, states = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        if not per_position:
+            states = states[-1:]
     else:
         out, final = chunked_gated_delta_rule(q, k, v, g, beta, state)
         states = final[None]
@@ -179,20 +181,22 @@ def fla_available() -> bool:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, per_position: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, per_position: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch. q, k [B, T, Hk, Dk] may have fewer heads than v [B, T, H, Dv] (value head h reads
     key head h // (H / Hk)). On CUDA: short passes (per-position states) run our Triton recurrent
     kernel (one launch, graph-capturable), long ones fla's chunked kernel when installed; else the
-    torch reference. Results as in `torch_gated_delta_rule`."""
-    if q.is_cuda and per_position and recurrent_kernel.available(q.device):
-        return recurrent_kernel.gated_delta_recurrent(q, k, v, g, beta, state)
+    torch reference. `exact` (exact numerics): every pass steps token by token, long ones keeping
+    the final state only, so a position's state is the same bits in a prompt chunk as in a decode
+    step. Results as in `torch_gated_delta_rule`."""
+    if q.is_cuda and (per_position or exact) and recurrent_kernel.available(q.device):
+        return recurrent_kernel.gated_delta_recurrent(q, k, v, g, beta, state, all_states=per_position)
     groups = v.shape[2] // q.shape[2]
     if groups > 1:  # each key head serves `groups` consecutive value heads
         q = q.repeat_interleave(groups, dim=2)
         k = k.repeat_interleave(groups, dim=2)
-    if q.is_cuda and fla_enabled() and fla_available():
+    if q.is_cuda and fla_enabled() and fla_available() and not exact:
         return fla_gated_delta_rule(q, k, v, g, beta, state, per_position)
-    return torch_gated_delta_rule(q, k, v, g, beta, state, per_position)
+    return torch_gated_delta_rule(q, k, v, g, beta, state, per_position, exact)
 
 
 def fla_enabled() -> bool:
@@ -297,7 +301,8 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:  # padding neither decays nor writes the state: each row ends in its own
             beta, g = beta * valid[..., None], g * valid[..., None]
         per_position = t <= cache.max_tracked_positions
-        out, states = gated_delta_rule(q, k, v, g, beta, ssm_state, per_position)
+        exact = bool(getattr(cache, "prompt_kernel", False))  # exact numerics (engine.py)
+        out, states = gated_delta_rule(q, k, v, g, beta, ssm_state, per_position, exact)
         cache.set_recurrent_pending(self.layer_idx, window, states, per_position)
         out = self.norm(out, z.reshape(b, t, hv, self.value_head_dim)).reshape(b, t, self.value_dim)
         return self.out_proj(out)

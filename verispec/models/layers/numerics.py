@@ -17,9 +17,6 @@ def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: boo
     and attention kernels; a CPU: float16 and bfloat16, prompt chunks attended row by row as decode
     steps are (models/layers/attention.py)."""
     device = torch.device(device)
-    if recurrent:
-        return ("Gated DeltaNet layers (prompt chunks run the chunked recurrence, decode steps the "
-                "token-by-token one)")
     if experts:
         return "mixture-of-experts layers (the experts' kernel is chosen by the pass's token count)"
     if device.type == "cuda":
@@ -31,12 +28,19 @@ def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: boo
     return f"device {device.type}"
 
 
+# Under exact numerics a Gated DeltaNet prompt chunk steps token by token (the chunked algorithm sums
+# otherwise than a decode step): at most this many bytes of weights, a prompt's time is launches,
+# not that sequential loop, and `auto` takes it
+SMALL_RECURRENT_BYTES = 1 << 30
+
+
 def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, recurrent: bool = False,
-            experts: bool = False, quantized: bool = False) -> tuple[str, str | None]:
+            experts: bool = False, quantized: bool = False, weight_bytes: int = 0) -> tuple[str, str | None]:
     """(the numerics that run, why not exact): "auto" is exact where it holds and costs little, as
     measured (docs/benchmarks.md): dense weights on CUDA; a quantized model's exact product decodes
     several times slower and a CPU's exact prompts prefill 2.5-4.5x slower, so there `--numerics
-    exact` asks for it."""
+    exact` asks for it; so does a Gated DeltaNet model over SMALL_RECURRENT_BYTES, whose exact
+    prompt chunks step token by token."""
     if requested == "fast":
         return "fast", "--numerics fast"
     if (reason := why_not_exact(device, dtype, recurrent, experts)) is not None:
@@ -47,4 +51,7 @@ def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, r
         if quantized:
             return "fast", ("quantized layers: their exact product decodes several times slower "
                             "(--numerics exact turns it on)")
+        if recurrent and weight_bytes > SMALL_RECURRENT_BYTES:
+            return "fast", ("Gated DeltaNet layers: exact prompt chunks step token by token instead of the chunked "
+                            "algorithm (--numerics exact turns it on)")
     return "exact", None
