@@ -43,6 +43,10 @@ class Shape:
         return self.model_type in MODEL_REGISTRY
 
 
+# Llama 3.1 / 3.3's RoPE scaling (their config.json's)
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}
+
 SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("qwen3-8b", "Qwen3-8B: dense, 36 layers, hidden 4096, 32/8 heads x 128, MLP 12288, vocab 151936",
           dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -65,8 +69,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
                tie_word_embeddings=False,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}),
+               rope_scaling=dict(LLAMA3_ROPE_SCALING)),
           Eagle3Shape(draft_vocab_size=32000)),
     # Llama 3.3 70B: 141 GB in bf16, so it runs split over 2 H200s or 4 H100s (--tensor-parallel-size)
     Shape("llama3.3-70b", "Llama 3.3 70B: dense, 80 layers, hidden 8192, 64/8 heads x 128, MLP 28672, vocab 128256",
@@ -74,8 +77,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
                tie_word_embeddings=False,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}),
+               rope_scaling=dict(LLAMA3_ROPE_SCALING)),
           # as the published Llama-3.3-70B EAGLE3 speculators: one Llama layer of the target's width
           Eagle3Shape(draft_vocab_size=32000)),
     # Qwen3.6-27B (Qwen3.5-27B is the same shape): 3 of every 4 layers Gated DeltaNet; it
