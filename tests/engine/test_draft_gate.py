@@ -75,9 +75,9 @@ def test_policy_drafts_nothing_where_the_gate_is_shut():
     seqs = [_Seq(i) for i in range(8)]
     assert any(policy.choose(seqs))  # the cost model alone: drafting pays at 8 sequences
     for _ in range(draft_gate.MIN_SPEC):
-        policy.timed(8, True, tokens=8, seconds=0.01)
+        policy.gate.record(8, True, tokens=8, seconds=0.01)
     assert not any(policy.choose(seqs))  # the plain trial
     for _ in range(draft_gate.TRIAL_STEPS):
-        policy.timed(8, False, tokens=8, seconds=0.001)
+        policy.gate.record(8, False, tokens=8, seconds=0.001)
     assert not any(policy.choose(seqs))
     assert policy.plain_rounds(seqs) >= draft_gate.RECHECK // 2

@@ -16,6 +16,7 @@ from tools.tiny import build_tiny_gemma3, build_tiny_model, build_tiny_qwen3_5
 from verispec.cli import main as cli_main
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
+from verispec.models.layers import numerics
 from verispec.quant import dense
 from verispec.sampling.params import SamplingParams
 
@@ -50,7 +51,7 @@ def load(root, family: str, **fields) -> Engine:
     fields = dict(dict(max_num_seqs=8, kv_cache_gb=0.25, numerics="auto" if decoded else "exact"), **fields)
     with pytest.MonkeyPatch.context() as patch:
         if not decoded:  # the quantized layers' own exact kernels, not a decoded copy
-            patch.setattr(dense, "DENSE_LIMIT_BYTES", 0)
+            patch.setattr(numerics, "SMALL_MODEL_BYTES", 0)
         engine = Engine.load(EngineConfig(model=str(root / family.removesuffix("-decoded")), dtype="bfloat16",
                                           device="cuda", max_model_len=1024, **fields))
     assert engine.describe().numerics == "exact"

@@ -129,11 +129,12 @@ def set_serving_threads() -> int | None:
 
     if env().omp_num_threads is not None:
         return None
-    num_threads = threads_for_host(physical_cores())
+    cores = physical_cores()
+    num_threads = threads_for_host(cores)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     torch.set_num_threads(num_threads)
     log.info("CPU compute threads: %d of %d physical cores (OMP_NUM_THREADS sets another count)", num_threads,
-             physical_cores())
+             cores)
     return num_threads
 
 

@@ -60,14 +60,8 @@ class DeferredRows:
             width = max(n for _, _, _, n in rows)
             batch_rows = [b for _, b, _, _ in rows]
             device = out.hidden.device
-            if batch_rows == list(range(out.hidden.shape[0])):
-                index = None  # every row, in order: a plain copy
-            elif device.type == "cuda":
-                # from pinned memory without blocking: a blocking copy would wait for the step the
-                # overlapped loop queued behind this one, and so lose the overlap
-                index = torch.tensor(batch_rows, pin_memory=True).to(device, non_blocking=True)
-            else:
-                index = torch.tensor(batch_rows, device=device)
+            # every row, in order: a plain copy
+            index = None if batch_rows == list(range(out.hidden.shape[0])) else _device_index(batch_rows, device)
 
             def gather(x: torch.Tensor) -> torch.Tensor:  # [B, W, H] -> [Z, width, H], a copy
                 return x[:, :width].clone() if index is None else x[:, :width].index_select(0, index)
@@ -126,17 +120,21 @@ def _gather(pendings: list[_Pending]):
             index.extend(range(first, first + n))
         counts.append(pending.num_rows)
     ordered = [rows for rows, _ in passes.values()]
-    device = ordered[0].hidden.device
-    if device.type == "cuda":  # without blocking (see add)
-        where = torch.tensor(index, pin_memory=True).to(device, non_blocking=True)
-    else:
-        where = torch.tensor(index, device=device)
+    where = _device_index(index, ordered[0].hidden.device)
 
     def select(part) -> list[torch.Tensor]:  # one kind of every pass -> its wanted rows, per pending
-        whole = torch.cat([part(rows).reshape(-1, part(rows).shape[-1]) for rows in ordered])
+        whole = torch.cat([part(rows).flatten(0, 1) for rows in ordered])
         return list(whole.index_select(0, where).split(counts))
 
     hidden = select(lambda r: r.hidden)
     aux = [select(lambda r, i=i: r.aux[i]) for i in range(len(ordered[0].aux))]
     pre_norm = select(lambda r: r.pre_norm) if ordered[0].pre_norm is not None else [None] * len(counts)
     return iter([(hidden[j], [a[j] for a in aux], pre_norm[j]) for j in range(len(counts))])
+
+
+def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on `device`. On CUDA from pinned memory without blocking: a blocking copy
+    would wait for the step the overlapped loop queued behind this one, and so lose the overlap."""
+    if device.type == "cuda":
+        return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, device=device)

@@ -79,7 +79,7 @@ class ThroughputGate:
         b = self._at(batch)
         if b.plain_trial > 0:
             return b.plain_trial
-        if b.plain is not None and not b.speculation_wins and b.spec_trial == 0:
+        if not b.speculation_wins and b.spec_trial == 0:
             return max(1, RECHECK - b.since)
         return None
 

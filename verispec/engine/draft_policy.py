@@ -79,9 +79,6 @@ class DraftPolicy(ABC):
         if num_rounds:
             self.stats.record([0] * len(seqs), num_rounds)
 
-    def timed(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1) -> None:
-        """A decode round (or `steps` overlapped plain steps) of `batch` sequences, as it ran."""
-
     def describe_choices(self) -> dict:
         """What /metrics shows: the choices' statistics (and the adaptive policy's gate)."""
         return self.stats.as_dict()
@@ -190,10 +187,6 @@ class AdaptiveDrafts(DraftPolicy):
         rounds = (self.probe_every - (self.num_rounds + 1) % self.probe_every) % self.probe_every
         gated = self.gate.plain_steps(len(seqs)) if self.gate is not None else None
         return rounds if gated is None else max(rounds, gated - 1)
-
-    def timed(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1) -> None:
-        if self.gate is not None:
-            self.gate.record(batch, drafted, tokens, seconds, steps)
 
     def describe_choices(self) -> dict:
         return dict(self.stats.as_dict(), gate=self.gate.as_dict() if self.gate is not None else {})

@@ -386,7 +386,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         decodes = [s for s in plan.decodes if not s.finished]
         if decodes:
             counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
-            start, before = time.perf_counter(), sum(s.num_tokens for s in decodes)
+            gate = getattr(self.draft_policy, "gate", None)  # the adaptive choice's, where one runs
+            if gate is not None:
+                start, before = time.perf_counter(), sum(s.num_tokens for s in decodes)
             steps = 0
             if self.overlap.eligible(decodes, counts):
                 # the policy chose this round; the rounds after it that run unchosen are accounted to it
@@ -395,9 +397,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                     self.draft_policy.skip(decodes, steps - 1)
             if not steps:
                 self._round(decodes, counts)
-            # what the draft gate weighs: this server's speculative rounds against its plain steps
-            self.draft_policy.timed(len(decodes), any(counts), sum(s.num_tokens for s in decodes) - before,
-                                    time.perf_counter() - start, max(steps, 1))
+            if gate is not None:  # what it weighs: this server's speculative rounds against its plain steps
+                gate.record(len(decodes), any(counts), sum(s.num_tokens for s in decodes) - before,
+                            time.perf_counter() - start, max(steps, 1))
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler

@@ -93,14 +93,15 @@ def _decode_small_quantized(model, requested: str, dtype, device) -> None:
     """Exact numerics for a small quantized model on CUDA: its layers decoded to `dtype` once, so the
     dense row-invariant kernels run it (quant/dense.py), before anything shares its layers. Its
     quantized kernels are not row-invariant, and at this size the dense weights cost next to nothing."""
+    from verispec.models.layers import numerics
     from verispec.quant import dense
 
     if requested == "fast" or torch.device(device).type != "cuda" or not dense.has_decodable_layers(model):
         return
     size = dense.dense_bytes(model, dtype)
-    if size > dense.DENSE_LIMIT_BYTES:
+    if size > numerics.SMALL_MODEL_BYTES:
         log.debug("numerics: the quantized layers stay quantized (%.2f GiB dense, over %.0f GiB)", size / 2**30,
-                  dense.DENSE_LIMIT_BYTES / 2**30)
+                  numerics.SMALL_MODEL_BYTES / 2**30)
         return
     replaced = dense.decode_to_dense(model, dtype)
     log.info("numerics: %s quantized layers decoded to %s (%.2f GiB dense), for exact numerics",

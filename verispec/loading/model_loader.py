@@ -143,16 +143,17 @@ def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
     from verispec.models.layers import numerics
     from verispec.models.layers.gated_delta_net import GatedDeltaNet
     from verispec.models.layers.moe import FusedExperts
+    from verispec.quant import dense
     from verispec.quant.layers.experts import MLXQuantizedExperts, QuantizedExpertStack
     from verispec.quant.layers.linear import QuantizedLinear
 
     param = next(model.parameters())
     modules = list(model.modules())
-    weights = {id(t): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     return numerics.resolve(
         requested, param.device, param.dtype, recurrent=any(isinstance(m, GatedDeltaNet) for m in modules),
         experts=any(isinstance(m, (FusedExperts, MLXQuantizedExperts, QuantizedExpertStack)) for m in modules),
-        quantized=any(isinstance(m, QuantizedLinear) for m in modules), weight_bytes=sum(weights.values()))
+        quantized=any(isinstance(m, QuantizedLinear) for m in modules),
+        weight_bytes=dense.dense_bytes(model, param.dtype))
 
 
 def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: str = "fast") -> None:

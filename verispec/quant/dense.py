@@ -2,15 +2,12 @@
 cost next to nothing: there the dense row-invariant kernels run them under exact numerics, which
 the quantized formats' fast kernels do not give (docs/serving.md, "Exact numerics").
 
-The bound is on the dense copy's bytes: at 1 GiB a decode step reads it in about a quarter of a
-millisecond on an H100-class GPU, under the launch cost of a step of such a small model.
+Which models are small enough is models/layers/numerics.py's SMALL_MODEL_BYTES, on `dense_bytes`.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-DENSE_LIMIT_BYTES = 1 << 30
 
 
 def _decodable(module: nn.Module) -> bool:

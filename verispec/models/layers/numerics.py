@@ -28,10 +28,11 @@ def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: boo
     return f"device {device.type}"
 
 
-# Under exact numerics a Gated DeltaNet prompt chunk steps token by token (the chunked algorithm sums
-# otherwise than a decode step): at most this many bytes of weights, a prompt's time is launches,
-# not that sequential loop, and `auto` takes it
-SMALL_RECURRENT_BYTES = 1 << 30
+# A model this small (its weights, dense) spends a step on launches, not on reading weights or on
+# sequential work: 1 GiB reads in about a quarter of a millisecond on an H100-class GPU. There `auto`
+# takes what exact numerics cost on CUDA: a quantized model's layers decoded to dense at load
+# (engine/loading.py, quant/dense.py) and Gated DeltaNet prompt chunks stepped token by token
+SMALL_MODEL_BYTES = 1 << 30
 
 
 def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, recurrent: bool = False,
@@ -39,7 +40,7 @@ def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, r
     """(the numerics that run, why not exact): "auto" is exact where it holds and costs little, as
     measured (docs/benchmarks.md): dense weights on CUDA; a quantized model's exact product decodes
     several times slower and a CPU's exact prompts prefill 2.5-4.5x slower, so there `--numerics
-    exact` asks for it; so does a Gated DeltaNet model over SMALL_RECURRENT_BYTES, whose exact
+    exact` asks for it; so does a Gated DeltaNet model over SMALL_MODEL_BYTES, whose exact
     prompt chunks step token by token."""
     if requested == "fast":
         return "fast", "--numerics fast"
@@ -51,7 +52,7 @@ def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, r
         if quantized:
             return "fast", ("quantized layers: their exact product decodes several times slower "
                             "(--numerics exact turns it on)")
-        if recurrent and weight_bytes > SMALL_RECURRENT_BYTES:
+        if recurrent and weight_bytes > SMALL_MODEL_BYTES:
             return "fast", ("Gated DeltaNet layers: exact prompt chunks step token by token instead of the chunked "
                             "algorithm (--numerics exact turns it on)")
     return "exact", None
