@@ -44,3 +44,18 @@ def test_rows_past_the_limit_are_handed_over_at_once_and_dropped_with_the_sequen
     assert full is a and step.token_ids == [10, 11, 12] and step.next_token == 13 and step.hidden is None
     rows.drop(b)
     assert len(rows) == 0
+
+
+def test_sequences_taken_together_read_one_padded_batch():
+    """A drafter observes them in one pass: every step is a row of the same [Z, n_max, H] tensors,
+    a shorter sequence's rows padded with its last row (finite, never attended to)."""
+    rows = DeferredRows(keep_features=True)
+    a, b = seq(1, list(range(100, 120))), seq(2, list(range(200, 220)))
+    rows.add([(a, 0, 5, 1), (b, 1, 7, 1)], pass_out(2, 1, 0.0))
+    rows.add([(b, 1, 8, 1)], pass_out(2, 1, 1000.0))
+    (_, step_a), (_, step_b) = rows.take([a, b])
+    (batch, row_a), (same, row_b) = step_a.source, step_b.source
+    assert batch is same and (row_a, row_b) == (0, 1) and batch.hidden.shape == (2, 2, 2)
+    assert batch.hidden[:, :, 0].tolist() == [[0.0, 0.0], [10.0, 1010.0]]
+    assert step_a.hidden[:, 0].tolist() == [0.0] and step_b.hidden[:, 0].tolist() == [10.0, 1010.0]
+    assert torch.equal(batch.aux[0], batch.hidden * 2) and torch.equal(batch.pre_norm, batch.hidden * 3)

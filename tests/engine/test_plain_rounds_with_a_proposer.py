@@ -19,6 +19,7 @@ from tests.engine.test_overlap_decode import count_ahead
 from tools.tiny import write_random_eagle3
 from verispec.engine.draft_policy import DraftPolicy, draft_cap
 from verispec.engine.engine import Engine, load_engine
+from verispec.engine.runner import PassOutput
 from verispec.sampling.params import SamplingParams
 from verispec.spec.eagle3 import Eagle3Proposer, load_eagle3
 from verispec.spec.proposer import Draft, PassRowStep
@@ -68,7 +69,9 @@ def scripted(base_class):
 
         def observe(self, rows):
             self.observed_calls += 1
-            self.verify_observes += any(isinstance(step, PassRowStep) for _, step in rows)
+            # rows of a verify pass: past the prompt, read from a target pass (not a deferred batch)
+            self.verify_observes += any(isinstance(step, PassRowStep) and isinstance(step.source[0], PassOutput)
+                                        and step.start_position >= len(seq.prompt_ids) for seq, step in rows)
             super().observe(rows)
 
         def propose(self, seqs, num_drafts, params, generators):

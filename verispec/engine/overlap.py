@@ -154,7 +154,7 @@ class OverlappedDecode:
             chunks.append((seq, self.update.commit(seq, [], 0, token, None, row_features)))
             if seq.drafting:
                 deferred.append((seq, b, position, 1))
-        self.runner.defer(deferred, features)
+        self.runner.defer(deferred, features, owned=True)  # _Features are copies already
         for seq, chunk in chunks:
             self.update.emit(seq, chunk)
             finished = finished or chunk.finish_reason is not None

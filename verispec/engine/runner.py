@@ -105,10 +105,10 @@ class ModelRunner:
         if rows:
             self.proposer.observe(rows)
 
-    def defer(self, rows: list[tuple[Sequence, int, int, int]], out) -> None:
+    def defer(self, rows: list[tuple[Sequence, int, int, int]], out, owned: bool = False) -> None:
         """Committed rows the drafter sees later (DeferredRows.add); those that piled up to the
         limit are observed now."""
-        self.observe(self.deferred.add(rows, out))
+        self.observe(self.deferred.add(rows, out, owned))
 
     def block_tables(self, seqs: list[Sequence], num_columns: int | None = None) -> torch.Tensor:
         """[B, N] block ids, 0-padded (0 = scratch)."""

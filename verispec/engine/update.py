@@ -24,7 +24,7 @@ from verispec.engine.sequence import Sequence
 from verispec.engine.types import GenerationChunk
 from verispec.grammar.constraint import GrammarCompiler
 from verispec.sampling.sampler import apply_penalties, processed_probs, sample
-from verispec.spec.proposer import Draft, PassRowStep, TargetStep
+from verispec.spec.proposer import Draft, PassRowStep
 from verispec.spec.verify import verify_greedy, verify_sampling, verify_seeded
 
 
@@ -105,8 +105,8 @@ class StepUpdate:
             # also after the last token: the drafter's state stays the committed one (a prompt-only
             # request has no next token, and ends here)
             if seq.drafting and next_token is not None:
-                step = TargetStep(seq.token_ids[start:end], start, out.hidden[b, :n], [a[b, :n] for a in out.aux],
-                                  next_token, out.pre_norm[b, :n] if out.pre_norm is not None else None)
+                # a row of the pass: a drafter reads every sequence's rows of it at once
+                step = PassRowStep(seq.token_ids[start:end], start, next_token, out, b)
                 hit = seq.prefix_hit
                 if hit is not None and hit.features is not None and start == hit.num_tokens:
                     step = prepend_row(step, seq.token_ids[start - 1], hit.features)

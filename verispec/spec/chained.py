@@ -96,8 +96,10 @@ class ChainedDrafter(Proposer):
             if step is not None:
                 return step(seqs, ids, features, positions, last)
         starts, lengths = rows if rows is not None else (None, None)
+        # rows of several sequences: on CUDA one chunk-attention kernel for them all (the kernel a
+        # target prompt pass runs under exact numerics) rather than an attention call per sequence
         cache = BatchCache(self.pools, self._target.tables(seqs), positions, None, num_keys, self._target.use_kernel,
-                           row_starts=starts, row_lengths=lengths)
+                           row_starts=starts, row_lengths=lengths, prompt_kernel=self._target.use_kernel)
         return self._rows(ids, features, positions, cache, last)
 
     @torch.inference_mode()
