@@ -354,7 +354,8 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         g = offs_m // TQ
         t = tile * TQ + offs_m % TQ
-        row_valid = (offs_m < G * TQ) & (t < T)
+        in_pass = (offs_m < G * TQ) & (t < T)
+        row_valid = in_pass
         if HAS_LEN:  # rows padded at their ends (a batched prompt pass): the padding is not attended
             row_valid = row_valid & (t < tl.load(LEN + b))
         offs_d = tl.arange(0, BLOCK_D)
@@ -400,11 +401,13 @@ if triton is not None:
                                           stride_kn, stride_vn, stride_btb, offs_n, end, allowed, offs_d, d_valid,
                                           scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
         m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, share >= 0)
-        out = o / tl.where(row_valid, l, 1.0)[:, None]
-        # OUT is [B, T, HQ, D], as the split path's
+        out = o / tl.where(row_valid, l, 1.0)[:, None]  # padding rows: 0 (o is), stored so they are finite
+        # OUT is [B, T, HQ, D], as the split path's. Padding rows are written too: left as the
+        # allocation found them they carried NaNs into the next layers, and a recurrent layer's
+        # state masks padding by multiplying its gates by 0 (NaN * 0 is NaN)
         dst = (b * T + t).to(tl.int64) * hq_total + h * G + g
         tl.store(OUT + dst[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=row_valid[:, None] & d_valid[None, :])
+                 mask=in_pass[:, None] & d_valid[None, :])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
