@@ -122,9 +122,18 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: to
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's write strength beta = sigmoid(b) and log decay g = -exp(A_log) *
     softplus(a + dt_bias), g in float32 (in half precision -exp(A_log) can overflow; float64 stays);
-    b, a [B, T, H]."""
-    compute = torch.promote_types(a.dtype, torch.float32)
-    return b.sigmoid(), -a_log.to(compute).exp() * F.softplus(a.to(compute) + dt_bias)
+    b, a [B, T, H].
+
+    On a CPU they are computed in float64 and rounded: torch's CPU kernels take the last few
+    elements of a tensor (the tail of the vector loop) through scalar exp / softplus / sigmoid,
+    whose last bit differs from the vector path's, so in float32 a token's gates depended on where
+    it sat in the pass (its row's state then did, and a batched request's text). Rounded from
+    float64 the two paths agree (a tensor of B x T x heads elements: the cost is nothing)."""
+    g_dtype = torch.promote_types(a.dtype, torch.float32)
+    compute = torch.float64 if a.device.type == "cpu" else g_dtype
+    beta = b.to(compute).sigmoid().to(b.dtype) if a.device.type == "cpu" else b.sigmoid()
+    g = -a_log.to(compute).exp() * F.softplus(a.to(compute) + dt_bias.to(compute))
+    return beta, g.to(g_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
