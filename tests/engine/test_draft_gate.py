@@ -50,6 +50,37 @@ def test_faster_speculation_stays_on_with_a_plain_trial_every_recheck():
     assert gate.as_dict()[1]["speculates"] is True
 
 
+def test_slow_first_rounds_do_not_shut_speculation_that_pays():
+    """A server's first speculative rounds replay graphs for the first time (here 100x slower): the
+    median of the latest rounds decides, not an average those rounds weigh on."""
+    gate = ThroughputGate()
+    for i in range(draft_gate.MIN_SPEC):
+        assert gate.allows(1)
+        gate.record(1, True, tokens=30, seconds=10.0 if i < 3 else 0.1)  # 3 tokens a round, 300 tok/s
+    choices = measure(gate, 1, spec_rate=300.0, plain_rate=250.0, rounds=100)
+    assert choices.count(True) > 80 and gate.as_dict()[1]["speculates"] is True
+
+
+def test_a_recheck_measures_speculation_afresh():
+    """Speculation measured slow once (a text nothing was accepted on) opens at the next recheck
+    once it pays, and the recheck's first round (the drafter catching up) is not counted."""
+    gate = ThroughputGate()
+    measure(gate, 2, spec_rate=20.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS + 10)
+    assert not gate.allows(2)
+    choices, caught_up = [], False
+    for _ in range(draft_gate.RECHECK + 40):
+        speculates = gate.allows(2)
+        choices.append(speculates)
+        if speculates and not caught_up:  # the catch-up round: slow
+            gate.record(2, True, tokens=2, seconds=1.0)
+            caught_up = True
+            continue
+        rate = 300.0 if speculates else 200.0
+        gate.record(2, speculates, tokens=20, seconds=20 / (rate * 2))
+    assert caught_up and gate.as_dict()[2]["speculates"] is True
+    assert all(choices[-20:])
+
+
 def test_buckets_are_measured_apart():
     gate = ThroughputGate()
     measure(gate, 32, spec_rate=50.0, plain_rate=200.0, rounds=60)

@@ -6,7 +6,7 @@ the host: drafting, building the pass, a sync to read its tokens, per-sequence v
 round that drafts nothing runs overlapped instead (engine/overlap.py: the next step queued while the
 host handles the last), which hides that work. Where the host's share is large (a small model, many
 sequences) speculating loses even at good acceptance. So the engine times both kinds of round (tokens
-per second per sequence, a moving average per batch-size bucket) and speculates only where its
+per second per sequence, per batch-size bucket) and speculates only where its
 rounds are the faster ones, trying the other kind again now and then, so a change in load or text
 is noticed:
 
@@ -14,16 +14,24 @@ is noticed:
   trial of TRIAL_STEPS plain steps;
 - speculation measured slower: plain steps, with TRIAL_ROUNDS speculative rounds every RECHECK steps;
 - plain measured slower: speculation, with a plain trial every RECHECK rounds.
+
+A kind's rate is the median of its latest WINDOW measurements, and a trial measures its kind afresh
+(its older measurements dropped): a moving average kept a server's first speculative rounds, slow
+with first replays, and a few recheck rounds every RECHECK steps did not outweigh them. The first speculative round after plain steps is not
+counted: it carries the drafter's catch-up over the rows it did not see, a cost of switching that a
+stretch of speculation pays once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 MIN_SPEC = 8  # speculative rounds in a bucket before plain steps are tried there
 TRIAL_STEPS = 16  # plain steps a trial runs (overlapped: several steps make one measurement)
-TRIAL_ROUNDS = 4  # speculative rounds a recheck runs
+TRIAL_ROUNDS = 6  # speculative rounds a recheck runs (the first is not counted)
 RECHECK = 256  # rounds or steps of the winning kind between trials of the other
-WEIGHT = 0.2  # the moving average's weight of a new measurement
+WINDOW = 16  # measurements a kind's rate is the median of
 
 
 def bucket(batch: int) -> int:
@@ -33,16 +41,26 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class _Bucket:
-    spec: float | None = None  # tokens per second per sequence, speculative rounds
-    plain: float | None = None  # the same, rounds that drafted nothing
+    spec_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens/s/sequence
+    plain_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     spec_rounds: int = 0
     since: int = 0  # rounds (or steps) of the winning kind since the other was last tried
     plain_trial: int = 0  # plain steps still to run in a trial
     spec_trial: int = 0  # speculative rounds still to run in a recheck
+    after_plain: bool = False  # the last round was plain: the next speculative one catches up
+
+    @property
+    def spec(self) -> float | None:
+        return statistics.median(self.spec_rates) if self.spec_rates else None
+
+    @property
+    def plain(self) -> float | None:
+        return statistics.median(self.plain_rates) if self.plain_rates else None
 
     @property
     def speculation_wins(self) -> bool:
-        return self.plain is None or (self.spec is not None and self.spec >= self.plain)
+        spec, plain = self.spec, self.plain
+        return plain is None or (spec is not None and spec >= plain)
 
 
 class ThroughputGate:
@@ -59,7 +77,7 @@ class ThroughputGate:
             return False
         if b.spec_trial > 0:
             return True
-        if b.plain is None:
+        if not b.plain_rates:
             if b.spec_rounds >= MIN_SPEC:
                 b.plain_trial = TRIAL_STEPS
                 return False
@@ -67,10 +85,12 @@ class ThroughputGate:
         if b.speculation_wins:
             if b.since >= RECHECK:
                 b.since, b.plain_trial = 0, TRIAL_STEPS
+                b.plain_rates.clear()  # the trial measures plain steps afresh
                 return False
             return True
         if b.since >= RECHECK:
             b.since, b.spec_trial = 0, TRIAL_ROUNDS
+            b.spec_rates.clear()
             return True
         return False
 
@@ -92,13 +112,16 @@ class ThroughputGate:
         rate = tokens / seconds / batch
         winning_before = b.speculation_wins
         if drafted:
-            b.spec = rate if b.spec is None else (1 - WEIGHT) * b.spec + WEIGHT * rate
             b.spec_rounds += 1
             b.spec_trial = max(0, b.spec_trial - 1)
+            if not b.after_plain:
+                b.spec_rates.append(rate)
+            b.after_plain = False
             if winning_before:
                 b.since += 1
         else:
-            b.plain = rate if b.plain is None else (1 - WEIGHT) * b.plain + WEIGHT * rate
+            b.plain_rates.append(rate)
+            b.after_plain = True
             b.plain_trial = max(0, b.plain_trial - steps)
             if not winning_before:
                 b.since += steps
