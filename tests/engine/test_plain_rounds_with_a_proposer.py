@@ -64,11 +64,12 @@ def scripted(base_class):
         def setup(self, continuations: dict, vocab_size: int):
             self.continuations, self.vocab_size = continuations, vocab_size
             self.real: dict[tuple, dict[int, list[int]]] = defaultdict(dict)
-            self.observed_calls = self.verify_observes = self.propose_calls = 0
+            self.observed_calls = self.verify_observes = self.decode_observes = self.propose_calls = 0
             return self
 
         def observe(self, rows):
             self.observed_calls += 1
+            self.decode_observes += any(step.start_position >= len(seq.prompt_ids) for seq, step in rows)
             # rows of a verify pass: past the prompt, read from a target pass (not a deferred batch)
             self.verify_observes += any(isinstance(step, PassRowStep) and isinstance(step.source[0], PassOutput)
                                         and step.start_position >= len(seq.prompt_ids) for seq, step in rows)
@@ -182,3 +183,29 @@ def test_adaptive_choice_with_overlap_measures_both_kinds_of_round_and_keeps_the
     rates = engine.load_stats()["drafts"]["gate"]
     assert rates and all(r["plain_tok_s"] is not None for r in rates.values()), rates
     assert any(r["speculative_tok_s"] is not None for r in rates.values()), rates
+
+
+def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, tmp_path):
+    """Where the draft gate will not open for longer than a drafter's unseen rows are kept, the batch's
+    sequences stop drafting (engine.py `_rest_drafters`): no catch-up passes, no rows copied for the
+    drafter, the output plain greedy's. A request arriving later starts with a drafter again."""
+    from verispec.engine import draft_gate
+
+    prompts = [target.tokenizer.encode(t) for t in TEXTS]
+    plain = {tuple(ids): target.generate_all(ids, GREEDY).token_ids for ids in prompts}
+    proposer = eagle3(target, tmp_path)().setup(plain, target.model.vocab_size)
+    engine = spec(target, proposer, None, draft_schedule=None, overlap_decode=True)
+    gate = engine.draft_policy.gate
+    for batch in (1, 2, len(prompts)):  # speculation measured slower at every size this batch passes
+        for _ in range(draft_gate.MIN_SPEC):
+            gate.record(batch, True, tokens=batch, seconds=1.0)
+        gate.record(batch, False, tokens=batch, seconds=0.01, steps=draft_gate.TRIAL_STEPS)
+        assert gate.plain_steps(batch) >= engine.runner.deferred.max_rows
+    results = engine.generate_batch(prompts, GREEDY)
+    assert [r.token_ids for r in results] == [plain[tuple(ids)] for ids in prompts]
+    prompt_passes = proposer.observed_calls
+    assert proposer.propose_calls == 0 and proposer.decode_observes == 0  # no catch-up pass: 40 rows > 32
+    assert len(engine.runner.deferred) == 0 and engine.blocks.num_used == 0
+    # the next request starts drafting (its prompt observed), then rests with its batch
+    engine.generate_all(prompts[0], GREEDY)
+    assert proposer.observed_calls > prompt_passes and proposer.propose_calls == 0

@@ -116,10 +116,19 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.update = StepUpdate(self.scheduler, self.runner, self.grammars)
         overlap = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         self.overlap = OverlappedDecode(self.scheduler, self.runner, self.update, overlap,
-                                        new_work=lambda: not self._inbox.empty(), timings=self.round_timings)
+                                        new_work=lambda: not self._inbox.empty(), timings=self.round_timings,
+                                        rest_drafters=self._rest_drafters)
         if isinstance(self.draft_policy, AdaptiveDrafts) and self.overlap.enabled:
             self.draft_policy.gate = ThroughputGate()  # plain steps overlap, speculative rounds do not
         self._release_caller_threads()
+
+    def _rest_drafters(self, batch: int) -> bool:
+        """Whether the draft gate holds speculation off at this batch size for longer than a drafter's
+        unseen rows are kept: its sequences then stop drafting rather than keep the drafter in step
+        for rounds that will not draft. New requests start with a drafter, so the gate's rechecks
+        still have sequences to speculate with."""
+        gate = getattr(self.draft_policy, "gate", None)
+        return gate is not None and (gate.plain_steps(batch) or 0) >= self.runner.deferred.max_rows
 
     def _release_caller_threads(self) -> None:
         """On a CPU, free the OpenMP pool of the thread that loaded the model or submitted work, so

@@ -60,13 +60,17 @@ class OverlappedDecode:
     request arrived (the scheduler must run again); `timings` receives each step's round timing."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, update: StepUpdate, enabled: bool,
-                 new_work: Callable[[], bool], timings: collections.deque):
+                 new_work: Callable[[], bool], timings: collections.deque,
+                 rest_drafters: Callable[[int], bool] = lambda batch: False):
         self.scheduler = scheduler
         self.runner = runner
         self.update = update
         self.enabled = enabled and not runner.pools.recurrent_layers
         self.new_work = new_work
         self.timings = timings
+        # whether a batch this size will not draft for longer than a drafter's rows are kept: its
+        # sequences then stop drafting (engine.py `_rest_drafters`)
+        self.rest_drafters = rest_drafters
 
     def eligible(self, seqs: list[Sequence], num_drafts: list[int]) -> bool:
         """Whether this decode step can run overlapped (see the module docstring): nobody drafts."""
@@ -91,9 +95,15 @@ class OverlappedDecode:
         on_cuda = runner.device.type == "cuda"
         inflight: collections.deque[_InFlight] = collections.deque()
         inputs: list[list[int]] | torch.Tensor = [[s.last_token] for s in seqs]
-        # the target rows a drafter reads later, or the prefix cache keeps for one
+        if runner.deferred.keep_features and self.rest_drafters(len(seqs)):
+            # keeping a model drafter in step (each step's rows copied, a drafter pass over them every
+            # few dozen steps) costs a host-bound step more than speculation it will not do gives back
+            runner.stop_drafting(seqs)
+        # the target rows a drafter reads later, or the prefix cache keeps at a block's last position
         prefix = self.scheduler.prefix
-        keep = runner.deferred.keep_features or (prefix is not None and prefix.keep_features)
+        drafter_rows = runner.deferred.keep_features and any(s.drafting for s in seqs)
+        block_rows = prefix is not None and prefix.keep_features
+        block = runner.pools.block_size
         launching = True
         launched = done = 0
         while True:
@@ -108,7 +118,8 @@ class OverlappedDecode:
                 if on_cuda:
                     ready = torch.cuda.Event()
                     ready.record()
-                features = _Features.of(out) if keep else None
+                ends_block = block_rows and any((s.num_cached + len(inflight)) % block == block - 1 for s in seqs)
+                features = _Features.of(out) if drafter_rows or ends_block else None
                 inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000, features))
                 inputs = tokens[:, None]
                 if len(inflight) < 2:

@@ -105,6 +105,15 @@ class ModelRunner:
         if rows:
             self.proposer.observe(rows)
 
+    def stop_drafting(self, seqs: list[Sequence]) -> None:
+        """These sequences' drafter state goes, with the rows it had not seen: they decode plain from
+        here (a prompt pass after a preemption starts their drafting again)."""
+        for seq in seqs:
+            if seq.drafting:
+                self.deferred.drop(seq)
+                self.proposer.release(seq)
+                seq.drafting = False
+
     def defer(self, rows: list[tuple[Sequence, int, int, int]], out, owned: bool = False) -> None:
         """Committed rows the drafter sees later (DeferredRows.add); those that piled up to the
         limit are observed now."""

@@ -122,18 +122,22 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: to
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's write strength beta = sigmoid(b) and log decay g = -exp(A_log) *
     softplus(a + dt_bias), g in float32 (in half precision -exp(A_log) can overflow; float64 stays);
-    b, a [B, T, H].
+    b, a [B, T, H]."""
+    compute = torch.promote_types(a.dtype, torch.float32)
+    return b.sigmoid(), -a_log.to(compute).exp() * F.softplus(a.to(compute) + dt_bias)
 
-    On a CPU they are computed in float64 and rounded: torch's CPU kernels take the last few
-    elements of a tensor (the tail of the vector loop) through scalar exp / softplus / sigmoid,
-    whose last bit differs from the vector path's, so in float32 a token's gates depended on where
-    it sat in the pass (its row's state then did, and a batched request's text). Rounded from
-    float64 the two paths agree (a tensor of B x T x heads elements: the cost is nothing)."""
+
+def gdn_gates_rounded(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_gates` computed in float64 and rounded, for exact numerics on a CPU: torch's CPU kernels
+    take the last few elements of a tensor (the tail of the vector loop) through scalar exp /
+    softplus / sigmoid, whose last bit differs from the vector path's, so in float32 a token's gates
+    depended on where it sat in the pass (its row's state then did, and a batched request's text).
+    Rounded from float64 the two paths agree; the tensors are B x T x heads, so it costs nothing."""
     g_dtype = torch.promote_types(a.dtype, torch.float32)
-    compute = torch.float64 if a.device.type == "cpu" else g_dtype
-    beta = b.to(compute).sigmoid().to(b.dtype) if a.device.type == "cpu" else b.sigmoid()
-    g = -a_log.to(compute).exp() * F.softplus(a.to(compute) + dt_bias.to(compute))
-    return beta, g.to(g_dtype)
+    b64, a64 = b.to(torch.float64), a.to(torch.float64)
+    g = -a_log.to(torch.float64).exp() * F.softplus(a64 + dt_bias.to(torch.float64))
+    return b64.sigmoid().to(b.dtype), g.to(g_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from verispec import log
 from verispec.config import env
 from verispec.cache.kv import KVCache, RecurrentLayerSpec
 from verispec.kernels import gated_delta_recurrent as recurrent_kernel
-from verispec.models.layers.fused import causal_conv_silu, compiled, gated_rms_norm, gdn_gates, merged_linear
+from verispec.models.layers.fused import (causal_conv_silu, compiled, gated_rms_norm, gdn_gates, gdn_gates_rounded,
+                                          merged_linear)
 from verispec.models.layers.mlp import activation
 
 L2_EPS = 1e-6  # as transformers and fla normalise q and k
@@ -296,12 +297,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(b, t, self.num_key_heads, self.key_head_dim)
         k = k.reshape(b, t, self.num_key_heads, self.key_head_dim)
         v = v.reshape(b, t, hv, self.value_head_dim)
-        beta, g = self.gates(b_in, a_in, self.A_log, self.dt_bias)  # [B, T, Hv]; g float32
+        exact = bool(getattr(cache, "prompt_kernel", False))  # exact numerics (engine.py)
+        gates = gdn_gates_rounded if exact and x.device.type == "cpu" else self.gates
+        beta, g = gates(b_in, a_in, self.A_log, self.dt_bias)  # [B, T, Hv]; g float32
         valid = getattr(cache, "valid_rows", None)  # [B, T]: a padded prompt pass of several sequences
         if valid is not None:  # padding neither decays nor writes the state: each row ends in its own
             beta, g = beta * valid[..., None], g * valid[..., None]
         per_position = t <= cache.max_tracked_positions
-        exact = bool(getattr(cache, "prompt_kernel", False))  # exact numerics (engine.py)
         out, states = gated_delta_rule(q, k, v, g, beta, ssm_state, per_position, exact)
         cache.set_recurrent_pending(self.layer_idx, window, states, per_position)
         out = self.norm(out, z.reshape(b, t, hv, self.value_head_dim)).reshape(b, t, self.value_dim)
