@@ -103,6 +103,15 @@ def test_a_high_acceptance_sequence_gets_more_drafts_than_a_low_one():
     assert cpu.choose([high])[0] >= 2 and cpu.choose([Seq(acceptance=trained([0.15] * 5))]) == [0]
 
 
+def test_on_a_cpu_four_sequences_at_middling_acceptance_draft_nothing():
+    """The CPU's default prices a drafting sequence's round work besides the passes: the default
+    model at 4 clients and 62% acceptance ran 0.89x plain drafting one each, at 1 client and 93%
+    1.36x (docs/benchmarks.md)."""
+    cpu = AdaptiveDrafts(AnalyticCosts.default("cpu", 0.06), max_drafts=1)
+    assert cpu.choose([Seq(acceptance=trained([0.62])) for _ in range(4)]) == [0] * 4
+    assert cpu.choose([Seq(acceptance=trained([0.93]))]) == [1]
+
+
 def test_sequences_without_drafter_state_or_tokens_left_get_none():
     policy = AdaptiveDrafts(AnalyticCosts(64, 1 / 384, 0.0), max_drafts=3)
     good = trained([1.0] * 3)

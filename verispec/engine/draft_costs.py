@@ -41,15 +41,21 @@ class AnalyticCosts:
     flat_rows: float  # rows a pass costs the same as one row (weight reads dominate)
     row_cost: float  # each row past flat_rows, in steps
     draft_fraction: float  # a chained drafter step over some rows, as a fraction of a target pass over them
+    # a drafting sequence's share of a round's work outside the passes' arithmetic (the drafter
+    # observing its rows, its verification and bookkeeping), in steps
+    round_cost: float = 0.0
 
     @classmethod
     def default(cls, device_type: str, draft_fraction: float) -> "AnalyticCosts":
         if device_type == "cuda":
             # the Qwen3-8B shape on the H200: a 4-token verify pass costs 1.04-1.05 decode steps up
             # to 8 sequences (32 rows), 1.55 at 64 sequences (256 rows vs 64): ~1/384 step a row past 64
+            # (a round's host work is the draft gate's to weigh there: engine/draft_gate.py)
             return cls(flat_rows=64, row_cost=1 / 384, draft_fraction=draft_fraction)
-        # a CPU: one step's fixed overhead (Python, per-layer dispatch) about that of 4 rows of compute
-        return cls(flat_rows=0, row_cost=1 / 4, draft_fraction=draft_fraction)
+        # a CPU: one step's fixed overhead (Python, per-layer dispatch) about that of 4 rows of compute,
+        # and ~0.2 step of other work per drafting sequence: the default model's passes timed on the
+        # 2-core machine fit the rows' prices, yet its rounds ran ~8 ms a sequence longer (docs/benchmarks.md)
+        return cls(flat_rows=0, row_cost=1 / 4, draft_fraction=draft_fraction, round_cost=0.2)
 
     def _pass(self, rows: int) -> float:
         return 1.0 + self.row_cost * max(0.0, rows - self.flat_rows)
@@ -58,11 +64,14 @@ class AnalyticCosts:
         return self._pass(batch * width)
 
     def draft(self, batch: int, drafts: int) -> float:
-        return self.draft_fraction * drafts * self._pass(batch) if batch and drafts else 0.0
+        if not batch or not drafts:
+            return 0.0
+        return self.draft_fraction * drafts * self._pass(batch) + self.round_cost * batch
 
     def describe(self) -> str:
+        rounds = f"; +{self.round_cost:g} a drafting sequence" if self.round_cost else ""
         return (f"analytic: a pass costs one step to {self.flat_rows:g} rows, +{self.row_cost:.4g} a row past; "
-                f"a drafter step {self.draft_fraction:g} of a pass")
+                f"a drafter step {self.draft_fraction:g} of a pass{rounds}")
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:

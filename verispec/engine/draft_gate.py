@@ -18,8 +18,8 @@ is noticed:
 A kind's rate is the median of its latest WINDOW measurements, and a trial measures its kind afresh
 (its older measurements dropped): a moving average kept a server's first speculative rounds, slow
 with first replays, and a few recheck rounds every RECHECK steps did not outweigh them. The first speculative round after plain steps is not
-counted: it carries the drafter's catch-up over the rows it did not see, a cost of switching that a
-stretch of speculation pays once.
+counted unless nothing else is: it carries the drafter's catch-up over the rows it did not see, a
+cost of switching that a stretch of speculation pays once.
 """
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ class _Bucket:
 
     @property
     def speculation_wins(self) -> bool:
+        """Unmeasured counts as winning: where the cost model has not drafted yet, it decides."""
         spec, plain = self.spec, self.plain
-        return plain is None or (spec is not None and spec >= plain)
+        return plain is None or spec is None or spec >= plain
 
 
 class ThroughputGate:
@@ -114,7 +115,7 @@ class ThroughputGate:
         if drafted:
             b.spec_rounds += 1
             b.spec_trial = max(0, b.spec_trial - 1)
-            if not b.after_plain:
+            if not b.after_plain or not b.spec_rates:  # (a catch-up round beats no measurement)
                 b.spec_rates.append(rate)
             b.after_plain = False
             if winning_before:
