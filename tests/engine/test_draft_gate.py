@@ -63,7 +63,7 @@ def test_slow_first_rounds_do_not_shut_speculation_that_pays():
 
 def test_a_recheck_measures_speculation_afresh():
     """Speculation measured slow once (a text nothing was accepted on) opens at the next recheck
-    once it pays, and the recheck's first round (the drafter catching up) is not counted."""
+    once it pays; the recheck's slow first round (the drafter catching up) does not decide it."""
     gate = ThroughputGate()
     measure(gate, 2, spec_rate=20.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS + 10)
     assert not gate.allows(2)

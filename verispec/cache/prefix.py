@@ -204,7 +204,7 @@ class PrefixCache:
             hashes = seq.full_block_hashes(full)
             for j in range(seq.num_registered, full):
                 block = seq.block_table[j]
-                if self.blocks.register(block, hashes[j]) and self.keep_features and features_at is not None:
+                if self.blocks.register(block, hashes[j]) and self.keep_features:
                     row = (j + 1) * size - 1 - start
                     if row >= 0:
                         self._features[block] = features_at(row)

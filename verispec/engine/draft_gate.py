@@ -17,9 +17,10 @@ is noticed:
 
 A kind's rate is the median of its latest WINDOW measurements, and a trial measures its kind afresh
 (its older measurements dropped): a moving average kept a server's first speculative rounds, slow
-with first replays, and a few recheck rounds every RECHECK steps did not outweigh them. The first speculative round after plain steps is not
-counted unless nothing else is: it carries the drafter's catch-up over the rows it did not see, a
-cost of switching that a stretch of speculation pays once.
+with first replays, and a few recheck rounds every RECHECK steps did not outweigh them. The first
+speculative round after plain steps carries the drafter's catch-up over the rows it did not see, a
+cost of switching that a stretch of speculation pays once: it is not counted where the kind has
+other measurements (a recheck, which starts with none, counts it as one of its rounds' median).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 MIN_SPEC = 8  # speculative rounds in a bucket before plain steps are tried there
 TRIAL_STEPS = 16  # plain steps a trial runs (overlapped: several steps make one measurement)
-TRIAL_ROUNDS = 6  # speculative rounds a recheck runs (the first is not counted)
+TRIAL_ROUNDS = 6  # speculative rounds a recheck runs (their median outweighs its catch-up round)
 RECHECK = 256  # rounds or steps of the winning kind between trials of the other
 WINDOW = 16  # measurements a kind's rate is the median of
 

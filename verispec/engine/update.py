@@ -119,7 +119,7 @@ class StepUpdate:
         # target's 2.3 s) is no part of the time to first token
         for seq, chunk in emitted:
             self.emit(seq, chunk)
-        self.runner.observe([(seq, step) for seq, step in observed if not seq.finished])  # (a finished one's state is gone)
+        self.runner.observe([(seq, step) for seq, step in observed if not seq.finished])  # a finished one's went
 
     @torch.inference_mode()
     def choose(self, logits: torch.Tensor, seq: Sequence) -> int:

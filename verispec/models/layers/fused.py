@@ -134,10 +134,8 @@ def gdn_gates_rounded(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_
     softplus / sigmoid, whose last bit differs from the vector path's, so in float32 a token's gates
     depended on where it sat in the pass (its row's state then did, and a batched request's text).
     Rounded from float64 the two paths agree; the tensors are B x T x heads, so it costs nothing."""
-    g_dtype = torch.promote_types(a.dtype, torch.float32)
-    b64, a64 = b.to(torch.float64), a.to(torch.float64)
-    g = -a_log.to(torch.float64).exp() * F.softplus(a64 + dt_bias.to(torch.float64))
-    return b64.sigmoid().to(b.dtype), g.to(g_dtype)
+    beta, g = gdn_gates(b.to(torch.float64), a.to(torch.float64), a_log, dt_bias)
+    return beta.to(b.dtype), g.to(torch.promote_types(a.dtype, torch.float32))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
