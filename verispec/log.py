@@ -21,6 +21,10 @@ def setup_logging() -> None:
     _logger.setLevel(logging.DEBUG if env().debug else logging.INFO)
 
 
+def debug_enabled() -> bool:
+    return env().debug
+
+
 def debug(msg: str, *args) -> None:
     """Log under VERISPEC_DEBUG=1 only (fallbacks, per-request stats)."""
     if env().debug:

@@ -81,6 +81,49 @@ def test_a_recheck_measures_speculation_afresh():
     assert all(choices[-20:])
 
 
+def test_a_rate_is_tokens_over_time_not_a_typical_round():
+    """One sequence: most speculative rounds keep one token, one in three keeps all five (1,000
+    tok/s over time against plain's 800). The median round (one token, 500 tok/s) would shut the
+    gate; tokens over time keep it open. A stall (a compile) is left out rather than averaged in."""
+    gate = ThroughputGate()
+    for i in range(60):
+        if gate.allows(1):
+            tokens = 5 if i % 3 == 0 else 1
+            gate.record(1, True, tokens=tokens, seconds=2.0 if i == 4 else 0.002)
+        else:
+            gate.record(1, False, tokens=16, seconds=16 / 800, steps=16)
+    assert gate.as_dict()[1]["plain_tok_s"] is not None
+    assert gate.as_dict()[1]["speculates"] is True and gate.allows(1)
+    assert 900 < gate.as_dict()[1]["speculative_tok_s"] < 1400  # ~7/3 tokens a 2 ms round; the stall left out
+
+
+def test_one_round_does_not_settle_a_bucket():
+    """A batch growing into a bucket may run plain rounds there first (the cost model drafted
+    nothing yet): one slow speculative round after them leaves the choice to the cost model."""
+    gate = ThroughputGate()
+    gate.record(32, False, tokens=32, seconds=0.002)
+    gate.record(32, True, tokens=32, seconds=0.05)
+    assert gate.allows(32) and gate.plain_steps(32) is None
+    for _ in range(draft_gate.MIN_MEASURED):
+        gate.record(32, True, tokens=32, seconds=0.05)
+    assert not gate.allows(32)
+
+
+def test_a_recheck_where_nothing_drafts_keeps_the_gate_shut():
+    """At a recheck the batch's sequences may all rest their drafters: the round drafts nothing,
+    so it measured nothing; the gate keeps its rates and stays shut for another RECHECK steps
+    instead of waiting, open, for a speculative round that never comes."""
+    gate = ThroughputGate()
+    measure(gate, 64, spec_rate=50.0, plain_rate=400.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS)
+    before = gate.as_dict()[64]
+    assert before["speculates"] is False
+    gate.record(64, False, tokens=64 * draft_gate.RECHECK, seconds=1.0, steps=draft_gate.RECHECK)
+    assert gate.allows(64)  # the recheck
+    gate.record(64, False, tokens=64, seconds=64 / (400 * 64))  # nothing drafted
+    assert not gate.allows(64) and gate.plain_steps(64) >= draft_gate.RECHECK - 1
+    assert gate.as_dict()[64]["speculative_tok_s"] == before["speculative_tok_s"]
+
+
 def test_buckets_are_measured_apart():
     gate = ThroughputGate()
     measure(gate, 32, spec_rate=50.0, plain_rate=200.0, rounds=60)

@@ -209,3 +209,20 @@ def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, 
     # the next request starts drafting (its prompt observed), then rests with its batch
     engine.generate_all(prompts[0], GREEDY)
     assert proposer.observed_calls > prompt_passes and proposer.propose_calls == 0
+
+
+def test_the_prewarm_leaves_the_draft_gate_unmeasured(target, tmp_path):
+    """The prewarm's rounds run cold (first replays, compiles): the gate forgets them, so a server's
+    first measurements are its own speed (they had kept one sequence from speculating where it paid)."""
+    from verispec.engine import warmup
+
+    ids = warmup.prewarm_prompt(target.tokenizer)
+    plain = {tuple(ids): target.generate_all(ids, SamplingParams(max_tokens=4 * K, temperature=0.0, ignore_eos=True)).token_ids}
+    proposer = eagle3(target, tmp_path)().setup(plain, target.model.vocab_size)
+    engine = spec(target, proposer, None, draft_schedule=None, overlap_decode=True)
+    recorded = []
+    record = engine.draft_policy.gate.record
+    engine.draft_policy.gate.record = lambda *a, **k: (recorded.append(a), record(*a, **k))[1]
+    warmup.prewarm(engine)
+    assert recorded, "the prewarm decoded no round: nothing to forget"
+    assert engine.draft_policy.gate.buckets == {}

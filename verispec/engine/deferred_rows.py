@@ -67,7 +67,7 @@ class DeferredRows:
             batch_rows = [b for _, b, _, _ in rows]
             device = out.hidden.device
             # every row, in order: a plain copy
-            index = None if batch_rows == list(range(out.hidden.shape[0])) else _device_index(batch_rows, device)
+            index = None if batch_rows == list(range(out.hidden.shape[0])) else device_index(batch_rows, device)
 
             def gather(x: torch.Tensor) -> torch.Tensor:  # [B, W, H] -> [Z, width, H], a copy
                 if index is None:
@@ -135,7 +135,7 @@ def _gather(pendings: list[_Pending]) -> _Rows | None:
             wanted.extend(range(first, first + n))
         index.extend(wanted + wanted[-1:] * (width - len(wanted)))
     ordered = [rows for rows, _ in passes.values()]
-    where = _device_index(index, ordered[0].hidden.device)
+    where = device_index(index, ordered[0].hidden.device)
 
     def select(part) -> torch.Tensor:  # one kind of every pass -> [Z, width, ...]
         whole = torch.cat([part(rows).flatten(0, 1) for rows in ordered])
@@ -145,7 +145,7 @@ def _gather(pendings: list[_Pending]) -> _Rows | None:
                  select(lambda r: r.pre_norm) if ordered[0].pre_norm is not None else None)
 
 
-def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     """An index tensor on `device`. On CUDA from pinned memory without blocking: a blocking copy
     would wait for the step the overlapped loop queued behind this one, and so lose the overlap."""
     if device.type == "cuda":

@@ -15,12 +15,16 @@ is noticed:
 - speculation measured slower: plain steps, with TRIAL_ROUNDS speculative rounds every RECHECK steps;
 - plain measured slower: speculation, with a plain trial every RECHECK rounds.
 
-A kind's rate is the median of its latest WINDOW measurements, and a trial measures its kind afresh
-(its older measurements dropped): a moving average kept a server's first speculative rounds, slow
-with first replays, and a few recheck rounds every RECHECK steps did not outweigh them. The first
+A kind's rate is its latest WINDOW measurements' tokens over their time (a ratio of sums: a
+speculative round makes 1 to k+1 tokens a sequence, and the median of per-round rates, mostly
+one-token rounds, read a batch of one that sped up 1.2x as 0.85x), leaving out stalls (a
+measurement over STALL times the median time a step: a compile, a server's first replays). A kind
+counts as measured from MIN_MEASURED measurements on; until both are, the cost model decides, so
+one round never settles a bucket. A trial measures its kind afresh; a recheck in which nothing
+drafted (its sequences rest their drafters) measured nothing and keeps the old rates. The first
 speculative round after plain steps carries the drafter's catch-up over the rows it did not see, a
 cost of switching that a stretch of speculation pays once: it is not counted where the kind has
-other measurements (a recheck, which starts with none, counts it as one of its rounds' median).
+other measurements.
 """
 from __future__ import annotations
 
@@ -28,11 +32,15 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from verispec import log
+
 MIN_SPEC = 8  # speculative rounds in a bucket before plain steps are tried there
 TRIAL_STEPS = 16  # plain steps a trial runs (overlapped: several steps make one measurement)
-TRIAL_ROUNDS = 6  # speculative rounds a recheck runs (their median outweighs its catch-up round)
+TRIAL_ROUNDS = 8  # speculative rounds a recheck runs
+MIN_MEASURED = 4  # speculative rounds before that kind counts as measured (plain steps: one run)
 RECHECK = 256  # rounds or steps of the winning kind between trials of the other
-WINDOW = 16  # measurements a kind's rate is the median of
+WINDOW = 32  # measurements a kind's rate is computed over
+STALL = 4.0  # a measurement slower a step than this many times the window's median is left out
 
 
 def bucket(batch: int) -> int:
@@ -40,10 +48,21 @@ def bucket(batch: int) -> int:
     return max(1, batch).bit_length()
 
 
+def rate(window) -> float | None:
+    """Tokens per second per sequence over (tokens a sequence, seconds, steps) measurements, stalls
+    left out."""
+    if not window:
+        return None
+    typical = statistics.median(seconds / steps for _, seconds, steps in window)
+    kept = [(tokens, seconds) for tokens, seconds, steps in window if seconds / steps <= STALL * typical]
+    return sum(t for t, _ in kept) / sum(s for _, s in kept)
+
+
 @dataclass
 class _Bucket:
-    spec_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # tokens/s/sequence
+    spec_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (tokens/seq, seconds, steps)
     plain_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    stale_spec: list = field(default_factory=list)  # a recheck's predecessors, back if it measured nothing
     spec_rounds: int = 0
     since: int = 0  # rounds (or steps) of the winning kind since the other was last tried
     plain_trial: int = 0  # plain steps still to run in a trial
@@ -52,22 +71,33 @@ class _Bucket:
 
     @property
     def spec(self) -> float | None:
-        return statistics.median(self.spec_rates) if self.spec_rates else None
+        return rate(self.spec_rates)
 
     @property
     def plain(self) -> float | None:
-        return statistics.median(self.plain_rates) if self.plain_rates else None
+        return rate(self.plain_rates)
 
     @property
     def speculation_wins(self) -> bool:
-        """Unmeasured counts as winning: where the cost model has not drafted yet, it decides."""
-        spec, plain = self.spec, self.plain
-        return plain is None or spec is None or spec >= plain
+        """Unmeasured counts as winning: where the cost model has not drafted enough yet, it decides."""
+        if len(self.spec_rates) < MIN_MEASURED or not self.plain_rates:
+            return True
+        return self.spec >= self.plain
 
 
 class ThroughputGate:
     def __init__(self):
         self.buckets: dict[int, _Bucket] = {}
+
+    def forget(self) -> None:
+        """Drop every measurement: the prewarm's rounds ran cold (first replays, compiles) and are
+        not this server's speed (they kept a batch of one from speculating where it won 1.2x)."""
+        self.buckets.clear()
+
+    def measuring(self, batch: int) -> bool:
+        """Whether speculative rounds at this batch size are being measured for a decision now."""
+        b = self._at(batch)
+        return b.spec_trial > 0 or (not b.plain_rates and b.spec_rounds < MIN_SPEC)
 
     def _at(self, batch: int) -> _Bucket:
         return self.buckets.setdefault(bucket(batch), _Bucket())
@@ -86,12 +116,17 @@ class ThroughputGate:
             return True
         if b.speculation_wins:
             if b.since >= RECHECK:
+                log.debug("draft gate, batch %d: plain trial (speculative %.0f vs plain %.0f tok/s a sequence)",
+                          batch, b.spec or 0.0, b.plain or 0.0)
                 b.since, b.plain_trial = 0, TRIAL_STEPS
                 b.plain_rates.clear()  # the trial measures plain steps afresh
                 return False
             return True
         if b.since >= RECHECK:
+            log.debug("draft gate, batch %d: speculative recheck (speculative %.0f vs plain %.0f tok/s a sequence)",
+                      batch, b.spec or 0.0, b.plain or 0.0)
             b.since, b.spec_trial = 0, TRIAL_ROUNDS
+            b.stale_spec = list(b.spec_rates)
             b.spec_rates.clear()
             return True
         return False
@@ -111,22 +146,28 @@ class ThroughputGate:
         if seconds <= 0 or batch <= 0:
             return
         b = self._at(batch)
-        rate = tokens / seconds / batch
+        measurement = (tokens / batch, seconds, steps)
         winning_before = b.speculation_wins
         if drafted:
             b.spec_rounds += 1
             b.spec_trial = max(0, b.spec_trial - 1)
             if not b.after_plain or not b.spec_rates:  # (a catch-up round beats no measurement)
-                b.spec_rates.append(rate)
+                b.spec_rates.append(measurement)
             b.after_plain = False
             if winning_before:
                 b.since += 1
         else:
-            b.plain_rates.append(rate)
+            if b.spec_trial > 0 and not b.spec_rates:  # a recheck where nothing drafted: it measured nothing
+                b.spec_trial = 0
+                b.spec_rates.extend(b.stale_spec)
+            b.plain_rates.append(measurement)
             b.after_plain = True
             b.plain_trial = max(0, b.plain_trial - steps)
             if not winning_before:
                 b.since += steps
+        if b.speculation_wins != winning_before:
+            log.debug("draft gate, batch %d: %s (speculative %.0f vs plain %.0f tok/s a sequence)", batch,
+                      "speculates" if b.speculation_wins else "plain steps", b.spec or 0.0, b.plain or 0.0)
 
     def as_dict(self) -> dict:
         """/metrics and the logs: per bucket's smallest batch size, the measured rates and the choice."""

@@ -57,6 +57,7 @@ from verispec.sampling.sampler import TokenHistory, make_generator
 from verispec.spec.proposer import Proposer
 
 WORKER_IDLE_S = 0.5
+SLOW_STEP_S = 0.2  # a step longer than this is logged under VERISPEC_DEBUG=1 with what it held
 _live_workers: set[threading.Thread] = set()
 
 
@@ -386,8 +387,12 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             log.exception("engine step failed; failing its %d sequences", len(plan.prefills) + len(plan.decodes))
             self.update.fail([s for s, _ in plan.prefills] + plan.decodes, exc)
             return
+        seconds = time.perf_counter() - start
         if self.pacer is not None and plan.prefill_groups:
-            self.pacer.observe(sum(n for _, n in plan.prefills), time.perf_counter() - start)
+            self.pacer.observe(sum(n for _, n in plan.prefills), seconds)
+        if seconds > SLOW_STEP_S:  # a stall a client sees (a compile, a long prompt): what the step held
+            log.debug("slow step %.2fs: prompt chunks %s, %d decoding", seconds,
+                      [[n for _, n in group] for group in plan.prefill_groups], len(plan.decodes))
 
     def _run(self, plan: StepPlan) -> None:
         for group in plan.prefill_groups:
@@ -407,8 +412,13 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             if not steps:
                 self._round(decodes, counts)
             if gate is not None:  # what it weighs: this server's speculative rounds against its plain steps
-                gate.record(len(decodes), any(counts), sum(s.num_tokens for s in decodes) - before,
-                            time.perf_counter() - start, max(steps, 1))
+                measuring = not steps and gate.measuring(len(decodes))
+                tokens, seconds = sum(s.num_tokens for s in decodes) - before, time.perf_counter() - start
+                gate.record(len(decodes), any(counts), tokens, seconds, max(steps, 1))
+                if measuring and self.round_timings:
+                    log.debug("draft gate, batch %d: measured round of %d drafts, %d tokens in %.2f ms (draft+inputs,"
+                              " launch, device, host after: %s ms)", len(decodes), sum(counts), tokens,
+                              seconds * 1000, ", ".join(f"{t:.2f}" for t in self.round_timings[-1][2:]))
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler

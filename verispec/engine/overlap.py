@@ -25,7 +25,6 @@ from typing import Callable
 
 import torch
 
-from verispec.engine.prefix_rows import features_at
 from verispec.engine.runner import ModelRunner
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
@@ -157,11 +156,13 @@ class OverlappedDecode:
         one-token round that drafted nothing does). Returns whether a sequence finished."""
         finished = False
         deferred, chunks = [], []
+        kept = self.update.kept_rows(features, [s.num_cached for s in seqs], [1] * len(seqs)) \
+            if features is not None else None
         for b, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.finished:
                 continue  # finished at an earlier step: this row was computed in flight, and is dropped
             position = seq.num_cached
-            row_features = (lambda i, b=b: features_at(features, b, i)) if features is not None else None
+            row_features = (lambda i, b=b: kept.at(b, i)) if kept is not None else None
             chunks.append((seq, self.update.commit(seq, [], 0, token, None, row_features)))
             if seq.drafting:
                 deferred.append((seq, b, position, 1))

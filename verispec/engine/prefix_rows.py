@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from verispec.cache.prefix import TargetFeatures
+from verispec.engine.deferred_rows import device_index
 from verispec.spec.proposer import TargetStep
 
 
@@ -14,6 +15,43 @@ def features_at(out, b: int, i: int) -> TargetFeatures:
     are reused by the next replay)."""
     return TargetFeatures(out.hidden[b, i].clone(), [a[b, i].clone() for a in out.aux],
                           out.pre_norm[b, i].clone() if out.pre_norm is not None else None)
+
+
+class KeptRows:
+    """The target's outputs at the rows of one pass the prefix cache keeps (each block's last
+    position among row b's `counts[b]` rows from position `starts[b]`), copied together when one is
+    first asked for: one gather per tensor, the parts packed side by side, then one copy per row that
+    owns its memory (a view would keep the pass's whole copy alive while any of its blocks stays
+    cached). Copying each part of each row alone cost a block end at 64 sequences ~5 ms of host
+    time, which the overlapped loop's steps then waited for."""
+
+    def __init__(self, out, starts: list[int], counts: list[int], block_size: int):
+        self.out = out
+        self.rows = [(b, i) for b, (start, n) in enumerate(zip(starts, counts))
+                     for i in range((block_size - 1 - start) % block_size, n, block_size)]
+        self._kept: dict[tuple[int, int], TargetFeatures] | None = None
+
+    def at(self, b: int, i: int) -> TargetFeatures:
+        if self._kept is None:
+            self._kept = _copy_rows(self.out, self.rows)
+        kept = self._kept.get((b, i))
+        return kept if kept is not None else features_at(self.out, b, i)
+
+
+def _copy_rows(out, rows: list[tuple[int, int]]) -> dict[tuple[int, int], TargetFeatures]:
+    parts = [out.hidden, *out.aux] + ([out.pre_norm] if out.pre_norm is not None else [])
+    if not rows or len({p.dtype for p in parts}) > 1:  # (packing needs one dtype)
+        return {r: features_at(out, *r) for r in rows}
+    device = out.hidden.device
+    bs, ts = device_index([b for b, _ in rows], device), device_index([i for _, i in rows], device)
+    packed = torch.cat([p[bs, ts] for p in parts], dim=-1)  # [R, H + sum of aux widths (+ H)]
+    widths, n_aux = [p.shape[-1] for p in parts], len(out.aux)
+    kept = {}
+    for row, values in zip(rows, packed.unbind(0)):
+        pieces = values.clone().split(widths)
+        kept[row] = TargetFeatures(pieces[0], list(pieces[1:1 + n_aux]),
+                                   pieces[1 + n_aux] if out.pre_norm is not None else None)
+    return kept
 
 
 def prepend_row(step: TargetStep, token: int, features: TargetFeatures) -> TargetStep:

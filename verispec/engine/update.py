@@ -16,7 +16,7 @@ import torch
 from verispec import log
 from verispec.cache.prefix import PrefixCache
 from verispec.engine import constrained
-from verispec.engine.prefix_rows import features_at, prepend_row
+from verispec.engine.prefix_rows import KeptRows, prepend_row
 from verispec.engine.prompt_logprobs import score_chunk
 from verispec.engine.runner import ModelRunner, PassOutput
 from verispec.engine.scheduler import Scheduler
@@ -79,18 +79,23 @@ class StepUpdate:
                 seq.sink(exc)
         self.runner.apply(self.scheduler.take_cache_ops())
 
+    def kept_rows(self, out, starts: list[int], counts: list[int]) -> KeptRows | None:
+        """The rows of a pass the prefix cache keeps for a drafter, copied when first asked for."""
+        return KeptRows(out, starts, counts, self.prefix.block_size) if self.prefix is not None else None
+
     # ---- after a prompt chunk's pass ---------------------------------------------------------------
     def prefilled(self, group: list[tuple[Sequence, int]], starts: list[int], out: PassOutput) -> None:
         """Each sequence commits its chunk (a scoring one first scores its rows' next prompt tokens);
         one whose prompt is done gets its first token chosen and emitted (or, asked for none, ends);
         a drafting sequence's proposer observes the chunk's rows."""
         observed, emitted = [], []
+        kept = self.kept_rows(out, starts, [n for _, n in group])
         for b, (seq, n) in enumerate(group):
             start = starts[b]
             seq.num_cached += n
             end = start + n
             if self.prefix is not None:
-                self.prefix.on_commit(seq, start, lambda i, b=b: features_at(out, b, i))
+                self.prefix.on_commit(seq, start, lambda i, b=b: kept.at(b, i))
             if out.all_rows is not None and b in out.all_rows:
                 score_chunk(seq, start, out.all_rows[b], self.runner.logits)
             if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
@@ -152,12 +157,13 @@ class StepUpdate:
         out.cache.commit([accepted + 1 for accepted, _ in results])
         observed, deferred, chunks = [], [], []
         deferring = self.runner.deferred
+        kept = self.kept_rows(out, [seq.num_cached for seq in seqs], [accepted + 1 for accepted, _ in results])
         for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
             n = accepted + 1
             position = seq.num_cached
             chunks.append(self.commit(seq, draft.token_ids, accepted, token,
                                       out.logits[b, :n] if seq.params.logprobs else None,
-                                      lambda i, b=b: features_at(out, b, i)))
+                                      lambda i, b=b: kept.at(b, i)))
             if not seq.drafting:
                 continue
             # also after the last token: the drafter's state stays the committed one; a sequence

@@ -34,7 +34,27 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
         return None
     # a library's variable, set for the libraries (not one of ours: config.EnvSettings reads those)
     os.environ.setdefault("TRITON_CACHE_DIR", triton_cache_dir(device.index or 0))
+    log_triton_compiles()
     return os.environ["TRITON_CACHE_DIR"]
+
+
+def log_triton_compiles() -> None:
+    """Under VERISPEC_DEBUG=1, one line per Triton kernel built or read from the disk cache, with
+    its specialisation: a first request that stalls shows which shape it compiled."""
+    if not log.debug_enabled():
+        return
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - Triton ships with CUDA torch
+        return
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        total_ms = times.total / 1000
+        attrs = getattr(src, "attrs", None)
+        log.debug("triton: %s %s in %.0f ms%s", getattr(src, "name", "?"), "read" if cache_hit else "compiled",
+                  total_ms, f" ({str(attrs)[:160]})" if attrs else "")
+
+    knobs.compilation.listener = listener
 
 
 def graphs_possible(device: torch.device, enabled: bool) -> bool:
@@ -69,6 +89,10 @@ def capture_graphs(engine) -> float:
     return seconds
 
 
+def prewarm_prompt(tokenizer) -> list[int]:
+    return (tokenizer.encode("def hello(world):\n    return world + 1\n\n" * 12) or [0])[:PREWARM_PROMPT_TOKENS]
+
+
 def prewarm(engine) -> float:
     t0 = time.perf_counter()
     graphs_s = engine.capture_graphs()
@@ -76,13 +100,15 @@ def prewarm(engine) -> float:
     # a prompt of ~100 tokens and a few speculative rounds: the compiled small ops specialise on
     # one-token shapes, so a one-token warm-up would leave the first real prefill to compile its
     # multi-token variants (measured: ~1.8 s added to the first request's TTFT)
-    ids = (engine.tokenizer.encode("def hello(world):\n    return world + 1\n\n" * 12) or [0])[:PREWARM_PROMPT_TOKENS]
-    engine.generate_all(ids, SamplingParams(max_tokens=2 * (engine.num_drafts + 1) + 1, temperature=0.0,
-                                            ignore_eos=True))
+    engine.generate_all(prewarm_prompt(engine.tokenizer), SamplingParams(
+        max_tokens=2 * (engine.num_drafts + 1) + 1, temperature=0.0, ignore_eos=True))
     t2 = time.perf_counter()
     if engine.device.type == "cuda":
         warm_prompt_lengths(engine)
     t3 = time.perf_counter()
+    gate = getattr(engine.draft_policy, "gate", None)
+    if gate is not None:
+        gate.forget()
     # where a start-up's minutes go (an empty Triton cache compiles kernels in each phase); phases that
     # did not run on this device are left out rather than shown as 0.0s
     phases = ([f"CUDA graphs {graphs_s:.1f}s"] if engine.use_graphs else []) + [f"first generation {t2 - t1:.1f}s"]
