@@ -97,16 +97,30 @@ def test_a_rate_is_tokens_over_time_not_a_typical_round():
     assert 900 < gate.as_dict()[1]["speculative_tok_s"] < 1400  # ~7/3 tokens a 2 ms round; the stall left out
 
 
-def test_one_round_does_not_settle_a_bucket():
-    """A batch growing into a bucket may run plain rounds there first (the cost model drafted
-    nothing yet): one slow speculative round after them leaves the choice to the cost model."""
+def test_a_bucket_is_settled_by_a_plain_trial_not_by_rounds_outside_one():
+    """A batch growing into a bucket may run plain rounds there first, not overlapped (a prompt was
+    pending). They settle nothing: speculation runs its MIN_SPEC rounds, then a plain trial
+    measures plain steps afresh (here faster: the bucket shuts)."""
     gate = ThroughputGate()
-    gate.record(32, False, tokens=32, seconds=0.002)
-    gate.record(32, True, tokens=32, seconds=0.05)
-    assert gate.allows(32) and gate.plain_steps(32) is None
-    for _ in range(draft_gate.MIN_MEASURED):
+    gate.record(32, False, tokens=32, seconds=1.0)  # slow: it would make any speculation look good
+    for _ in range(draft_gate.MIN_SPEC):
+        assert gate.allows(32) and gate.plain_steps(32) is None
         gate.record(32, True, tokens=32, seconds=0.05)
-    assert not gate.allows(32)
+    assert not gate.allows(32)  # the trial
+    gate.record(32, False, tokens=32 * draft_gate.TRIAL_STEPS, seconds=0.002 * draft_gate.TRIAL_STEPS,
+                steps=draft_gate.TRIAL_STEPS)
+    assert not gate.allows(32) and gate.plain_steps(32) > draft_gate.RECHECK // 2
+
+
+def test_a_bucket_past_one_where_plain_won_starts_shut():
+    """Speculation's gain per sequence shrinks as the batch grows: a bucket above one that measured
+    plain steps faster starts with its measurements, shut, instead of paying MIN_SPEC losing rounds;
+    a smaller bucket is measured on its own."""
+    gate = ThroughputGate()
+    measure(gate, 8, spec_rate=100.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS + 5)
+    assert not gate.allows(8)
+    assert not gate.allows(16) and not gate.allows(64) and gate.plain_steps(64) > 1
+    assert gate.allows(4)
 
 
 def test_a_recheck_where_nothing_drafts_keeps_the_gate_shut():

@@ -199,6 +199,7 @@ def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, 
     for batch in (1, 2, len(prompts)):  # speculation measured slower at every size this batch passes
         for _ in range(draft_gate.MIN_SPEC):
             gate.record(batch, True, tokens=batch, seconds=1.0)
+        assert not gate.allows(batch)  # the plain trial
         gate.record(batch, False, tokens=batch, seconds=0.01, steps=draft_gate.TRIAL_STEPS)
         assert gate.plain_steps(batch) >= engine.runner.deferred.max_rows
     results = engine.generate_batch(prompts, GREEDY)

@@ -10,8 +10,10 @@ per second per sequence, per batch-size bucket) and speculates only where its
 rounds are the faster ones, trying the other kind again now and then, so a change in load or text
 is noticed:
 
-- no measurement of plain steps yet (the policy drafted every round so far): after MIN_SPEC rounds, a
-  trial of TRIAL_STEPS plain steps;
+- a new bucket: after MIN_SPEC speculative rounds, a trial of TRIAL_STEPS plain steps (plain rounds
+  before it, not overlapped while a prompt was pending, are not plain's speed); a bucket above one
+  where plain steps won starts with that bucket's measurements instead (the gain per sequence only
+  shrinks as the batch grows);
 - speculation measured slower: plain steps, with TRIAL_ROUNDS speculative rounds every RECHECK steps;
 - plain measured slower: speculation, with a plain trial every RECHECK rounds.
 
@@ -19,8 +21,8 @@ A kind's rate is its latest WINDOW measurements' tokens over their time (a ratio
 speculative round makes 1 to k+1 tokens a sequence, and the median of per-round rates, mostly
 one-token rounds, read a batch of one that sped up 1.2x as 0.85x), leaving out stalls (a
 measurement over STALL times the median time a step: a compile, a server's first replays). A kind
-counts as measured from MIN_MEASURED measurements on; until both are, the cost model decides, so
-one round never settles a bucket. A trial measures its kind afresh; a recheck in which nothing
+counts as measured from MIN_MEASURED measurements on (plain: after its trial); until both are, the
+cost model decides, so one round never settles a bucket. A trial measures its kind afresh; a recheck in which nothing
 drafted (its sequences rest their drafters) measured nothing and keeps the old rates. The first
 speculative round after plain steps carries the drafter's catch-up over the rows it did not see, a
 cost of switching that a stretch of speculation pays once: it is not counted where the kind has
@@ -63,6 +65,7 @@ class _Bucket:
     spec_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (tokens/seq, seconds, steps)
     plain_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     stale_spec: list = field(default_factory=list)  # a recheck's predecessors, back if it measured nothing
+    plain_tried: bool = False  # a plain trial ran here (plain rounds outside one may not be overlapped)
     spec_rounds: int = 0
     since: int = 0  # rounds (or steps) of the winning kind since the other was last tried
     plain_trial: int = 0  # plain steps still to run in a trial
@@ -80,7 +83,7 @@ class _Bucket:
     @property
     def speculation_wins(self) -> bool:
         """Unmeasured counts as winning: where the cost model has not drafted enough yet, it decides."""
-        if len(self.spec_rates) < MIN_MEASURED or not self.plain_rates:
+        if len(self.spec_rates) < MIN_MEASURED or not self.plain_tried or not self.plain_rates:
             return True
         return self.spec >= self.plain
 
@@ -97,10 +100,28 @@ class ThroughputGate:
     def measuring(self, batch: int) -> bool:
         """Whether speculative rounds at this batch size are being measured for a decision now."""
         b = self._at(batch)
-        return b.spec_trial > 0 or (not b.plain_rates and b.spec_rounds < MIN_SPEC)
+        return b.spec_trial > 0 or (not b.plain_tried and b.spec_rounds < MIN_SPEC)
 
     def _at(self, batch: int) -> _Bucket:
-        return self.buckets.setdefault(bucket(batch), _Bucket())
+        key = bucket(batch)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = self._first_at(key)
+        return b
+
+    def _first_at(self, key: int) -> _Bucket:
+        """A bucket's start: where the nearest smaller measured bucket found plain steps faster, its
+        measurements (speculation's gain per sequence only shrinks as the batch grows: the same
+        acceptance, more rows to verify), so a growing batch does not pay MIN_SPEC losing rounds
+        in each bucket it passes; the recheck still tries speculation here."""
+        smaller = [k for k, b in self.buckets.items() if k < key and b.plain_tried and len(b.spec_rates) >= MIN_MEASURED]
+        if smaller:
+            near = self.buckets[max(smaller)]
+            if not near.speculation_wins:
+                return _Bucket(spec_rates=deque(near.spec_rates, maxlen=WINDOW),
+                               plain_rates=deque(near.plain_rates, maxlen=WINDOW), spec_rounds=near.spec_rounds,
+                               plain_tried=True)
+        return _Bucket()
 
     def allows(self, batch: int) -> bool:
         """Whether a round of `batch` sequences may draft (the cost model then picks the counts)."""
@@ -109,9 +130,10 @@ class ThroughputGate:
             return False
         if b.spec_trial > 0:
             return True
-        if not b.plain_rates:
+        if not b.plain_tried:
             if b.spec_rounds >= MIN_SPEC:
-                b.plain_trial = TRIAL_STEPS
+                b.plain_trial, b.plain_tried = TRIAL_STEPS, True
+                b.plain_rates.clear()  # rounds outside a trial (not overlapped: a prompt was pending) are not its speed
                 return False
             return True
         if b.speculation_wins:
