@@ -121,6 +121,10 @@ def test_a_bucket_past_one_where_plain_won_starts_shut():
     assert not gate.allows(8)
     assert not gate.allows(16) and not gate.allows(64) and gate.plain_steps(64) > 1
     assert gate.allows(4)
+    gate.record(64, False, tokens=64, seconds=64 / (300 * 64))  # its own plain steps: shut still
+    assert not gate.allows(64) and gate.as_dict()[64]["speculative_tok_s"] is None
+    choices = measure(gate, 64, spec_rate=500.0, plain_rate=300.0, rounds=draft_gate.RECHECK + 30)
+    assert not any(choices[:draft_gate.RECHECK // 2]) and all(choices[-10:])  # the recheck measured it faster
 
 
 def test_a_recheck_where_nothing_drafts_keeps_the_gate_shut():

@@ -66,6 +66,7 @@ class _Bucket:
     plain_rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     stale_spec: list = field(default_factory=list)  # a recheck's predecessors, back if it measured nothing
     plain_tried: bool = False  # a plain trial ran here (plain rounds outside one may not be overlapped)
+    shut_until_recheck: bool = False  # started shut after a smaller bucket where plain steps won
     spec_rounds: int = 0
     since: int = 0  # rounds (or steps) of the winning kind since the other was last tried
     plain_trial: int = 0  # plain steps still to run in a trial
@@ -83,6 +84,8 @@ class _Bucket:
     @property
     def speculation_wins(self) -> bool:
         """Unmeasured counts as winning: where the cost model has not drafted enough yet, it decides."""
+        if self.shut_until_recheck:
+            return False
         if len(self.spec_rates) < MIN_MEASURED or not self.plain_tried or not self.plain_rates:
             return True
         return self.spec >= self.plain
@@ -110,17 +113,14 @@ class ThroughputGate:
         return b
 
     def _first_at(self, key: int) -> _Bucket:
-        """A bucket's start: where the nearest smaller measured bucket found plain steps faster, its
-        measurements (speculation's gain per sequence only shrinks as the batch grows: the same
-        acceptance, more rows to verify), so a growing batch does not pay MIN_SPEC losing rounds
-        in each bucket it passes; the recheck still tries speculation here."""
+        """A bucket's start: shut until its first recheck where the nearest smaller measured bucket
+        found plain steps faster (speculation's gain per sequence only shrinks as the batch grows:
+        the same acceptance, more rows to verify), so a growing batch does not pay MIN_SPEC losing
+        rounds in each bucket it passes. Its rates stay its own (another batch size's are not
+        comparable with them)."""
         smaller = [k for k, b in self.buckets.items() if k < key and b.plain_tried and len(b.spec_rates) >= MIN_MEASURED]
-        if smaller:
-            near = self.buckets[max(smaller)]
-            if not near.speculation_wins:
-                return _Bucket(spec_rates=deque(near.spec_rates, maxlen=WINDOW),
-                               plain_rates=deque(near.plain_rates, maxlen=WINDOW), spec_rounds=near.spec_rounds,
-                               plain_tried=True)
+        if smaller and not self.buckets[max(smaller)].speculation_wins:
+            return _Bucket(plain_tried=True, shut_until_recheck=True)
         return _Bucket()
 
     def allows(self, batch: int) -> bool:
@@ -147,7 +147,7 @@ class ThroughputGate:
         if b.since >= RECHECK:
             log.debug("draft gate, batch %d: speculative recheck (speculative %.0f vs plain %.0f tok/s a sequence)",
                       batch, b.spec or 0.0, b.plain or 0.0)
-            b.since, b.spec_trial = 0, TRIAL_ROUNDS
+            b.since, b.spec_trial, b.shut_until_recheck = 0, TRIAL_ROUNDS, False
             b.stale_spec = list(b.spec_rates)
             b.spec_rates.clear()
             return True
@@ -182,6 +182,7 @@ class ThroughputGate:
             if b.spec_trial > 0 and not b.spec_rates:  # a recheck where nothing drafted: it measured nothing
                 b.spec_trial = 0
                 b.spec_rates.extend(b.stale_spec)
+                b.shut_until_recheck = not b.spec_rates  # (a bucket that started shut stays so)
             b.plain_rates.append(measurement)
             b.after_plain = True
             b.plain_trial = max(0, b.plain_trial - steps)
