@@ -12,7 +12,7 @@ is noticed:
 
 - a new bucket: after MIN_SPEC speculative rounds, a trial of TRIAL_STEPS plain steps (plain rounds
   before it, not overlapped while a prompt was pending, are not plain's speed); a bucket above one
-  where plain steps won starts with that bucket's measurements instead (the gain per sequence only
+  where plain steps won starts shut instead, until its first recheck (the gain per sequence only
   shrinks as the batch grows);
 - speculation measured slower: plain steps, with TRIAL_ROUNDS speculative rounds every RECHECK steps;
 - plain measured slower: speculation, with a plain trial every RECHECK rounds.
@@ -22,8 +22,10 @@ speculative round makes 1 to k+1 tokens a sequence, and the median of per-round 
 one-token rounds, read a batch of one that sped up 1.2x as 0.85x), leaving out stalls (a
 measurement over STALL times the median time a step: a compile, a server's first replays). A kind
 counts as measured from MIN_MEASURED measurements on (plain: after its trial); until both are, the
-cost model decides, so one round never settles a bucket. A trial measures its kind afresh; a recheck in which nothing
-drafted (its sequences rest their drafters) measured nothing and keeps the old rates. The first
+cost model decides, so one round never settles a bucket. A trial measures its kind afresh; a
+recheck in which nothing drafted (its sequences rest their drafters) measured nothing and keeps the
+old rates. Rounds are timed from the step's planning on: the scheduler and the draft choice cost
+every speculative round, but an overlapped run of plain steps once. The first
 speculative round after plain steps carries the drafter's catch-up over the rows it did not see, a
 cost of switching that a stretch of speculation pays once: it is not counted where the kind has
 other measurements.
@@ -118,7 +120,8 @@ class ThroughputGate:
         the same acceptance, more rows to verify), so a growing batch does not pay MIN_SPEC losing
         rounds in each bucket it passes. Its rates stay its own (another batch size's are not
         comparable with them)."""
-        smaller = [k for k, b in self.buckets.items() if k < key and b.plain_tried and len(b.spec_rates) >= MIN_MEASURED]
+        smaller = [k for k, b in self.buckets.items()
+                   if k < key and b.plain_tried and len(b.spec_rates) >= MIN_MEASURED]
         if smaller and not self.buckets[max(smaller)].speculation_wins:
             return _Bucket(plain_tried=True, shut_until_recheck=True)
         return _Bucket()

@@ -372,11 +372,11 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         """Finish cancelled sequences; the scheduler plans, the runner executes, the update applies.
         A failing step fails its sequences (their clients get the error), frees their blocks, and
         the engine goes on."""
-        planned = time.perf_counter()
         self._drain_inbox()
         self._finish_cancelled()
         if self._costs_pending:
             self.measure_draft_costs()
+        planned = time.perf_counter()
         plan = self.scheduler.schedule(self.draft_policy.choose)
         self.runner.apply(plan.cache_ops)
         if plan.empty:
