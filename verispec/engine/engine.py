@@ -417,7 +417,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             if not steps:
                 self._round(decodes, counts)
             if gate is not None:  # what it weighs: this server's speculative rounds against its plain steps
-                measuring = not steps and gate.measuring(len(decodes))
+                measuring = log.debug_enabled() and not steps and gate.measuring(len(decodes))
                 tokens, seconds = sum(s.num_tokens for s in decodes) - before, time.perf_counter() - start
                 gate.record(len(decodes), any(counts), tokens, seconds, max(steps, 1))
                 if measuring and self.round_timings:

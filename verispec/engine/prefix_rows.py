@@ -26,14 +26,15 @@ class KeptRows:
     time, which the overlapped loop's steps then waited for."""
 
     def __init__(self, out, starts: list[int], counts: list[int], block_size: int):
-        self.out = out
-        self.rows = [(b, i) for b, (start, n) in enumerate(zip(starts, counts))
-                     for i in range((block_size - 1 - start) % block_size, n, block_size)]
+        self.out, self.starts, self.counts, self.block_size = out, starts, counts, block_size
         self._kept: dict[tuple[int, int], TargetFeatures] | None = None
 
     def at(self, b: int, i: int) -> TargetFeatures:
-        if self._kept is None:
-            self._kept = _copy_rows(self.out, self.rows)
+        if self._kept is None:  # (most passes end no block: nothing is asked for, nothing computed)
+            size = self.block_size
+            rows = [(b, i) for b, (start, n) in enumerate(zip(self.starts, self.counts))
+                    for i in range((size - 1 - start) % size, n, size)]
+            self._kept = _copy_rows(self.out, rows)
         kept = self._kept.get((b, i))
         return kept if kept is not None else features_at(self.out, b, i)
 

@@ -25,7 +25,8 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
     differs between a first start (inductor compiles early) and a later one (its graphs come from
     its cache): on the H200 a second start recompiled 109 kernels the first had compiled, because
     it looked in the other directory. Returns the directory
-    (None off CUDA or without inductor)."""
+    (None off CUDA or without inductor). Also where Triton's compiles start being logged under
+    VERISPEC_DEBUG=1 (`log_triton_compiles`): before anything compiles, like the directory."""
     if device.type != "cuda":
         return None
     try:
