@@ -368,10 +368,12 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                 "idle_blocks": self.blocks.num_cached_idle, "evictions": self.blocks.num_evictions,
                 "snapshots": self.prefix.num_snapshots}
     # ---- one step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> None:
         """Finish cancelled sequences; the scheduler plans, the runner executes, the update applies.
         A failing step fails its sequences (their clients get the error), frees their blocks, and
-        the engine goes on."""
+        the engine goes on. All of it in inference mode: tensors made inside it and outside it
+        differ to torch.compile, whose functions would otherwise compile again for each kind."""
         self._drain_inbox()
         self._finish_cancelled()
         if self._costs_pending:
@@ -383,7 +385,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             return
         start = time.perf_counter()
         try:
-            self._run(plan, planned)
+            prefill_s, rounds = self._run(plan, planned)
         except Exception as exc:  # noqa: BLE001 - handed to each affected request
             log.exception("engine step failed; failing its %d sequences", len(plan.prefills) + len(plan.decodes))
             self.update.fail([s for s, _ in plan.prefills] + plan.decodes, exc)
@@ -391,39 +393,47 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         seconds = time.perf_counter() - start
         if self.pacer is not None and plan.prefill_groups:
             self.pacer.observe(sum(n for _, n in plan.prefills), seconds)
-        if seconds > SLOW_STEP_S:  # a stall a client sees (a compile, a long prompt): what the step held
-            log.debug("slow step %.2fs: prompt chunks %s, %d decoding", seconds,
-                      [[n for _, n in group] for group in plan.prefill_groups], len(plan.decodes))
+        # a stall a client sees (a compile, a long prompt): the prompt passes and the longest a decoding
+        # sequence waited for a token (an overlapped run of many rounds is no stall)
+        if prefill_s + (seconds - prefill_s) / max(rounds, 1) > SLOW_STEP_S:
+            log.debug("slow step %.2fs: prompt chunks %s (%.2fs), %d decoding (%d rounds)", seconds,
+                      [[n for _, n in group] for group in plan.prefill_groups], prefill_s, len(plan.decodes),
+                      rounds)
 
-    def _run(self, plan: StepPlan, planned: float) -> None:
+    def _run(self, plan: StepPlan, planned: float) -> tuple[float, int]:
+        """The plan's prompt passes, then its decode rounds. Returns the prompt passes' seconds and
+        the number of decode rounds run."""
         prefill_start = time.perf_counter()
         for group in plan.prefill_groups:
             self._prefill(group)
+        prefill_s = time.perf_counter() - prefill_start
         decodes = [s for s in plan.decodes if not s.finished]
-        if decodes:
-            counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
-            gate = getattr(self.draft_policy, "gate", None)  # the adaptive choice's, where one runs
-            if gate is not None:
-                # timed from the step's planning on (the scheduler and the draft choice cost a
-                # speculative round every round, an overlapped run once), its prompt passes left out
-                start = planned + (time.perf_counter() - prefill_start)
-                before = sum(s.num_tokens for s in decodes)
-            steps = 0
-            if self.overlap.eligible(decodes, counts):
-                # the policy chose this round; the rounds after it that run unchosen are accounted to it
-                steps = self.overlap.run(decodes, 1 + self.draft_policy.plain_rounds(decodes))
-                if steps:
-                    self.draft_policy.skip(decodes, steps - 1)
-            if not steps:
-                self._round(decodes, counts)
-            if gate is not None:  # what it weighs: this server's speculative rounds against its plain steps
-                measuring = log.debug_enabled() and not steps and gate.measuring(len(decodes))
-                tokens, seconds = sum(s.num_tokens for s in decodes) - before, time.perf_counter() - start
-                gate.record(len(decodes), any(counts), tokens, seconds, max(steps, 1))
-                if measuring and self.round_timings:
-                    log.debug("draft gate, batch %d: measured round of %d drafts, %d tokens in %.2f ms (draft+inputs,"
-                              " launch, device, host after: %s ms)", len(decodes), sum(counts), tokens,
-                              seconds * 1000, ", ".join(f"{t:.2f}" for t in self.round_timings[-1][2:]))
+        if not decodes:
+            return prefill_s, 0
+        counts = [k for s, k in zip(plan.decodes, plan.drafts) if not s.finished]
+        gate = getattr(self.draft_policy, "gate", None)  # the adaptive choice's, where one runs
+        if gate is not None:
+            # timed from the step's planning on (the scheduler and the draft choice cost a
+            # speculative round every round, an overlapped run once), its prompt passes left out
+            start = planned + (time.perf_counter() - prefill_start)
+            before = sum(s.num_tokens for s in decodes)
+        steps = 0
+        if self.overlap.eligible(decodes, counts):
+            # the policy chose this round; the rounds after it that run unchosen are accounted to it
+            steps = self.overlap.run(decodes, 1 + self.draft_policy.plain_rounds(decodes))
+            if steps:
+                self.draft_policy.skip(decodes, steps - 1)
+        if not steps:
+            self._round(decodes, counts)
+        if gate is not None:  # what it weighs: this server's speculative rounds against its plain steps
+            measuring = log.debug_enabled() and not steps and gate.measuring(len(decodes))
+            tokens, seconds = sum(s.num_tokens for s in decodes) - before, time.perf_counter() - start
+            gate.record(len(decodes), any(counts), tokens, seconds, max(steps, 1))
+            if measuring and self.round_timings:
+                log.debug("draft gate, batch %d: measured round of %d drafts, %d tokens in %.2f ms (draft+inputs,"
+                          " launch, device, host after: %s ms)", len(decodes), sum(counts), tokens,
+                          seconds * 1000, ", ".join(f"{t:.2f}" for t in self.round_timings[-1][2:]))
+        return prefill_s, max(steps, 1)
 
     def _finish_cancelled(self) -> None:
         s = self.scheduler

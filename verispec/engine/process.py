@@ -77,6 +77,19 @@ class EngineInfo:
     device_name: str | None = None  # the GPU's name (asked here, so the server never starts CUDA)
 
 
+def _local_model_dir(model: str | None) -> Path | None:
+    """Where `model` is without downloading it (None where only a download would find it, or nowhere:
+    the child then says why)."""
+    from verispec.loading.resolve import resolve_model
+
+    if model is None:
+        return None
+    try:
+        return resolve_model(model, allow_download=False)
+    except Exception:  # noqa: BLE001 - the child resolves it again and reports what is wrong
+        return None
+
+
 # ---- the child ------------------------------------------------------------------------------------
 # What the parent may call on the child's engine (EngineProcess._call), by name.
 _CALLS: dict[str, Callable] = {"load_stats": lambda engine: engine.load_stats(),
@@ -204,6 +217,14 @@ class EngineProcess(ServedEngine):
         t0 = time.perf_counter()
         self._process.start()
         child_conn.close()
+        # the server's own tokenizer is built while the child loads (a GGUF's takes seconds), from
+        # the checkpoint the child will find: a local one (the child alone downloads)
+        early_dir, early = _local_model_dir(config.model), None
+        if early_dir is not None:
+            try:
+                early = Tokenizer.from_dir(early_dir)
+            except Exception:  # noqa: BLE001 - the child meets it too, and its error is the one raised
+                early_dir = None
         info = self._wait_ready()
         self.config, self.model_name, self.model_dir = info.config, info.model_name, Path(info.model_dir)
         self.limits, self.method, self.num_drafts = info.limits, info.method, info.num_drafts
@@ -211,7 +232,7 @@ class EngineProcess(ServedEngine):
         self._drafts, self.budget = info.drafts, info.budget
         self.device, self.dtype = torch.device(info.device), getattr(torch, info.dtype)
         self.device_name = info.device_name
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = early if early_dir == self.model_dir else Tokenizer.from_dir(self.model_dir)
         self.tokenizer.eos_token_ids = list(info.eos_token_ids)  # the engine's (generation config's too)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         # grammar checks before a request starts (server/prepare.py); the child compiles its own

@@ -26,7 +26,7 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
     its cache): on the H200 a second start recompiled 109 kernels the first had compiled, because
     it looked in the other directory. Returns the directory
     (None off CUDA or without inductor). Also where Triton's compiles start being logged under
-    VERISPEC_DEBUG=1 (`log_triton_compiles`): before anything compiles, like the directory."""
+    VERISPEC_DEBUG=1 (`log_compiles`): before anything compiles, like the directory."""
     if device.type != "cuda":
         return None
     try:
@@ -35,15 +35,17 @@ def pin_triton_cache_dir(device: torch.device) -> str | None:
         return None
     # a library's variable, set for the libraries (not one of ours: config.EnvSettings reads those)
     os.environ.setdefault("TRITON_CACHE_DIR", triton_cache_dir(device.index or 0))
-    log_triton_compiles()
+    log_compiles()
     return os.environ["TRITON_CACHE_DIR"]
 
 
-def log_triton_compiles() -> None:
+def log_compiles() -> None:
     """Under VERISPEC_DEBUG=1, one line per Triton kernel built or read from the disk cache, with
-    its specialisation: a first request that stalls shows which shape it compiled."""
+    its specialisation, and torch.compile's recompiles with the guard that failed: a first request
+    that stalls shows which shape it compiled."""
     if not log.debug_enabled():
         return
+    torch._logging.set_logs(recompiles=True)
     try:
         from triton import knobs
     except ImportError:  # pragma: no cover - Triton ships with CUDA torch

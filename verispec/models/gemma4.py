@@ -40,7 +40,7 @@ from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.errors import UnsupportedModelError
 from verispec.models.base import ForwardOutput, HFLayoutLM
 from verispec.models.layers.attention import AttentionInputs, attend, attend_cached
-from verispec.models.layers.fused import compiled, merged_linear
+from verispec.models.layers.fused import compiled, compiled_rows, merged_linear
 from verispec.models.layers.mlp import GatedMLP, activation
 from verispec.models.layers.moe import FusedExperts
 from verispec.models.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_pair
@@ -213,7 +213,7 @@ class Gemma4RMSNorm(nn.Module):
         self.impl = gemma_rms_norm
 
     def fuse(self) -> None:
-        self.impl = compiled(gemma_rms_norm)
+        self.impl = compiled_rows(gemma_rms_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         return self.impl(x, self.weight, self.eps)

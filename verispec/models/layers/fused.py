@@ -187,6 +187,27 @@ class ConcatLinear(torch.nn.Module):
 
 
 @functools.cache
+def compiled_rows(fn):
+    """`compiled(fn)` for a function of rows (each output row reads its own input row, over the last
+    dimension): x and every tensor argument shaped like it are flattened to [rows, last] first.
+    Why: torch.compile specialises each dimension on being 1 or not, so [B, T, D] inputs compiled
+    up to four variants, and the first request to meet an uncompiled one (a drafter's first batch of
+    several sequences) stalled every client 0.3-1 s; flattened, rows = 1 and rows > 1 remain, and
+    prewarm meets both."""
+    fused = compiled(fn)
+
+    def call(x: torch.Tensor, *args):
+        lead = x.shape[:-1]
+        if len(lead) == 1 or any(isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[:-1] != lead for a in args):
+            return fused(x, *args)
+        flat = [a.reshape(-1, a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() > 1 else a for a in args]
+        out = fused(x.reshape(-1, x.shape[-1]), *flat)
+        return out.reshape(*lead, out.shape[-1])
+
+    return call
+
+
+@functools.cache
 def compiled(fn):
     """The fused (compiled) version of one of the functions above; built once per function.
     dynamic=True: one compilation serves every shape (hidden vs per-head norms, 1..k+1 tokens,

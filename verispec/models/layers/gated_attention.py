@@ -11,7 +11,7 @@ from torch import nn
 
 from verispec.cache.kv import LayerCacheSpec
 from verispec.models.layers.attention import AttentionInputs, attend
-from verispec.models.layers.fused import compiled, fast_prepare_qk, merged_linear, prepare_qk, sigmoid_gate
+from verispec.models.layers.fused import compiled_rows, fast_prepare_qk, merged_linear, prepare_qk, sigmoid_gate
 from verispec.models.layers.norm import RMSNorm
 
 
@@ -46,7 +46,7 @@ class GatedAttention(nn.Module):
 
     def fuse(self) -> None:
         self.prepare_qk = fast_prepare_qk
-        self.gate = compiled(sigmoid_gate)
+        self.gate = compiled_rows(sigmoid_gate)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 inputs: AttentionInputs) -> torch.Tensor:  # x: [B, T, H]; cos/sin: [B, T, rotary_dim]

@@ -24,8 +24,8 @@ from verispec import log
 from verispec.config import env
 from verispec.cache.kv import KVCache, RecurrentLayerSpec
 from verispec.kernels import gated_delta_recurrent as recurrent_kernel
-from verispec.models.layers.fused import (causal_conv_silu, compiled, gated_rms_norm, gdn_gates, gdn_gates_rounded,
-                                          merged_linear)
+from verispec.models.layers.fused import (causal_conv_silu, compiled, compiled_rows, gated_rms_norm, gdn_gates,
+                                          gdn_gates_rounded, merged_linear)
 from verispec.models.layers.mlp import activation
 
 L2_EPS = 1e-6  # as transformers and fla normalise q and k
@@ -225,7 +225,7 @@ class GatedRMSNorm(nn.Module):
         self.impl = gated_rms_norm
 
     def fuse(self) -> None:
-        self.impl = compiled(gated_rms_norm)
+        self.impl = compiled_rows(gated_rms_norm)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # x, gate: [..., dim]
         return self.impl(x, gate, self.weight, self.eps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.models.layers.fused import compiled, rms_norm
+from verispec.models.layers.fused import compiled_rows, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
 
     def fuse(self) -> None:
         """Use the compiled (single-kernel) version: CUDA decode paths."""
-        self.impl = compiled(rms_norm)
+        self.impl = compiled_rows(rms_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
         return self.impl(x, self.weight, self.eps, self.unit_offset)
