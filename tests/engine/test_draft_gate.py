@@ -142,6 +142,21 @@ def test_a_recheck_where_nothing_drafts_keeps_the_gate_shut():
     assert gate.as_dict()[64]["speculative_tok_s"] == before["speculative_tok_s"]
 
 
+def test_shut_says_where_new_sequences_start_without_their_drafters():
+    gate = ThroughputGate()
+    assert not gate.shut(8)  # unmeasured: the cost model decides, drafters start
+    measure(gate, 8, spec_rate=100.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS)
+    assert gate.shut(8) and gate.shut(12)  # the same bucket
+    assert gate.shut(32)  # a larger batch starts shut after a smaller one where plain won
+    assert not gate.shut(2)  # a smaller one is unmeasured
+    # a recheck under way measures speculation: sequences joining it draft
+    for _ in range(2 * draft_gate.RECHECK):
+        if gate.allows(8):
+            break
+        gate.record(8, False, tokens=80, seconds=0.4)
+    assert gate.allows(8) and not gate.shut(8)
+
+
 def test_buckets_are_measured_apart():
     gate = ThroughputGate()
     measure(gate, 32, spec_rate=50.0, plain_rate=200.0, rounds=60)

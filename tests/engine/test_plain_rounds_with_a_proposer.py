@@ -188,7 +188,8 @@ def test_adaptive_choice_with_overlap_measures_both_kinds_of_round_and_keeps_the
 def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, tmp_path):
     """Where the draft gate will not open for longer than a drafter's unseen rows are kept, the batch's
     sequences stop drafting (engine.py `_rest_drafters`): no catch-up passes, no rows copied for the
-    drafter, the output plain greedy's. A request arriving later starts with a drafter again."""
+    drafter, the output plain greedy's. A request arriving later where the gate is still shut starts
+    without its drafter (no pass over its prompt); one arriving where it is open starts with one."""
     from verispec.engine import draft_gate
 
     prompts = [target.tokenizer.encode(t) for t in TEXTS]
@@ -207,9 +208,14 @@ def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, 
     prompt_passes = proposer.observed_calls
     assert proposer.propose_calls == 0 and proposer.decode_observes == 0  # no catch-up pass: 40 rows > 32
     assert len(engine.runner.deferred) == 0 and engine.blocks.num_used == 0
-    # the next request starts drafting (its prompt observed), then rests with its batch
+    # a later request alone: batch 1 is shut too, so its drafter never starts
     engine.generate_all(prompts[0], GREEDY)
-    assert proposer.observed_calls > prompt_passes and proposer.propose_calls == 0
+    assert proposer.observed_calls == prompt_passes and proposer.propose_calls == 0
+    # with batch 1 measured afresh (unmeasured: the cost model decides), the next one drafts again
+    del gate.buckets[draft_gate.bucket(1)]
+    result = engine.generate_all(prompts[0], GREEDY)
+    assert result.token_ids == plain[tuple(prompts[0])]
+    assert proposer.observed_calls > prompt_passes and proposer.propose_calls > 0
 
 
 def test_the_prewarm_leaves_the_draft_gate_unmeasured(target, tmp_path):

@@ -156,6 +156,14 @@ class ThroughputGate:
             return True
         return False
 
+    def shut(self, batch: int) -> bool:
+        """Whether rounds of `batch` sequences are settled on plain steps (measured, or started shut
+        after a smaller batch size where plain won; no trial of speculation under way): a sequence
+        joining them starts without its drafter, whose pass over its prompt every client would wait
+        for, for drafts the gate would not let it make."""
+        b = self._at(batch)
+        return b.plain_tried and not b.speculation_wins and b.spec_trial == 0
+
     def plain_steps(self, batch: int) -> int | None:
         """Plain steps to run before the gate may open again (None: it may open next round)."""
         b = self._at(batch)

@@ -58,6 +58,7 @@ class Sequence:
         self.prefix_hit = None
         self.decode_snapshot: bytes | None = None
         self.drafting = False  # the engine's proposer holds state for it (started, not yet released)
+        self.plain_only = False  # started where the draft gate had speculation shut: it never drafts
         # the adaptive draft choice's view of it (engine/draft_policy.py): its running acceptance
         # (engine/acceptance.AcceptanceEstimate, made at its first round) and rounds since it last drafted
         self.acceptance = None
