@@ -6,6 +6,7 @@ A bad flag or model path prints one readable line on stderr and exits non-zero.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import socket
 import sys
@@ -433,9 +434,6 @@ def use_engine_process(flag: bool | None, device: str | None) -> bool:
 
 
 def cmd_serve(args) -> int:
-    from verispec.engine.engine import Engine
-    from verispec.server.app import run_server
-
     if args.max_request_bytes < 1:
         raise VerispecError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     check_api_keys(args.api_key)
@@ -455,9 +453,14 @@ def cmd_serve(args) -> int:
     if use_engine_process(args.engine_process, config.device):
         from verispec.engine.process import EngineProcess
 
-        engine = EngineProcess(config)
+        # started before the server's own imports, which then run while the child loads
+        engine = EngineProcess(config, while_loading=lambda: importlib.import_module("verispec.server.app"))
     else:
+        from verispec.engine.engine import Engine
+
         engine = Engine.load(config)
+    from verispec.server.app import run_server
+
     run_server(engine, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=served, prewarm=not args.no_prewarm, max_request_bytes=args.max_request_bytes,
                allowed_hosts=allowed_hosts, cors_origins=cors_origins)

@@ -220,7 +220,7 @@ def test_serve_default_engine_process_by_device(tiny_model_dir, monkeypatch, fla
     built = []
 
     class FakeProcess:
-        def __init__(self, config):
+        def __init__(self, config, while_loading=None):
             built.append("process")
             raise RuntimeError("stop here")  # the real one would spawn a child
 

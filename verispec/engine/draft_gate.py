@@ -160,8 +160,9 @@ class ThroughputGate:
         """Whether rounds of `batch` sequences are settled on plain steps (measured, or started shut
         after a smaller batch size where plain won; no trial of speculation under way): a sequence
         joining them starts without its drafter, whose pass over its prompt every client would wait
-        for, for drafts the gate would not let it make."""
-        b = self._at(batch)
+        for, for drafts the gate would not let it make. (Asking creates no bucket.)"""
+        key = bucket(batch)
+        b = self.buckets.get(key) or self._first_at(key)
         return b.plain_tried and not b.speculation_wins and b.spec_trial == 0
 
     def plain_steps(self, batch: int) -> int | None:

@@ -204,7 +204,8 @@ class AdaptiveDrafts(DraftPolicy):
                 self.overall.update(k, a)
 
     def describe(self) -> str:
-        return f"up to {self.max_drafts} drafts per sequence, chosen per round by cost ({self.costs.describe()})"
+        drafts = "1 draft" if self.max_drafts == 1 else f"{self.max_drafts} drafts"
+        return f"up to {drafts} per sequence, chosen per round by cost ({self.costs.describe()})"
 
 
 def _while_at_least(gains: list[float], floor: float):

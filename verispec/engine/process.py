@@ -206,7 +206,9 @@ class EngineProcess(ServedEngine):
     load_stats, prewarm, shutdown, close; and the public attributes describe() reads (config, cache
     budget, method, device; the draft policy's description as the child last sent it)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, while_loading: Callable[[], object] | None = None):
+        """Starts the child and returns once its engine is ready; `while_loading` is work of the
+        caller's (the server's imports) done meanwhile, as is the server's tokenizer."""
         from verispec.grammar.constraint import GrammarCompiler
         from verispec.loading.tokenizer import Tokenizer
 
@@ -217,6 +219,10 @@ class EngineProcess(ServedEngine):
         t0 = time.perf_counter()
         self._process.start()
         child_conn.close()
+        # the child's phases count from its own start (log.process_age_s): this is where they begin
+        log.info("start-up: the engine process started (%.1fs since this process started)", log.process_age_s())
+        if while_loading is not None:
+            while_loading()
         # the server's own tokenizer is built while the child loads (a GGUF's takes seconds), from
         # the checkpoint the child will find: a local one (the child alone downloads)
         early_dir, early = _local_model_dir(config.model), None

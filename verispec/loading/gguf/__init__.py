@@ -55,11 +55,11 @@ def find_gguf(directory: Path) -> Path | None:
 
 def _reader(path: Path):
     try:
-        from gguf import GGUFReader
+        from verispec.loading.gguf.reader import LeanReader
     except ImportError as exc:
         raise VerispecError("reading GGUF files needs the `gguf` package: pip install gguf") from exc
     try:
-        return GGUFReader(str(path))
+        return LeanReader(str(path))
     except Exception as exc:  # the reader raises ValueError/struct errors on damaged files
         raise VerispecError(f"could not read GGUF file {path}: {exc}") from exc
 
@@ -68,7 +68,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = _reader(self.path)
-        # the vocabulary arrays are large and transformers reads them itself (tokenizer.py)
+        # the vocabulary arrays are large (reader.py passes over them) and transformers reads them itself
         values = {name: _field_value(name, field) for name, field in self.reader.fields.items()
                   if name not in VOCABULARY_ARRAYS}
         self.meta = Metadata(values, str(self.path))
