@@ -194,13 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_quantize_parser(sub) -> None:
-    from verispec.quant.convert import OUTPUT_FORMATS
+# quant/convert.py's OUTPUT_FORMATS (tests/unit/test_cli_flags.py keeps them equal), named here so that
+# building the parser imports no model code: `serve` starts its engine process sooner
+QUANTIZE_FORMATS = ("mlx-4bit", "mlx-8bit", "mlx-3bit", "mlx-6bit", "fp8", "nvfp4")
 
+
+def _add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize",
                        help="write a quantized copy of a checkpoint (MLX affine, or compressed-tensors FP8 / NVFP4)")
     q.add_argument("-m", "--model", required=True, help="the float checkpoint: local directory or hub id")
-    q.add_argument("--format", required=True, help=f"output format: {' | '.join(OUTPUT_FORMATS)}")
+    q.add_argument("--format", required=True, help=f"output format: {' | '.join(QUANTIZE_FORMATS)}")
     q.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
     q.add_argument("--group-size", type=int, default=None,
                    help="MLX formats: columns per scale/bias group, 32, 64 or 128 (default 64, as mlx-lm)")

@@ -91,3 +91,24 @@ def test_cpu_prewarm_names_no_cuda_phase_and_the_start_up_phases_are_logged(qwen
     phases = [r.getMessage() for r in logs.records if "prewarm phases" in r.getMessage()]
     assert phases and "first generation" in phases[0]
     assert "CUDA graphs" not in phases[0] and "prompt lengths" not in phases[0]
+
+
+def test_the_quantize_formats_the_parser_names_are_the_converters():
+    from verispec.cli import QUANTIZE_FORMATS
+    from verispec.quant.convert import OUTPUT_FORMATS
+
+    assert QUANTIZE_FORMATS == tuple(OUTPUT_FORMATS)
+
+
+def test_checking_the_serve_flags_imports_no_model_code():
+    """`serve` checks its flags and starts its engine process before any model code is imported
+    (torch.compile's machinery alone took 2-3 s of that)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from verispec import cli; from verispec.config import EngineConfig; "
+            "from verispec.engine.options import check_options; "
+            "check_options(EngineConfig(model='x', device='cpu', eagle3='verispec/drafters/smollm2-eagle3')); "
+            "print(sorted(m for m in ('verispec.models.base', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

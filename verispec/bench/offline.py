@@ -28,7 +28,8 @@ from verispec.engine import warmup
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import parse_device, parse_dtype, prepare_for_device, resolve_numerics
+from verispec.loading.device import parse_device, parse_dtype
+from verispec.loading.model_loader import prepare_for_device, resolve_numerics
 
 WARMUP_TOKENS = 16  # a warm-up generation: enough rounds to touch every kernel shape
 

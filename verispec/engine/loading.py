@@ -13,31 +13,10 @@ from verispec.config import EngineConfig
 from verispec.engine import warmup
 from verispec.engine.proposers import build_proposer
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import (load_model, parse_device, parse_dtype, prepare_for_device, read_config,
-                                           resolve_numerics)
+from verispec.loading.device import parse_device, parse_dtype
+from verispec.loading.model_loader import load_model, prepare_for_device, read_config, resolve_numerics
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
-
-
-def check_proposer_options(config: EngineConfig) -> None:
-    if config.num_draft_tokens is not None and config.num_draft_tokens < 1:
-        raise VerispecError(f"--num-draft-tokens must be >= 1, got {config.num_draft_tokens}")
-    from verispec.engine.proposers import model_free_options
-
-    model_free_options(config)  # raises on a bad combination or value
-    if config.eagle3 and not config.mtp:
-        from verispec.spec.eagle3 import eagle3_config_path
-
-        eagle3_config_path(config.eagle3)
-    if not config.mtp:
-        return
-    from verispec.spec.gemma4_assistant import check_assistant_options
-    from verispec.spec.mtp import MtpHidden
-
-    if config.eagle3:
-        raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
-    MtpHidden.parse(config.mtp_hidden)
-    check_assistant_options(config.assistant_window)
 
 
 def load_parts(config: EngineConfig) -> tuple:

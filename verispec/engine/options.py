@@ -12,7 +12,7 @@ from verispec.config import EngineConfig
 from verispec.engine.draft_schedule import DraftSchedule
 from verispec.engine.tp_group import check_tensor_parallel_options
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import parse_device, parse_dtype
+from verispec.loading.device import parse_device, parse_dtype
 
 
 NUMERICS = ("auto", "exact", "fast")
@@ -51,10 +51,29 @@ def check_kv_cache_dtype(specs: list, kv_cache_dtype: str) -> None:
                             f"(8 or more); this model's are {', '.join(map(str, dims))}: use auto or fp8")
 
 
+def check_proposer_options(config: EngineConfig) -> None:
+    if config.num_draft_tokens is not None and config.num_draft_tokens < 1:
+        raise VerispecError(f"--num-draft-tokens must be >= 1, got {config.num_draft_tokens}")
+    from verispec.engine.proposers import model_free_options
+
+    model_free_options(config)  # raises on a bad combination or value
+    if config.eagle3 and not config.mtp:
+        from verispec.spec.eagle3_files import eagle3_config_path
+
+        eagle3_config_path(config.eagle3)
+    if not config.mtp:
+        return
+    from verispec.spec.gemma4_assistant import check_assistant_options
+    from verispec.spec.mtp import MtpHidden
+
+    if config.eagle3:
+        raise VerispecError("--mtp and --eagle3 are two proposers; use one of them")
+    MtpHidden.parse(config.mtp_hidden)
+    check_assistant_options(config.assistant_window)
+
+
 def check_options(config: EngineConfig) -> None:
     """Every flag that needs no model: numbers, device, dtype, draft schedule, proposer options."""
-    from verispec.engine.loading import check_proposer_options
-
     check_limits(config)
     check_tensor_parallel_options(config)
     device = parse_device(config.device)

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verispec import log
 from verispec.config import EngineConfig
 from verispec.loading.tokenizer import Tokenizer
-from verispec.models.base import CausalLM
 from verispec.errors import VerispecError
 from verispec.spec.composite import LongestDraft, Member
 from verispec.spec.proposer import Proposer
 from verispec.spec.suffix import NgramOptions, NgramProposer, SuffixOptions, SuffixProposer
+
+if TYPE_CHECKING:  # the models' code is imported by the loaders, not by the flag checks that use this module
+    from verispec.models.base import CausalLM
 
 DEFAULT_EAGLE3_BLOCK = 2  # drafts per round: the seed system's measured sweet spot
 DEFAULT_MTP_DRAFTS = 1  # a Qwen MTP head: one draft + the bonus token (mlx-lm's "depth-2" loop)

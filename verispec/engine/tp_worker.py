@@ -21,7 +21,8 @@ from verispec.engine import tp_group
 from verispec.engine.tp_peers import CacheOps, Commit, CopyState, Forward, Logits, Pools, Stop
 from verispec.engine.scheduler import ClearState, CopyBlock, RestoreState, ZeroBlocks
 from verispec.engine.loading import load_rank_share
-from verispec.loading.model_loader import parse_dtype, prepare_for_device, resolve_numerics
+from verispec.loading.device import parse_dtype
+from verispec.loading.model_loader import prepare_for_device, resolve_numerics
 
 
 def run(config: EngineConfig, rank: int, source) -> None:

@@ -17,32 +17,6 @@ from verispec.models.layers.parallel import Shard
 from verispec.models.sharding import check_shardable, shard_model
 from verispec.models.registry import model_class
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64}
-
-
-def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise VerispecError(f"--dtype '{name}' is not supported (accepted: {', '.join(DTYPES)})", param="dtype")
-    return DTYPES[name]
-
-
-def parse_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise VerispecError(f"--device '{name}' is not a valid device (accepted: cpu, cuda, cuda:N, mps)") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise VerispecError("--device cuda was asked for but CUDA is not available on this machine")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise VerispecError("--device mps was asked for but MPS is not available on this machine")
-    return device
-
-
 def read_config(model_dir: Path) -> dict:
     """config.json of a checkpoint directory, or the config built from a GGUF file's metadata."""
     if is_gguf(model_dir):

@@ -29,6 +29,7 @@ from verispec.models.layers.rotary import RotaryEmbedding
 from verispec.models.llama import Attention, DecoderSettings
 from verispec.spec.chained import ChainedDrafter
 from verispec.spec.drafting import choose_draft
+from verispec.spec.eagle3_files import eagle3_config_path
 from verispec.spec.proposer import TargetStep
 
 SUPPORTED_LAYER_TYPES = ("llama", "qwen3")
@@ -150,15 +151,6 @@ class Eagle3Drafter(nn.Module):
     def cache_specs(self) -> list[LayerCacheSpec]:
         s = self.cfg.layer
         return [LayerCacheSpec(s.num_kv_heads, s.head_dim)]
-
-
-def eagle3_config_path(drafter_dir: str | Path) -> Path:
-    """The drafter directory's config.json; a one-line error where there is none (checked before
-    the target loads, and again when the drafter does)."""
-    where = Path(drafter_dir).expanduser()
-    if not (where / "config.json").is_file():
-        raise VerispecError(f"--eagle3 {where}: no config.json there (expected a speculators EAGLE3 directory)")
-    return where / "config.json"
 
 
 def load_eagle3(drafter_dir: str | Path, target: CausalLM,

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from verispec.errors import VerispecError
-from verispec.loading.model_loader import DTYPES, load_model, parse_device, parse_dtype
+from verispec.loading.device import DTYPES, parse_device, parse_dtype
+from verispec.loading.model_loader import load_model
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
 from verispec.spec.mtp import MtpHidden
