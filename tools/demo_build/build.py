@@ -125,7 +125,7 @@ class DemoBuild:
     def __init__(self, options: DemoOptions):
         import torch
 
-        from verispec.loading.model_loader import parse_device
+        from verispec.loading.device import parse_device
 
         if options.preset not in PRESETS:
             raise ValueError(f"--preset {options.preset!r} is not one of {', '.join(PRESETS)}")
