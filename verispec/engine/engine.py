@@ -457,15 +457,15 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
     def _start_drafters(self, group: list[tuple[Sequence, int]]) -> None:
         """Each sequence's drafter starts at its first prompt pass (again after a preemption), unless
         the batch it joins is one where the draft gate has speculation shut: there it decodes plain to
-        its end, and nobody waits for its drafter's pass over its prompt (at 64 clients of the
-        default model, about a third of the time to first token)."""
+        its end, and nobody waits for its drafter's pass over its prompt."""
         gate = getattr(self.draft_policy, "gate", None)
         joining = [seq for seq, _ in group if seq.first_scheduled is None]
         if joining and gate is not None and gate.shut(len(self.scheduler.running)):
             for seq in joining:
                 seq.plain_only = True
-            log.debug("%d sequences start without their drafters: %d decoding, where the draft gate has "
-                      "speculation shut", len(joining), len(self.scheduler.running))
+            log.debug("%d new %s without a drafter: a batch of %d, where the draft gate has speculation shut",
+                      len(joining), "sequence starts" if len(joining) == 1 else "sequences start",
+                      len(self.scheduler.running))
         for seq, _ in group:
             if not seq.drafting and not seq.plain_only:
                 self.proposer.start(seq)
