@@ -163,7 +163,7 @@ class ThroughputGate:
         for, for drafts the gate would not let it make. (Asking creates no bucket.)"""
         key = bucket(batch)
         b = self.buckets.get(key) or self._first_at(key)
-        return b.plain_tried and not b.speculation_wins and b.spec_trial == 0
+        return not b.speculation_wins and b.spec_trial == 0  # (an untried bucket counts as winning)
 
     def plain_steps(self, batch: int) -> int | None:
         """Plain steps to run before the gate may open again (None: it may open next round)."""

@@ -26,11 +26,11 @@ class LeanReader(GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
         count = self._get(orig_offs + 4, np.uint64)
-        items = orig_offs + 12
-        size = self._items_size(items, GGUFValueType(int(raw_itype[0])), int(count[0]))
+        itype, items = GGUFValueType(int(raw_itype[0])), orig_offs + 12
+        size = self._items_size(items, itype, int(count[0]))
         if size is None:
             return super()._get_field_parts(orig_offs, raw_type)
-        return items + size - orig_offs, [raw_itype, count], [], [GGUFValueType.ARRAY, GGUFValueType(int(raw_itype[0]))]
+        return items + size - orig_offs, [raw_itype, count], [], [GGUFValueType.ARRAY, itype]
 
     def _items_size(self, offs: int, itype: GGUFValueType, count: int) -> int | None:
         """Bytes of `count` items of `itype` from offs; None where the library should parse them
