@@ -20,6 +20,7 @@ class EnvSettings:
     hf_offline: bool = False
     eagle3_profile: bool = False  # VERISPEC_EAGLE3_PROFILE: per-round draft vs verify milliseconds
     use_fla: bool = True  # VERISPEC_FLA=0: Gated DeltaNet on CUDA uses the torch path, not fla's kernels
+    p2p_all_reduce: bool = True  # VERISPEC_P2P_ALL_REDUCE=0: a split model's small all-reduces use NCCL too
     omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` and `generate` leave the thread count
     cache_dir: str | None = None  # VERISPEC_CACHE_DIR: what verispec derives once and reuses (GGUF tokenizers)
 
@@ -35,6 +36,7 @@ class EnvSettings:
             hf_offline=_env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"),
             eagle3_profile=_env_flag("VERISPEC_EAGLE3_PROFILE"),
             use_fla=_env_flag("VERISPEC_FLA", default=True),
+            p2p_all_reduce=_env_flag("VERISPEC_P2P_ALL_REDUCE", default=True),
             omp_num_threads=env.get("OMP_NUM_THREADS") or None,
             cache_dir=env.get("VERISPEC_CACHE_DIR") or None,
         )

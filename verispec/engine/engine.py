@@ -28,6 +28,7 @@ import torch
 
 from verispec import log
 from verispec.cache.prefix import PrefixCache
+from verispec.cache.kv import RecurrentLayerSpec
 from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
 from verispec.engine import constrained, cpu_threads, warmup
@@ -105,8 +106,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         # called with describe_drafts() when it changes (the engine process tells its parent)
         self.on_drafts_changed: Callable[[str], None] | None = None
         warmup.pin_triton_cache_dir(self.device)  # before anything compiles (see there)
-        # the collectives of a tensor-parallel pass are not captured in graphs yet
-        self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs) and peers is None
+        hybrid = any(isinstance(spec, RecurrentLayerSpec) for spec in model.cache_specs())
+        self.use_graphs = warmup.graphs_possible(self.device, config.cuda_graphs, split_hybrid=hybrid and peers is not None)
         self._setup_cache()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Condition()

@@ -200,14 +200,22 @@ class ModelRunner:
             self.peers.forward(input_ids, cache, capture)
             return self.model(input_ids, cache.positions, cache, capture)
 
+    @property
+    def tensor_group(self):
+        """The process group of a tensor-parallel model's collectives (None for a whole model)."""
+        return self.peers.group.shard.group if self.peers is not None else None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] in float32 (float64 stays float64), padding rows masked."""
         if self.peers is None:
-            logits = self.model.logits(hidden)
-        else:
-            with self.peers.collective():
-                self.peers.logits(hidden)
-                logits = self.model.logits(hidden)
+            return self.head(hidden)
+        with self.peers.collective():
+            self.peers.logits(hidden)
+            return self.head(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits on this rank, whose peers (if any) already make the same call (a CUDA graph's)."""
+        logits = self.model.logits(hidden)
         if logits.dtype != torch.float64:
             logits = logits.float()
         if self.num_real_tokens < logits.shape[-1]:

@@ -3,14 +3,12 @@
 One process per rank: rank 0 is the engine's own process, the other ranks are worker processes
 (engine/tp_worker.py) started here with the same interpreter, `tensor_parallel_size / nnodes` of
 them on each machine. They meet through torch.distributed's env rendezvous (MASTER_ADDR,
-MASTER_PORT, RANK, WORLD_SIZE) and make two groups: NCCL (CUDA) or gloo (CPU) for the model's
-tensors, and a gloo group for rank 0's step messages, which waits without a deadline (an idle
-server sends none for hours).
+MASTER_PORT, RANK, WORLD_SIZE) in one process group, NCCL (CUDA) or gloo (CPU), for the model's
+tensors; rank 0's step messages go on connections of their own (engine/tp_channel.py).
 """
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import pickle
 import socket
@@ -24,13 +22,14 @@ import torch
 import torch.distributed as dist
 
 from verispec import log
-from verispec.config import EngineConfig
+from verispec.config import EngineConfig, env
+from verispec.engine.tp_channel import Hub
 from verispec.errors import VerispecError
+from verispec.kernels import p2p_all_reduce
 from verispec.models.layers.parallel import Shard
 
 # NVLink multicast (NVLS) stays off in every rank: the lent multi-GPU machines do not support it
 COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-NO_DEADLINE = datetime.timedelta(days=3650)
 
 
 def check_tensor_parallel_options(config: EngineConfig) -> None:
@@ -71,9 +70,9 @@ class Group:
     """This process's rank in a group it has joined."""
 
     shard: Shard
-    control: object  # the gloo group of rank 0's step messages
     device: torch.device
     workers: list[Worker] = field(default_factory=list)  # those this process started
+    hub: Hub | None = None  # rank 0's connections to the workers
 
     @property
     def rank(self) -> int:
@@ -99,8 +98,8 @@ def join(config: EngineConfig, rank: int) -> Group:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=config.tensor_parallel_size,
                             device_id=device if device.type == "cuda" else None)
-    control = dist.new_group(backend="gloo", timeout=NO_DEADLINE)
-    return Group(Shard(rank, config.tensor_parallel_size, dist.group.WORLD), control, device)
+    small = p2p_all_reduce.make(dist.group.WORLD, device, env().p2p_all_reduce, config.nnodes == 1)
+    return Group(Shard(rank, config.tensor_parallel_size, dist.group.WORLD, small), device)
 
 
 def start_workers(config: EngineConfig, model_dir: Path) -> list[Worker]:
@@ -138,6 +137,7 @@ def start(config: EngineConfig, model_dir: Path) -> Group:
     workers = start_workers(config, model_dir)
     try:
         group = join(config, 0)
+        group.hub = Hub.open(config.master_addr, config.tensor_parallel_size)
     except BaseException:
         stop_workers(workers)
         raise

@@ -1,16 +1,18 @@
 """Rank 0's side of tensor parallelism: it tells the other ranks what to run, step by step.
 
-Only rank 0 schedules. Each time its runner touches the model it first broadcasts the same call
-as a message (gloo, CPU tensors), so every rank makes the same collectives in the same order:
+Only rank 0 schedules. Each time its runner touches the model it first sends the same call as a
+message (engine/tp_channel.py, CPU tensors), so every rank makes the same collectives in the same order:
 - `Pools`: allocate the paged KV cache (each rank holds its own heads' blocks, same block ids);
 - `CacheOps`: the scheduler's block zeroes and copies;
 - `Forward`: one pass (token ids, positions, block tables and the pass's cache view);
 - `Logits`: the head over hidden states that follow on the tensor group (rank 0 gathers them);
 - `Commit`: the rows of the last pass each sequence keeps (recurrent layers' states, which each
   rank holds for its own heads);
+- `CaptureGraphs`, `Replay`, `GraphCommit`: on CUDA, capture the same verify-pass graphs as rank 0
+  (engine/cuda_graphs.py), replay one (its inputs come from rank 0 inside the graph), commit its rows;
 - `Stop`.
-A worker that dies makes the next collective fail (gloo: its connection closes) or is seen by the
-watch thread; either way the group is marked failed, the step's requests fail with a
+A worker that dies is seen by a watch thread (its process exits, or its connection closes), or
+makes the next collective fail; either way the group is marked failed, the step's requests fail with a
 `TensorParallelError` naming the rank, and every later call fails at once, never blocking.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +75,29 @@ class Logits:
 @dataclass(frozen=True)
 class Commit:
     num_rows: list[int]  # BatchCache.commit's argument, for the workers' last pass
+
+
+@dataclass(frozen=True)
+class CaptureGraphs:
+    """BatchGraphs' arguments, so that every rank captures the same graphs in the same order."""
+
+    max_tokens: int
+    max_batch: int
+    capture: tuple[int, ...]
+    table_width: int
+
+
+@dataclass(frozen=True)
+class Replay:
+    batch: int  # the graph's batch bucket
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class GraphCommit:
+    batch: int
+    num_tokens: int
+    num_rows: list[int]  # per real sequence, as _PaddedCommit.commit takes them
 
 
 @dataclass(frozen=True)
@@ -138,7 +164,9 @@ class Peers:
         self._lock = threading.RLock()  # one step's messages and collectives at a time (and stop after them)
         self._failure: str | None = None
         self._stopping = False
+        self._graphs: list[weakref.ref] = []  # rank 0's BatchGraphs, released before the group goes
         tp_group.watch(group.workers, self._exited)
+        group.hub.watch(self._disconnected)
 
     @property
     def world_size(self) -> int:
@@ -149,8 +177,15 @@ class Peers:
         return self._failure
 
     def _exited(self, rank: int, code: int) -> None:
+        self._lost(f"tensor-parallel rank {rank} exited (exit code {code})")
+
+    def _disconnected(self, rank: int) -> None:
+        if rank not in {w.rank for w in self.group.workers}:  # a local one's exit is named with its code
+            self._lost(f"tensor-parallel rank {rank}'s connection closed")
+
+    def _lost(self, failure: str) -> None:
         if not self._stopping and self._failure is None:
-            self._failure = f"tensor-parallel rank {rank} exited (exit code {code})"
+            self._failure = failure
             log.warning("%s; open requests fail and new ones are refused", self._failure)
             if self.group.device.type == "cuda":
                 _abort_collectives()
@@ -178,7 +213,7 @@ class Peers:
 
     def send(self, message) -> None:
         """One message to every worker (inside `collective()`)."""
-        dist.broadcast_object_list([message], src=0, group=self.group.control)
+        self.group.hub.send(message)
 
     def make_pools(self, num_blocks: int, block_size: int, num_state_slots: int, kv_cache_dtype: str = "auto") -> None:
         with self.collective():
@@ -202,15 +237,40 @@ class Peers:
         self.send(Logits(tuple(hidden.shape), hidden.dtype))
         dist.broadcast(hidden, src=0, group=self.group.shard.group)
 
+    def capture_graphs(self, max_tokens: int, max_batch: int, capture: tuple[int, ...], table_width: int) -> None:
+        """Tell the workers to capture the graphs rank 0 is about to (inside `collective()`)."""
+        self.send(CaptureGraphs(max_tokens, max_batch, tuple(capture), table_width))
+
+    def replay(self, batch: int, num_tokens: int) -> None:
+        """Tell the workers to replay the graph rank 0 is about to (inside `collective()`)."""
+        self.send(Replay(batch, num_tokens))
+
+    def graph_commit(self, batch: int, num_tokens: int, num_rows: list[int]) -> None:
+        self.send(GraphCommit(batch, num_tokens, num_rows))
+
+    def keep_graphs(self, graphs) -> None:
+        self._graphs.append(weakref.ref(graphs))
+
     def stop(self) -> None:
         """Tell the workers to exit and wait for them (after any step in flight)."""
         with self._lock:
             self._stopping = True
+            for ref in self._graphs:  # their captured collectives hold the NCCL group
+                if (graphs := ref()) is not None:
+                    graphs.release()
+            told = False
             if self._failure is None:
                 try:
                     self.send(Stop())
+                    told = True
                 except Exception as exc:  # noqa: BLE001 - a worker already gone: nothing to tell
                     log.debug("tensor parallel: stop not delivered (%s)", exc)
-            tp_group.stop_workers(self.group.workers)
             if dist.is_initialized():
-                dist.destroy_process_group()
+                if told:  # every rank leaves the group together (NCCL's teardown waits for its peers)
+                    if self.group.device.type == "cuda":
+                        torch.cuda.synchronize(self.group.device)
+                    dist.destroy_process_group()
+                else:  # a rank is gone: tearing down would wait for it
+                    _abort_collectives()
+            tp_group.stop_workers(self.group.workers)
+            self.group.hub.close()

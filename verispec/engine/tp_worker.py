@@ -7,9 +7,14 @@ indexed by the block ids rank 0's scheduler hands out.
 """
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import pickle
+import signal
 import sys
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,7 +23,10 @@ from verispec import log
 from verispec.cache.paged import BatchCache, PagedPools
 from verispec.config import EngineConfig
 from verispec.engine import tp_group
-from verispec.engine.tp_peers import CacheOps, Commit, CopyState, Forward, Logits, Pools, Stop
+from verispec.engine.cuda_graphs import BatchGraphs
+from verispec.engine.tp_channel import Line, RankGone
+from verispec.engine.tp_peers import (CacheOps, CaptureGraphs, Commit, CopyState, Forward, GraphCommit, Logits, Pools,
+                                      Replay, Stop)
 from verispec.engine.scheduler import ClearState, CopyBlock, RestoreState, ZeroBlocks
 from verispec.engine.loading import load_rank_share
 from verispec.loading.device import parse_dtype
@@ -27,6 +35,7 @@ from verispec.loading.model_loader import prepare_for_device, resolve_numerics
 
 def run(config: EngineConfig, rank: int, source) -> None:
     group = tp_group.join(config, rank)
+    line = Line.connect(rank)
     if group.device.type == "cpu":  # the ranks of one machine share its cores
         per_node = config.tensor_parallel_size // config.nnodes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
@@ -36,14 +45,13 @@ def run(config: EngineConfig, rank: int, source) -> None:
     dtype = next(model.parameters()).dtype
     pools: PagedPools | None = None
     last: BatchCache | None = None  # the last pass's cache view, which a Commit refers to
+    graphs = None  # BatchGraphs (CUDA), captured when rank 0 captures its own
     while True:
-        box = [None]
         try:
-            dist.broadcast_object_list(box, src=0, group=group.control)
-        except RuntimeError as exc:  # rank 0 is gone
+            message = line.receive()
+        except (RankGone, OSError) as exc:
             log.info("tensor-parallel rank %d: rank 0 is gone (%s); exiting", rank, exc)
             return
-        message = box[0]
         with torch.inference_mode():
             if isinstance(message, Forward):
                 last = _cache(pools, message, group.device)
@@ -56,14 +64,48 @@ def run(config: EngineConfig, rank: int, source) -> None:
                 model.logits(hidden)
             elif isinstance(message, CacheOps):
                 _apply(pools, message.ops)
+            elif isinstance(message, Replay):
+                graphs.passes[(message.batch, message.num_tokens)].replay_as_worker()
+            elif isinstance(message, GraphCommit):
+                graphs.passes[(message.batch, message.num_tokens)].commit_as_worker(message.num_rows)
+            elif isinstance(message, CaptureGraphs):
+                if graphs is not None:  # rank 0 built another engine over the same ranks
+                    graphs.release()
+                target = GraphTarget(model, pools, group.device, group.shard.group)
+                graphs = BatchGraphs(target, message.max_tokens, message.max_batch, message.capture,
+                                     message.table_width)
             elif isinstance(message, Pools):
                 pools = PagedPools(model.cache_specs(), message.num_blocks, message.block_size,
                                    message.num_state_slots, dtype, group.device, message.kv_cache_dtype)
             elif isinstance(message, Stop):
-                dist.destroy_process_group()
+                if graphs is not None:  # their captured collectives hold the group
+                    graphs.release()
+                _leave(group.device)
                 return
             else:  # pragma: no cover - a new message kind must be handled here
                 raise TypeError(f"unknown message {message!r}")
+
+
+def _leave(device: torch.device) -> None:
+    """Leave the group with rank 0 (it destroys its side at the same time)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+
+
+@dataclass
+class GraphTarget:
+    """What a worker's CUDA graphs run (engine/cuda_graphs.py): its share of the model, its pools."""
+
+    model: torch.nn.Module
+    pools: PagedPools
+    device: torch.device
+    tensor_group: object
+    peers = None  # a worker tells no one
+
+    def head(self, hidden: torch.Tensor) -> None:
+        return self.model.logits(hidden)  # this rank's part of the logits, gathered on rank 0
 
 
 def _cache(pools: PagedPools, m: Forward, device: torch.device) -> BatchCache:
@@ -87,6 +129,7 @@ def _apply(pools: PagedPools, ops: list) -> None:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` shows where a worker waits
     config, rank, source = pickle.load(sys.stdin.buffer)
     run(config, rank, source)
     return 0

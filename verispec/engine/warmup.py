@@ -60,7 +60,9 @@ def log_compiles() -> None:
     knobs.compilation.listener = listener
 
 
-def graphs_possible(device: torch.device, enabled: bool) -> bool:
+def graphs_possible(device: torch.device, enabled: bool, split_hybrid: bool = False) -> bool:
+    """Whether verify passes are captured; `split_hybrid`: a model with recurrent layers split over
+    tensor-parallel ranks, whose graphed passes are not yet checked on GPUs (they run eagerly)."""
     if device.type != "cuda":
         return False
     reason = None
@@ -68,6 +70,8 @@ def graphs_possible(device: torch.device, enabled: bool) -> bool:
         reason = "disabled (--no-cuda-graphs)"
     elif not split_k.available(device):
         reason = "Triton is not installed, so attention cannot read the cache in place"
+    elif split_hybrid:
+        reason = "a model with recurrent layers split over tensor-parallel ranks"
     if reason:
         log.debug("CUDA graphs off: %s; decode steps run eagerly", reason)
         return False
@@ -82,8 +86,14 @@ def capture_graphs(engine) -> float:
     t0 = time.perf_counter()
     capture = engine.proposer.capture_layers if engine.proposer else ()
     table_width = engine.blocks.blocks_for(engine.max_model_len + engine.num_drafts + 1)
-    engine.runner.graphs = BatchGraphs(engine.runner, engine.num_drafts + 1, engine.config.max_num_seqs, capture,
-                                       table_width)
+    args = (engine.num_drafts + 1, engine.config.max_num_seqs, capture, table_width)
+    if engine.peers is None:
+        engine.runner.graphs = BatchGraphs(engine.runner, *args)
+    else:  # every rank captures the same graphs, collectives in lockstep
+        with engine.peers.collective():
+            engine.peers.capture_graphs(*args)
+            engine.runner.graphs = BatchGraphs(engine.runner, *args)
+            engine.peers.keep_graphs(engine.runner.graphs)
     if engine.proposer is not None:
         engine.proposer.capture_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
     seconds = time.perf_counter() - t0

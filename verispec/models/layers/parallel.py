@@ -26,6 +26,15 @@ class Shard:
     rank: int
     world_size: int
     group: object = None  # the torch.distributed process group of the tensors (None: the default group)
+    small_all_reduce: object = None  # kernels/p2p_all_reduce.py's, for the messages it fits (None: NCCL/gloo for all)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (in place, or a new tensor: use the result)."""
+        fast = self.small_all_reduce
+        if fast is not None and fast.fits(x):
+            return fast(x)
+        dist.all_reduce(x, group=self.group)
+        return x
 
 
 @dataclass(frozen=True)
@@ -110,8 +119,7 @@ class RowParallelLinear(nn.Module):
         self.product = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features / world] -> [..., out]
-        y = self.product(x, self.weight, None)
-        dist.all_reduce(y, group=self.shard.group)
+        y = self.shard.all_reduce(self.product(x, self.weight, None))
         return y + self.bias if self.bias is not None else y
 
 
@@ -129,9 +137,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, H]
         mine = (input_ids >= self.part.start) & (input_ids < self.part.stop)
         local = torch.where(mine, input_ids - self.part.start, 0)
-        out = F.embedding(local, self.weight) * mine[..., None].to(self.weight.dtype)
-        dist.all_reduce(out, group=self.shard.group)
-        return out
+        return self.shard.all_reduce(F.embedding(local, self.weight) * mine[..., None].to(self.weight.dtype))
 
 
 class VocabParallelHead(nn.Module):
@@ -166,17 +172,13 @@ class RowParallelExperts(FusedExperts):
         self.shard = shard
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x, top_k_index, top_k_weights)  # [N, H], this rank's features only
-        dist.all_reduce(y, group=self.shard.group)
-        return y
+        return self.shard.all_reduce(super().forward(x, top_k_index, top_k_weights))  # [N, H]: this rank's part
 
 
 @functools.cache
 def _row_parallel_class(cls: type) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features / world] -> [..., out]
-        y = cls.forward(self, x)
-        dist.all_reduce(y, group=self.shard.group)
-        return y
+        return self.shard.all_reduce(cls.forward(self, x))
 
     return type(f"RowParallel{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
 
