@@ -185,12 +185,14 @@ def test_adaptive_choice_with_overlap_measures_both_kinds_of_round_and_keeps_the
     assert any(r["speculative_tok_s"] is not None for r in rates.values()), rates
 
 
-def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, tmp_path):
+def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, tmp_path, monkeypatch):
     """Where the draft gate will not open for longer than a drafter's unseen rows are kept, the batch's
     sequences stop drafting (engine.py `_rest_drafters`): no catch-up passes, no rows copied for the
     drafter, the output plain greedy's. A request arriving later where the gate is still shut starts
-    without its drafter (no pass over its prompt); one arriving where it is open starts with one."""
+    without its drafter (no pass over its prompt, no drafter features kept at its block ends); one
+    arriving where it is open starts with one."""
     from verispec.engine import draft_gate
+    from verispec.engine.prefix_rows import KeptRows
 
     prompts = [target.tokenizer.encode(t) for t in TEXTS]
     plain = {tuple(ids): target.generate_all(ids, GREEDY).token_ids for ids in prompts}
@@ -208,9 +210,16 @@ def test_a_batch_the_gate_holds_off_stops_drafting_and_keeps_the_output(target, 
     prompt_passes = proposer.observed_calls
     assert proposer.propose_calls == 0 and proposer.decode_observes == 0  # no catch-up pass: 40 rows > 32
     assert len(engine.runner.deferred) == 0 and engine.blocks.num_used == 0
-    # a later request alone: batch 1 is shut too, so its drafter never starts
-    engine.generate_all(prompts[0], GREEDY)
+    # a later request alone: batch 1 is shut too, so its drafter never starts (a new text: its
+    # blocks are registered now)
+    asked = []
+    at = KeptRows.at
+    monkeypatch.setattr(KeptRows, "at", lambda self, b, i: asked.append(i) or at(self, b, i))
+    new_text = target.tokenizer.encode("while True:")
+    result = engine.generate_all(new_text, GREEDY)
     assert proposer.observed_calls == prompt_passes and proposer.propose_calls == 0
+    assert result.token_ids == target.generate_all(new_text, GREEDY).token_ids
+    assert engine.prefix is not None and len(result.token_ids) > engine.blocks.block_size and asked == []
     # with batch 1 measured afresh (unmeasured: the cost model decides), the next one drafts again
     del gate.buckets[draft_gate.bucket(1)]
     result = engine.generate_all(prompts[0], GREEDY)

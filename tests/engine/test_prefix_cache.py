@@ -1,6 +1,7 @@
 """The prefix cache: output with a cache hit == output without it, token for token (float64, CPU),
 for every architecture family and proposer, hits ending mid-prompt-block and on a block edge, a
-repeated prompt, two requests sharing blocks while both run, and eviction under a tiny budget.
+repeated prompt, two requests sharing blocks while both run, and eviction under a tiny budget;
+beside a drafter, requests that never draft keep no drafter features and share blocks without them.
 
 The oracle is the same model in an engine with the prefix cache off (`prefix_cache=False`), which
 the batch-identity tests tie to the sequence run alone.
@@ -65,6 +66,24 @@ def test_allocator_shares_keeps_and_evicts_least_recent_first():
         alloc.free(fresh + fresh)
 
 
+def test_allocator_renames_a_hash_without_evicting():
+    """A registered hash moved to another block: the block that had it is unregistered, free at once
+    when nobody holds it, else when its last holder lets it go; no eviction is counted."""
+    alloc = BlockAllocator(num_blocks=6, block_size=4)  # 5 usable
+    evicted = []
+    alloc.on_evict = lambda block, h: evicted.append(block)
+    idle, held, new_idle, new_held = alloc.allocate(4)
+    assert alloc.register(idle, b"idle") and alloc.register(held, b"held")
+    alloc.free([idle])
+    alloc.rename(b"idle", new_idle)
+    alloc.rename(b"held", new_held)
+    assert alloc.lookup(b"idle") == new_idle and alloc.lookup(b"held") == new_held
+    assert alloc.hash_of(idle) is None and alloc.hash_of(held) is None and alloc.num_cached == 2
+    assert alloc.num_free == 2 and alloc.num_cached_idle == 0  # the idle one is free, not cached
+    alloc.free([held, new_idle, new_held])
+    assert alloc.num_free == 5 and alloc.num_cached_idle == 2 and not evicted
+
+
 # ---- engine identity -------------------------------------------------------------------------------
 def prompt_set(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
     """A 37-token shared prefix (2 full blocks + 5) and prompts over it: a hit ending mid-prompt
@@ -125,7 +144,7 @@ def check_hits_change_nothing(base: Engine, make_proposer, k: int, label: str, s
         assert (g.stats.drafted, g.stats.accepted) == (w.stats.drafted, w.stats.accepted), f"{label}: request {i}"
         if PARAMS[i].logprobs:
             assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-9)
-    hits = expected_hits(prompts, warm.prefix.whole_prompt_hits)
+    hits = expected_hits(prompts, not warm.prefix.hybrid and not warm.prefix.keep_features)  # every request drafts
     assert [g.stats.cached_tokens for g in got] == hits, label
     assert all(w.stats.cached_tokens == 0 for w in want)
     assert warm.blocks.num_used == 0 and warm.blocks.num_cached > 0, f"{label}: blocks leaked"
@@ -353,3 +372,156 @@ def test_whole_prompt_hit_copies_its_last_block_or_stops_a_block_short_without_r
     scheduler._take_prefix(seq)
     assert seq.num_cached == 2 * BLOCK and seq.block_table == cached[:2] and copies(scheduler) == []
     assert blocks.refs(cached[2]) == 0 and blocks.num_free == 1  # the last block given back, still cached
+
+
+# ---- sequences that never draft (started where the draft gate had speculation shut) ------------------
+def feature_keeping_cache(num_blocks: int = 16):
+    """A prefix cache beside a drafter that keeps features, and its scheduler; a factory of sequences."""
+    from types import SimpleNamespace
+
+    from verispec.cache.prefix import PrefixCache
+    from verispec.engine.scheduler import Scheduler
+    from verispec.engine.sequence import Sequence
+
+    blocks = BlockAllocator(num_blocks, BLOCK)
+    prefix = PrefixCache(blocks, SimpleNamespace(recurrent_layers=[]), [], keep_features=True)
+    scheduler = Scheduler(blocks, None, 4, 256, 256, prefix=prefix)
+
+    def seq(prompt: list[int], drafting: bool = False, plain_only: bool = False) -> Sequence:
+        s = Sequence(prompt, SamplingParams(max_tokens=4), 4, SimpleNamespace(history=[], token_ids=[]), None, "ar",
+                     lambda chunk: None, block_size=BLOCK)
+        s.drafting, s.plain_only = drafting, plain_only
+        return s
+
+    return blocks, prefix, scheduler, seq
+
+
+def commit_prompt(blocks: BlockAllocator, prefix, seq) -> list[int]:
+    """seq's whole prompt computed in one pass and committed; returns the drafter features asked for
+    (pass rows), its blocks then given back (they stay cached)."""
+    asked = []
+    seq.block_table = blocks.allocate(blocks.blocks_for(len(seq.prompt_ids)))
+    seq.num_cached = len(seq.prompt_ids)
+    prefix.on_commit(seq, 0, lambda i: asked.append(i) or f"features at {i}")
+    blocks.free(seq.block_table)
+    return asked
+
+
+def test_a_sequence_that_never_drafts_keeps_no_features_and_hits_blocks_without_them():
+    """Beside a drafter that keeps features: a sequence that does not draft registers its full
+    blocks without asking for any; one that never will (plain_only) hits them, its last block shared
+    (nothing of a drafter's is rewritten there); a drafting one cannot resume from them. Its own
+    blocks, with features, take their names, so the next drafting sequence hits those."""
+    from verispec.engine.scheduler import CopyBlock
+
+    blocks, prefix, scheduler, seq = feature_keeping_cache()
+    prompt = list(range(100, 100 + 3 * BLOCK + 5))
+    plain = seq(prompt)
+    assert commit_prompt(blocks, prefix, plain) == [] and blocks.num_cached == 3
+    featureless = plain.block_table[:3]
+
+    reader = seq(prompt + [7], plain_only=True)
+    scheduler._take_prefix(reader)
+    assert reader.num_cached == 3 * BLOCK and reader.block_table == featureless
+    assert reader.prefix_hit.features is None and scheduler.take_cache_ops() == []
+    scheduler.release(reader)
+
+    drafting = seq(prompt + [8], drafting=True)
+    scheduler._take_prefix(drafting)
+    assert drafting.prefix_hit is None and drafting.block_table == []
+    assert commit_prompt(blocks, prefix, drafting) == [BLOCK - 1, 2 * BLOCK - 1, 3 * BLOCK - 1]
+    assert [blocks.lookup(h) for h in drafting.full_block_hashes(3)] == drafting.block_table[:3]
+    assert all(blocks.hash_of(b) is None for b in featureless)  # free again, nothing evicted
+    assert blocks.num_cached == 3 and blocks.num_evictions == 0
+
+    later = seq(prompt + [9], drafting=True)
+    scheduler._take_prefix(later)
+    assert later.num_cached == 3 * BLOCK and later.prefix_hit.features == f"features at {3 * BLOCK - 1}"
+    [copy] = [op for op in scheduler.take_cache_ops() if isinstance(op, CopyBlock)]
+    assert copy.src == drafting.block_table[2] and later.block_table[:2] == drafting.block_table[:2]
+
+
+def test_a_drafting_hit_backs_off_to_the_last_block_with_features():
+    """A prefix whose first block a drafting sequence registered and the rest one that did not draft:
+    a drafting sequence resumes after the first block (its last block a private copy), a plain_only
+    one after all three, and the prompt cached to its last token hits whole for it."""
+    blocks, prefix, scheduler, seq = feature_keeping_cache()
+    prompt = list(range(200, 200 + 3 * BLOCK))
+    assert commit_prompt(blocks, prefix, seq(prompt[:BLOCK + 3], drafting=True)) == [BLOCK - 1]
+    assert commit_prompt(blocks, prefix, seq(prompt)) == [] and blocks.num_cached == 3
+
+    drafting = seq(prompt + [5], drafting=True)
+    scheduler._take_prefix(drafting)
+    assert drafting.num_cached == BLOCK and drafting.prefix_hit.features == f"features at {BLOCK - 1}"
+    scheduler.release(drafting)
+    plain = seq(prompt + [5], plain_only=True)
+    scheduler._take_prefix(plain)
+    assert plain.num_cached == 3 * BLOCK
+    scheduler.release(plain)
+    whole = seq(list(prompt), plain_only=True)
+    scheduler._take_prefix(whole)
+    assert whole.num_cached == 3 * BLOCK - 1  # only the last token is computed, in a copy of the last block
+
+
+def shut_gate():
+    """A draft gate that measured plain steps faster than speculation for one sequence."""
+    from verispec.engine import draft_gate
+
+    gate = draft_gate.ThroughputGate()
+    for _ in range(draft_gate.MIN_SPEC):
+        gate.record(1, True, tokens=1, seconds=1.0)
+    assert not gate.allows(1)  # the plain trial
+    gate.record(1, False, tokens=1, seconds=0.01, steps=draft_gate.TRIAL_STEPS)
+    assert gate.shut(1)
+    return gate
+
+
+def test_requests_started_without_a_drafter_share_blocks_without_features(tiny_models, tmp_path, monkeypatch):
+    """Requests that join where the draft gate has speculation shut never draft: their prompt passes
+    keep no drafter features, and they hit each other's blocks as a plain engine's requests would
+    (a repeated prompt whole). A drafting request does not resume from those blocks: it computes
+    them, drafts what it drafts with the cache off, and a later drafting request hits its blocks.
+    Every output is the cache-off one."""
+    from verispec.engine.prefix_rows import KeptRows
+
+    d = tiny_models.get("prefix-qwen3", "qwen3", **SHAPE)
+    base = load_engine(str(d), dtype="float64", device="cpu", block_size=BLOCK)
+    make = eagle3_for(base, tmp_path / "eagle3")
+    g = torch.Generator().manual_seed(17)
+    ids = lambda n: torch.randint(3, base.model.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    shared = ids(3 * BLOCK + 2)
+    first, second, third, aligned = shared + ids(4), shared + ids(6), shared + ids(5), shared[:3 * BLOCK]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    cold = with_proposer(base, make(), 3, prefix_cache=False)
+    warm = with_proposer(base, make(), 3)
+    drafted = {id(cold): [], id(warm): []}
+    for engine in (cold, warm):
+        def recording(seqs, counts, engine=engine, real=engine.runner.propose):
+            drafts = real(seqs, counts)
+            drafted[id(engine)].append([d.token_ids for d in drafts])
+            return drafts
+        engine.runner.propose = recording
+
+    def run(engine, prompt):
+        drafted[id(engine)].clear()
+        return engine.generate_all(prompt, params), list(drafted[id(engine)])
+
+    want = {tuple(p): run(cold, p) for p in (first, second, third, aligned)}
+    asked = []
+    at = KeptRows.at
+    monkeypatch.setattr(KeptRows, "at", lambda self, b, i: asked.append(i) or at(self, b, i))
+
+    warm.draft_policy.gate = shut_gate()
+    for prompt, cached in [(first, 0), (second, 3 * BLOCK), (aligned, 3 * BLOCK - 1)]:
+        result, _ = run(warm, prompt)
+        assert result.token_ids == want[tuple(prompt)][0].token_ids
+        assert result.stats.cached_tokens == cached and result.stats.drafted == 0
+    assert asked == [], "a request that never drafts kept drafter features"
+
+    del warm.draft_policy.gate  # requests draft again, with the schedule alone
+    for prompt, cached in [(first, 0), (third, 3 * BLOCK)]:
+        result, drafts = run(warm, prompt)
+        want_result, want_drafts = want[tuple(prompt)]
+        assert result.token_ids == want_result.token_ids and result.stats.cached_tokens == cached
+        assert result.stats.drafted > 0 and drafts == want_drafts, "a prefix hit changed the drafts"
+    assert asked and warm.blocks.num_used == 0

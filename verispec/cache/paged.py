@@ -125,6 +125,17 @@ class BlockAllocator:
         self._hash_of[block] = block_hash
         return True
 
+    def rename(self, block_hash: bytes, block: int) -> None:
+        """Move a registered hash to `block` (held, full, committed, unregistered): the block that
+        had it becomes unregistered, free once nobody holds it; nothing is evicted."""
+        other = self._by_hash[block_hash]
+        del self._hash_of[other]
+        if self._refs[other] == 0:
+            del self._evictable[other]
+            self._free.append(other)
+        self._by_hash[block_hash] = block
+        self._hash_of[block] = block_hash
+
     def hash_of(self, block: int) -> bytes | None:
         return self._hash_of.get(block)
 

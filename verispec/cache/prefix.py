@@ -25,6 +25,10 @@ not K/V and are kept beside the blocks:
   drafter takes a private copy of its last block (target and drafter rows), and the drafter
   recomputes that one row from the target features at the block's last position, which are stored
   per registered block. Every other drafter row of the shared blocks is a function of the prefix.
+  Only a drafting sequence's blocks hold drafter rows, so only those keep features; a sequence that
+  never drafts (`plain_only`) registers its blocks without them, may hit any block, and hits as a
+  plain engine's would. A drafting sequence's hit ends at a block with features, and a block it
+  computes takes the name of a featureless one, so later drafting sequences can hit it.
 """
 from __future__ import annotations
 
@@ -111,20 +115,29 @@ class PrefixCache:
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
+    def keeps_features_of(self, seq) -> bool:
+        """Whether seq's block ends keep the target's features: only a drafting sequence's drafter
+        writes its rows into the blocks that a drafting hit resumes from."""
+        return self.keep_features and seq.drafting
+
     # ---- admission ----------------------------------------------------------------------------------
-    @property
-    def whole_prompt_hits(self) -> bool:
+    def hit_needs_features(self, seq) -> bool:
+        """Whether a hit for seq must end at a block with features kept: its drafter recomputes its
+        row at the hit's last position from them. Not for a sequence that never drafts."""
+        return self.keep_features and not seq.plain_only
+
+    def whole_prompt_hits(self, seq) -> bool:
         """A prompt cached to its last token may hit all its blocks: its last block is then copied
         and only the last token computed (one decode-sized pass instead of a block of prefill).
-        Not on hybrid models (the recurrent state is snapshotted at block edges only) nor with a
-        drafter that keeps features (they are kept at block edges only)."""
-        return not self.hybrid and not self.keep_features
+        Not on hybrid models (the recurrent state is snapshotted at block edges only) nor for a
+        sequence whose drafter needs features (they are kept at block edges only)."""
+        return not self.hybrid and not self.hit_needs_features(seq)
 
     def hit_blocks(self, seq) -> int:
         """Whole blocks a hit may cover. At least one prompt token is always computed (the next
         token needs its logits): either the hit stops a block short of the prompt's last token, or
         (`whole_prompt_hits`) it covers the prompt and the scheduler recomputes the last token."""
-        if self.whole_prompt_hits:
+        if self.whole_prompt_hits(seq):
             return seq.prefill_target // self.block_size
         return max(seq.prefill_target - 1, 0) // self.block_size
 
@@ -143,8 +156,9 @@ class PrefixCache:
         blocks shared (a reference taken on each). None on a miss."""
         hashes = seq.full_block_hashes(self.hit_blocks(seq))
         found = self._registered_run(hashes)
+        needs_features = self.hit_needs_features(seq)
         # where the hit ends, the recurrent state (hybrid models) and the drafter's features must be kept
-        while found and not self._resumable(found[-1], hashes[len(found) - 1]):
+        while found and not self._resumable(found[-1], hashes[len(found) - 1], needs_features):
             found.pop()
         if not found:
             return None
@@ -153,7 +167,7 @@ class PrefixCache:
             last_hash = hashes[len(found) - 1]
             self._snapshots.move_to_end(last_hash)
             hit.snapshot_slot = self._snapshots[last_hash]
-        if self.keep_features:
+        if needs_features:
             hit.features = self._features[found[-1]]
         for block in found:
             self.blocks.share(block)
@@ -189,28 +203,40 @@ class PrefixCache:
             log.debug("[KVCache] %s", f"hit {hit}/{seq.prefill_target} tokens" if hit else
                       f"miss ({seq.prefill_target} tokens)")
 
-    def _resumable(self, block: int, block_hash: bytes) -> bool:
+    def _resumable(self, block: int, block_hash: bytes, needs_features: bool) -> bool:
         return ((not self.hybrid or block_hash in self._snapshots)
-                and (not self.keep_features or block in self._features))
+                and (not needs_features or block in self._features))
 
     # ---- after a commit -----------------------------------------------------------------------------
     def on_commit(self, seq, start: int, features_at=None, decoding: bool = False) -> None:
         """seq committed positions start..seq.num_cached-1: register the blocks that became full, keep
         the drafter features at their last positions (`features_at(i)` -> TargetFeatures of the pass's
-        row i, when a drafter observes), and snapshot the recurrent state at a block boundary."""
+        row i; asked only where `keeps_features_of(seq)`), and snapshot the recurrent state at a
+        block boundary."""
         size = self.block_size
         full = min(seq.num_cached, seq.num_tokens) // size  # a stop string may have cut the last tokens
         if full > seq.num_registered:
             hashes = seq.full_block_hashes(full)
+            keeps_features = self.keeps_features_of(seq)
             for j in range(seq.num_registered, full):
                 block = seq.block_table[j]
-                if self.blocks.register(block, hashes[j]) and self.keep_features:
-                    row = (j + 1) * size - 1 - start
-                    if row >= 0:
-                        self._features[block] = features_at(row)
+                row = (j + 1) * size - 1 - start
+                if not keeps_features or row < 0:
+                    self.blocks.register(block, hashes[j])
+                elif self.blocks.register(block, hashes[j]) or self._replaces_featureless(block, hashes[j]):
+                    self._features[block] = features_at(row)
             seq.num_registered = full
         if self.hybrid and seq.num_cached % size == 0 and full > 0 and seq.state_slot is not None:
             self._snapshot(seq, seq.full_block_hashes(full)[full - 1], decoding)
+
+    def _replaces_featureless(self, block: int, block_hash: bytes) -> bool:
+        """A drafting sequence's block takes its hash from a block registered without features (by
+        a sequence that did not draft), which a drafting hit could not resume from."""
+        other = self.blocks.lookup(block_hash)
+        if other is None or other in self._features or self.blocks.hash_of(block) is not None:
+            return False
+        self.blocks.rename(block_hash, block)
+        return True
 
     def _snapshot(self, seq, block_hash: bytes, decoding: bool) -> None:
         if block_hash in self._snapshots:

@@ -164,7 +164,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             sum(p.numel() for p in self.model.parameters()), self.device.type, cfg.prefill_step_size)
         self.pacer = prefill_pacer_for(self.device, cfg.prefill_step_seconds)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
-                                   prefix=self.prefix, batch_prefill=cfg.batch_prefill, pacer=self.pacer)
+                                   prefix=self.prefix, batch_prefill=cfg.batch_prefill, pacer=self.pacer,
+                                   starts_plain=self._starts_plain)
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer,
                                   prompt_kernel=cfg.numerics == "exact" and self._exact_prompts(), peers=self.peers)
@@ -455,18 +456,26 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                                   every_row=scored)
         self.update.prefilled(group, starts, out)
 
+    def _starts_plain(self, batch: int) -> bool:
+        """Whether a new sequence joining `batch` running ones never drafts: the draft gate has
+        speculation shut there."""
+        gate = getattr(self.draft_policy, "gate", None)
+        return self.proposer is not None and gate is not None and gate.shut(batch)
+
     def _start_drafters(self, group: list[tuple[Sequence, int]]) -> None:
         """Each sequence's drafter starts at its first prompt pass (again after a preemption), unless
         the batch it joins is one where the draft gate has speculation shut: there it decodes plain to
-        its end, and nobody waits for its drafter's pass over its prompt."""
-        gate = getattr(self.draft_policy, "gate", None)
+        its end, and nobody waits for its drafter's pass over its prompt. (The scheduler marks such a
+        sequence at its admission already, so its prefix hit needs no drafter features; a batch that
+        grew past a shut size in the same step marks the rest here.)"""
         joining = [seq for seq, _ in group if seq.first_scheduled is None]
-        if joining and gate is not None and gate.shut(len(self.scheduler.running)):
+        if joining and self._starts_plain(len(self.scheduler.running)):
             for seq in joining:
                 seq.plain_only = True
+        plain = sum(seq.plain_only for seq in joining)
+        if plain:
             log.debug("%d new %s without a drafter: a batch of %d, where the draft gate has speculation shut",
-                      len(joining), "sequence starts" if len(joining) == 1 else "sequences start",
-                      len(self.scheduler.running))
+                      plain, "sequence starts" if plain == 1 else "sequences start", len(self.scheduler.running))
         for seq, _ in group:
             if not seq.drafting and not seq.plain_only:
                 self.proposer.start(seq)

@@ -28,7 +28,7 @@ import torch
 from verispec.engine.runner import ModelRunner
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.sequence import Sequence
-from verispec.engine.update import StepUpdate
+from verispec.engine.update import StepUpdate, row_features
 
 
 @dataclass
@@ -98,10 +98,10 @@ class OverlappedDecode:
             # keeping a model drafter in step (each step's rows copied, a drafter pass over them every
             # few dozen steps) costs a host-bound step more than speculation it will not do gives back
             runner.stop_drafting(seqs)
-        # the target rows a drafter reads later, or the prefix cache keeps at a block's last position
+        # the target rows a drafter reads later, or the prefix cache keeps at a drafting sequence's block ends
         prefix = self.scheduler.prefix
         drafter_rows = runner.deferred.keep_features and any(s.drafting for s in seqs)
-        block_rows = prefix is not None and prefix.keep_features
+        block_rows = [s for s in seqs if prefix is not None and prefix.keeps_features_of(s)]
         block = runner.pools.block_size
         launching = True
         launched = done = 0
@@ -117,7 +117,7 @@ class OverlappedDecode:
                 if on_cuda:
                     ready = torch.cuda.Event()
                     ready.record()
-                ends_block = block_rows and any((s.num_cached + len(inflight)) % block == block - 1 for s in seqs)
+                ends_block = any((s.num_cached + len(inflight)) % block == block - 1 for s in block_rows)
                 features = _Features.of(out) if drafter_rows or ends_block else None
                 inflight.append(_InFlight(host, ready, (time.perf_counter() - t0) * 1000, features))
                 inputs = tokens[:, None]
@@ -156,14 +156,13 @@ class OverlappedDecode:
         one-token round that drafted nothing does). Returns whether a sequence finished."""
         finished = False
         deferred, chunks = [], []
-        kept = self.update.kept_rows(features, [s.num_cached for s in seqs], [1] * len(seqs)) \
+        kept = self.update.kept_rows(seqs, features, [s.num_cached for s in seqs], [1] * len(seqs)) \
             if features is not None else None
         for b, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.finished:
                 continue  # finished at an earlier step: this row was computed in flight, and is dropped
             position = seq.num_cached
-            row_features = (lambda i, b=b: kept.at(b, i)) if kept is not None else None
-            chunks.append((seq, self.update.commit(seq, [], 0, token, None, row_features)))
+            chunks.append((seq, self.update.commit(seq, [], 0, token, None, row_features(kept, b))))
             if seq.drafting:
                 deferred.append((seq, b, position, 1))
         self.runner.defer(deferred, features, owned=True)  # _Features are copies already

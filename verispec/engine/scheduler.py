@@ -135,7 +135,8 @@ class Scheduler:
 
     def __init__(self, blocks: BlockAllocator, slots: SlotAllocator | None, max_num_seqs: int,
                  max_num_batched_tokens: int, prefill_chunk: int, prefix: PrefixCache | None = None,
-                 batch_prefill: bool = True, pacer: PrefillPacer | None = None):
+                 batch_prefill: bool = True, pacer: PrefillPacer | None = None,
+                 starts_plain: Callable[[int], bool] = lambda batch: False):
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
@@ -144,6 +145,8 @@ class Scheduler:
         self.prefix = prefix
         self.batch_prefill = batch_prefill
         self.pacer = pacer  # on a CPU: caps a step's prompt tokens by time (engine/prefill_pacer.py)
+        # whether a new sequence joining a batch this size never drafts (engine.py `_starts_plain`)
+        self.starts_plain = starts_plain
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -242,6 +245,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.slots is not None and self.slots.num_free == 0:
                 break
+            if seq.first_scheduled is None and self.starts_plain(len(self.running) + 1):
+                seq.plain_only = True  # known before its prefix is taken: it may hit blocks without drafter features
             if self.prefix is not None and not seq.scores_prompt and self.prefix.being_computed(seq, self.running):
                 break  # admitted once that block is registered: a hit instead of computing it twice
             self._take_prefix(seq)
@@ -278,7 +283,7 @@ class Scheduler:
             return  # a hit's rows are not computed, and prompt logprobs need every row
         hit = self.prefix.match(seq)
         whole = hit is not None and hit.num_tokens >= seq.prefill_target
-        if hit is not None and (self.prefix.keep_features or whole):
+        if hit is not None and (self.prefix.hit_needs_features(seq) or whole):
             # the hit's last block is rewritten (the drafter's row at its last position, or the
             # prompt's last token): that block becomes a private copy
             if self.blocks.num_free > 0:

@@ -79,9 +79,14 @@ class StepUpdate:
                 seq.sink(exc)
         self.runner.apply(self.scheduler.take_cache_ops())
 
-    def kept_rows(self, out, starts: list[int], counts: list[int]) -> KeptRows | None:
-        """The rows of a pass the prefix cache keeps for a drafter, copied when first asked for."""
-        return KeptRows(out, starts, counts, self.prefix.block_size) if self.prefix is not None else None
+    def kept_rows(self, seqs: list[Sequence], out, starts: list[int], counts: list[int]) -> KeptRows | None:
+        """The rows of a pass the prefix cache keeps for a drafter, copied when first asked for: those
+        of the sequences whose block ends keep features (None: nobody's do)."""
+        prefix = self.prefix
+        if prefix is None or not any(prefix.keeps_features_of(seq) for seq in seqs):
+            return None
+        counts = [n if prefix.keeps_features_of(seq) else 0 for seq, n in zip(seqs, counts)]
+        return KeptRows(out, starts, counts, prefix.block_size)
 
     # ---- after a prompt chunk's pass ---------------------------------------------------------------
     def prefilled(self, group: list[tuple[Sequence, int]], starts: list[int], out: PassOutput) -> None:
@@ -89,13 +94,13 @@ class StepUpdate:
         one whose prompt is done gets its first token chosen and emitted (or, asked for none, ends);
         a drafting sequence's proposer observes the chunk's rows."""
         observed, emitted = [], []
-        kept = self.kept_rows(out, starts, [n for _, n in group])
+        kept = self.kept_rows([seq for seq, _ in group], out, starts, [n for _, n in group])
         for b, (seq, n) in enumerate(group):
             start = starts[b]
             seq.num_cached += n
             end = start + n
             if self.prefix is not None:
-                self.prefix.on_commit(seq, start, lambda i, b=b: kept.at(b, i))
+                self.prefix.on_commit(seq, start, row_features(kept, b))
             if out.all_rows is not None and b in out.all_rows:
                 score_chunk(seq, start, out.all_rows[b], self.runner.logits)
             if end < seq.num_tokens:  # mid-prompt, or resumed after a preemption: the next token is known
@@ -157,13 +162,12 @@ class StepUpdate:
         out.cache.commit([accepted + 1 for accepted, _ in results])
         observed, deferred, chunks = [], [], []
         deferring = self.runner.deferred
-        kept = self.kept_rows(out, [seq.num_cached for seq in seqs], [accepted + 1 for accepted, _ in results])
+        kept = self.kept_rows(seqs, out, [seq.num_cached for seq in seqs], [accepted + 1 for accepted, _ in results])
         for b, (seq, draft, (accepted, token)) in enumerate(zip(seqs, drafts, results)):
             n = accepted + 1
             position = seq.num_cached
             chunks.append(self.commit(seq, draft.token_ids, accepted, token,
-                                      out.logits[b, :n] if seq.params.logprobs else None,
-                                      lambda i, b=b: kept.at(b, i)))
+                                      out.logits[b, :n] if seq.params.logprobs else None, row_features(kept, b)))
             if not seq.drafting:
                 continue
             # also after the last token: the drafter's state stays the committed one; a sequence
@@ -222,6 +226,11 @@ class StepUpdate:
         if seq.seed is not None:  # the token after i drafts sits at position num_tokens + i
             return verify_seeded(drafts, lambda i: sample(penalised(i), params, None, seq.seeded_at(seq.num_tokens + i)))
         return verify_sampling(drafts, draft.probs, lambda i: processed_probs(penalised(i), params), seq.generator)
+
+
+def row_features(kept: KeptRows | None, b: int):
+    """on_commit's `features_at` for batch row b: pass row i -> its kept TargetFeatures."""
+    return (lambda i: kept.at(b, i)) if kept is not None else None
 
 
 def _log_request(seq: Sequence) -> None:
