@@ -188,3 +188,15 @@ def test_policy_drafts_nothing_where_the_gate_is_shut():
         policy.gate.record(8, False, tokens=8, seconds=0.001)
     assert not any(policy.choose(seqs))
     assert policy.plain_rounds(seqs) >= draft_gate.RECHECK // 2
+
+
+def test_a_round_timed_across_a_forget_is_not_recorded():
+    """The prewarm forgets its cold rounds while the engine's thread may still be timing the last
+    one (its tokens are out before it is recorded): that round must not land after the forget."""
+    gate = ThroughputGate()
+    began = gate.epoch
+    gate.forget()
+    gate.record(1, True, tokens=3, seconds=0.01, epoch=began)
+    assert gate.buckets == {}
+    gate.record(1, True, tokens=3, seconds=0.01, epoch=gate.epoch)
+    assert gate.buckets[bucket(1)].spec_rounds == 1

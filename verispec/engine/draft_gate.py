@@ -96,10 +96,13 @@ class _Bucket:
 class ThroughputGate:
     def __init__(self):
         self.buckets: dict[int, _Bucket] = {}
+        self.epoch = 0  # counts forget()s: a round timed across one is not recorded
 
     def forget(self) -> None:
         """Drop every measurement: the prewarm's rounds ran cold (first replays, compiles) and are
-        not this server's speed (they kept a batch of one from speculating where it won 1.2x)."""
+        not this server's speed (they kept a batch of one from speculating where it won 1.2x).
+        A round in flight on the engine's thread (its tokens already out) is dropped too."""
+        self.epoch += 1
         self.buckets.clear()
 
     def measuring(self, batch: int) -> bool:
@@ -174,10 +177,11 @@ class ThroughputGate:
             return max(1, RECHECK - b.since)
         return None
 
-    def record(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1) -> None:
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1,
+               epoch: int | None = None) -> None:
         """A decode round (or `steps` overlapped plain steps) of `batch` sequences made `tokens`
-        tokens in `seconds`."""
-        if seconds <= 0 or batch <= 0:
+        tokens in `seconds`; `epoch`: the gate's when the round began (a forget() since drops it)."""
+        if seconds <= 0 or batch <= 0 or (epoch is not None and epoch != self.epoch):
             return
         b = self._at(batch)
         measurement = (tokens / batch, seconds, steps)

@@ -419,6 +419,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             # speculative round every round, an overlapped run once), its prompt passes left out
             start = planned + (time.perf_counter() - prefill_start)
             before = sum(s.num_tokens for s in decodes)
+            epoch = gate.epoch
         steps = 0
         if self.overlap.eligible(decodes, counts):
             # the policy chose this round; the rounds after it that run unchosen are accounted to it
@@ -430,7 +431,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         if gate is not None:  # what it weighs: this server's speculative rounds against its plain steps
             measuring = log.debug_enabled() and not steps and gate.measuring(len(decodes))
             tokens, seconds = sum(s.num_tokens for s in decodes) - before, time.perf_counter() - start
-            gate.record(len(decodes), any(counts), tokens, seconds, max(steps, 1))
+            gate.record(len(decodes), any(counts), tokens, seconds, max(steps, 1), epoch)
             if measuring and self.round_timings:
                 log.debug("draft gate, batch %d: measured round of %d drafts, %d tokens in %.2f ms (draft+inputs,"
                           " launch, device, host after: %s ms)", len(decodes), sum(counts), tokens,
