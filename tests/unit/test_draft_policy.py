@@ -241,3 +241,19 @@ def test_a_schedule_without_drafts_has_no_end_of_plain_rounds():
     assert policy.plain_rounds([Seq()] * 4) >= 1 << 20
     policy.skip([Seq()] * 4, 10)
     assert policy.stats.as_dict()["histogram"] == {0: 40}
+
+
+def test_new_sequences_start_without_a_drafter_only_where_fresh_ones_would_draft_nothing():
+    """A sequence joining a batch where the cost model would give fresh sequences no drafts starts
+    without its drafter (engine.py `_starts_plain`); good acceptance widens where they draft, and
+    bad acceptance never narrows it below the initial guess (speculation must not switch itself
+    off for good after a bad stretch)."""
+    policy = AdaptiveDrafts(AnalyticCosts.default("cpu", 0.06), max_drafts=1)
+    assert not policy.drafts_nothing_at(1)
+    assert policy.drafts_nothing_at(2) and policy.drafts_nothing_at(8)
+    for _ in range(200):
+        policy.overall.update(1, 1)  # every draft accepted
+    assert not policy.drafts_nothing_at(3) and policy.drafts_nothing_at(8)
+    for _ in range(2000):
+        policy.overall.update(1, 0)  # none accepted
+    assert not policy.drafts_nothing_at(1) and policy.drafts_nothing_at(2)

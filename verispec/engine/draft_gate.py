@@ -3,9 +3,10 @@ choice's last word.
 
 The cost model (engine/draft_costs.py) prices the passes, but not what a speculative round costs
 the host: drafting, building the pass, a sync to read its tokens, per-sequence verification. A
-round that drafts nothing runs overlapped instead (engine/overlap.py: the next step queued while the
-host handles the last), which hides that work. Where the host's share is large (a small model, many
-sequences) speculating loses even at good acceptance. So the engine times both kinds of round (tokens
+round that drafts nothing runs overlapped instead on CUDA (engine/overlap.py: the next step queued
+while the host handles the last), which hides that work; on a CPU that work is a large share of a
+step of its own. Where the host's share is large (a small model, many sequences, a CPU) speculating
+loses even at good acceptance. So the engine times both kinds of round (tokens
 per second per sequence, per batch-size bucket) and speculates only where its
 rounds are the faster ones, trying the other kind again now and then, so a change in load or text
 is noticed:

@@ -140,6 +140,15 @@ class AdaptiveDrafts(DraftPolicy):
         self.stats.record(counts)
         return counts
 
+    def drafts_nothing_at(self, batch: int) -> bool:
+        """Whether `batch` fresh sequences would draft nothing (the cost model's choice at the
+        acceptance measured so far, never taken below the initial guess: a stretch of bad drafts
+        must not keep every later sequence from ever drafting): one joining such a batch need not
+        start its drafter."""
+        rates = [max(r, r0) for r, r0 in zip(self.overall.rates(self.initial), self.initial)]
+        gains = AcceptanceEstimate(self.max_drafts).expected_tokens(rates)
+        return not any(self.best_counts([gains] * batch))
+
     def best_counts(self, gains: list[list[float]]) -> list[int]:
         """gains[b][i]: the tokens a draft i+1 of sequence b is expected to add. The counts with the
         most expected tokens per unit of cost: for each pass width, sequences join (best first, each

@@ -120,8 +120,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self.overlap = OverlappedDecode(self.scheduler, self.runner, self.update, overlap,
                                         new_work=lambda: not self._inbox.empty(), timings=self.round_timings,
                                         rest_drafters=self._rest_drafters)
-        if isinstance(self.draft_policy, AdaptiveDrafts) and self.overlap.enabled:
-            self.draft_policy.gate = ThroughputGate()  # plain steps overlap, speculative rounds do not
+        if isinstance(self.draft_policy, AdaptiveDrafts):
+            self.draft_policy.gate = ThroughputGate()
         self._release_caller_threads()
 
     def _rest_drafters(self, batch: int) -> bool:
@@ -459,9 +459,14 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
 
     def _starts_plain(self, batch: int) -> bool:
         """Whether a new sequence joining `batch` running ones never drafts: the draft gate has
-        speculation shut there."""
+        speculation shut there, or the cost model would draft nothing there at the acceptance
+        measured so far (its drafter's pass over the prompt would then buy nothing)."""
+        if self.proposer is None:
+            return False
         gate = getattr(self.draft_policy, "gate", None)
-        return self.proposer is not None and gate is not None and gate.shut(batch)
+        if gate is not None and gate.shut(batch):
+            return True
+        return isinstance(self.draft_policy, AdaptiveDrafts) and self.draft_policy.drafts_nothing_at(batch)
 
     def _start_drafters(self, group: list[tuple[Sequence, int]]) -> None:
         """Each sequence's drafter starts at its first prompt pass (again after a preemption), unless
