@@ -86,22 +86,28 @@ def test_two_ranks_give_the_whole_models_output(tiny_models, family):
     assert_split_gives_whole(model_dir, rank0_holds_half_the_head)
 
 
+def kill_a_worker_while_decoding(engine, max_tokens: int) -> object:
+    """Start a request, kill rank 1 once it decodes, return what ended the request (its last chunk
+    or the error)."""
+    chunks: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.submit([5, 6, 7, 8], params, chunks.put)
+    assert not isinstance(chunks.get(timeout=WAIT_S), BaseException)  # decoding on both ranks
+    engine.peers.group.workers[0].process.kill()
+    while True:
+        item = chunks.get(timeout=WAIT_S)
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            return item
+
+
 def test_a_killed_worker_fails_the_open_request_and_later_ones(qwen3_dir):
     engine = load_engine(str(qwen3_dir), tensor_parallel_size=2, **ENGINE)
-    chunks: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-        engine.submit([5, 6, 7, 8], params, chunks.put)
-        assert not isinstance(chunks.get(timeout=WAIT_S), BaseException)  # decoding on both ranks
-        engine.peers.group.workers[0].process.kill()
-        while True:
-            item = chunks.get(timeout=WAIT_S)
-            if isinstance(item, BaseException) or item.finish_reason is not None:
-                break
+        item = kill_a_worker_while_decoding(engine, 400)
         assert isinstance(item, BaseException) and "rank 1" in str(item)
         assert "rank 1 exited" in engine.failure()
         with pytest.raises(VerispecError, match="rank 1 exited"):
-            engine.submit([5, 6], params, chunks.put)
+            engine.submit([5, 6], SamplingParams(max_tokens=4), lambda item: None)
     finally:
         engine.close()
 

@@ -6,12 +6,10 @@ killed worker fails the open request instead of hanging a graph replay.
 """
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
 
-from tests.engine.test_tensor_parallel import prompts
+from tests.engine.test_tensor_parallel import kill_a_worker_while_decoding, prompts
 from tools.tiny import build_tiny_model, build_tiny_qwen3_5
 from verispec.engine.engine import load_engine
 from verispec.sampling.params import SamplingParams
@@ -21,7 +19,6 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs two CUDA GPUs")]
 
 ENGINE = dict(device="cuda", dtype="bfloat16", kv_cache_gb=0.25, max_num_seqs=8, tensor_parallel_size=2)
-WAIT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +74,10 @@ def test_a_split_hybrid_runs_eagerly_and_its_all_reduces_agree(model_dirs, monke
 
 def test_a_killed_worker_fails_a_graphed_request(model_dirs):
     engine = load_engine(str(model_dirs["qwen3"]), **ENGINE)
-    chunks: queue.SimpleQueue = queue.SimpleQueue()
     try:
         engine.prewarm()
         assert engine.runner.graphs is not None
-        params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-        engine.submit([5, 6, 7, 8], params, chunks.put)
-        assert not isinstance(chunks.get(timeout=WAIT_S), BaseException)  # replaying on both ranks
-        engine.peers.group.workers[0].process.kill()
-        while True:
-            item = chunks.get(timeout=WAIT_S)
-            if isinstance(item, BaseException) or item.finish_reason is not None:
-                break
+        item = kill_a_worker_while_decoding(engine, 1000)
         assert isinstance(item, BaseException) and "rank 1" in str(item)
     finally:
         engine.close()
