@@ -104,9 +104,6 @@ class _CapturedBatchPass:
         self.call.graph.replay()
         self.cache.restore_pending_recurrent(self.pending_recurrent)
 
-    def commit_as_worker(self, num_rows: list[int]) -> None:
-        _PaddedCommit(self, self.batch).commit_here(num_rows)
-
 
 def _from_rank_0(group, *inputs: torch.Tensor) -> list[torch.Tensor]:
     """Rank 0's copies of the pass's integer inputs on every rank, as one broadcast (captured in the
@@ -118,22 +115,13 @@ def _from_rank_0(group, *inputs: torch.Tensor) -> list[torch.Tensor]:
 
 class _PaddedCommit:
     """commit(rows per real sequence) on a graph's cache: the captured commit graph when there is
-    one (padded rows count 1 and write the scratch slot), else the cache's own commit. Under tensor
-    parallelism the workers commit their heads' recurrent states the same way, told first."""
+    one (padded rows count 1 and write the scratch slot), else the cache's own commit. (A model
+    split over tensor-parallel ranks has no recurrent layers here: a split hybrid runs eagerly.)"""
 
     def __init__(self, graphed: _CapturedBatchPass, batch: int):
         self.graphed, self.batch = graphed, batch
 
     def commit(self, num_rows: list[int]) -> None:
-        graphed = self.graphed
-        if graphed.peers is not None and graphed.commit_graph is not None:
-            with graphed.peers.collective():
-                graphed.peers.graph_commit(graphed.batch, graphed.num_tokens, list(num_rows))
-                self.commit_here(num_rows)
-        else:
-            self.commit_here(num_rows)
-
-    def commit_here(self, num_rows: list[int]) -> None:
         graphed = self.graphed
         if graphed.commit_graph is not None and min(num_rows) >= 1:
             graphed.commit_graph(torch.tensor(list(num_rows) + [1] * (self.batch - len(num_rows))))

@@ -118,7 +118,7 @@ class AdaptiveDrafts(DraftPolicy):
         self.initial = [initial_rate] * max_drafts
         self.overall = AcceptanceEstimate(max_drafts, OVERALL_WEIGHT)
         self.num_rounds = 0
-        # the engine sets one where its plain steps run overlapped (engine/draft_gate.py says why)
+        # the engine's measured word on each batch size (engine/draft_gate.py says why)
         self.gate: ThroughputGate | None = None
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:

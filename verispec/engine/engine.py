@@ -480,7 +480,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                 seq.plain_only = True
         plain = sum(seq.plain_only for seq in joining)
         if plain:
-            log.debug("%d new %s without a drafter: a batch of %d, where the draft gate has speculation shut",
+            log.debug("%d new %s without a drafter: a batch of %d, where the draft gate has speculation shut "
+                      "or fresh sequences would draft nothing",
                       plain, "sequence starts" if plain == 1 else "sequences start", len(self.scheduler.running))
         for seq, _ in group:
             if not seq.drafting and not seq.plain_only:

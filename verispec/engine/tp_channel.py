@@ -122,6 +122,6 @@ def _read(sock: socket.socket, size: int) -> bytes:
     while got < size:
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise RankGone("rank 0's connection closed")
+            raise RankGone("the other end closed the connection")
         got += n
     return bytes(buf)

@@ -8,8 +8,8 @@ message (engine/tp_channel.py, CPU tensors), so every rank makes the same collec
 - `Logits`: the head over hidden states that follow on the tensor group (rank 0 gathers them);
 - `Commit`: the rows of the last pass each sequence keeps (recurrent layers' states, which each
   rank holds for its own heads);
-- `CaptureGraphs`, `Replay`, `GraphCommit`: on CUDA, capture the same verify-pass graphs as rank 0
-  (engine/cuda_graphs.py), replay one (its inputs come from rank 0 inside the graph), commit its rows;
+- `CaptureGraphs`, `Replay`: on CUDA, capture the same verify-pass graphs as rank 0
+  (engine/cuda_graphs.py), replay one (its inputs come from rank 0 inside the graph);
 - `Stop`.
 A worker that dies is seen by a watch thread (its process exits, or its connection closes), or
 makes the next collective fail; either way the group is marked failed, the step's requests fail with a
@@ -91,13 +91,6 @@ class CaptureGraphs:
 class Replay:
     batch: int  # the graph's batch bucket
     num_tokens: int
-
-
-@dataclass(frozen=True)
-class GraphCommit:
-    batch: int
-    num_tokens: int
-    num_rows: list[int]  # per real sequence, as _PaddedCommit.commit takes them
 
 
 @dataclass(frozen=True)
@@ -244,9 +237,6 @@ class Peers:
     def replay(self, batch: int, num_tokens: int) -> None:
         """Tell the workers to replay the graph rank 0 is about to (inside `collective()`)."""
         self.send(Replay(batch, num_tokens))
-
-    def graph_commit(self, batch: int, num_tokens: int, num_rows: list[int]) -> None:
-        self.send(GraphCommit(batch, num_tokens, num_rows))
 
     def keep_graphs(self, graphs) -> None:
         self._graphs.append(weakref.ref(graphs))

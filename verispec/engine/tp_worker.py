@@ -25,8 +25,7 @@ from verispec.config import EngineConfig
 from verispec.engine import tp_group
 from verispec.engine.cuda_graphs import BatchGraphs
 from verispec.engine.tp_channel import Line, RankGone
-from verispec.engine.tp_peers import (CacheOps, CaptureGraphs, Commit, CopyState, Forward, GraphCommit, Logits, Pools,
-                                      Replay, Stop)
+from verispec.engine.tp_peers import CacheOps, CaptureGraphs, Commit, CopyState, Forward, Logits, Pools, Replay, Stop
 from verispec.engine.scheduler import ClearState, CopyBlock, RestoreState, ZeroBlocks
 from verispec.engine.loading import load_rank_share
 from verispec.loading.device import parse_dtype
@@ -66,8 +65,6 @@ def run(config: EngineConfig, rank: int, source) -> None:
                 _apply(pools, message.ops)
             elif isinstance(message, Replay):
                 graphs.passes[(message.batch, message.num_tokens)].replay_as_worker()
-            elif isinstance(message, GraphCommit):
-                graphs.passes[(message.batch, message.num_tokens)].commit_as_worker(message.num_rows)
             elif isinstance(message, CaptureGraphs):
                 if graphs is not None:  # rank 0 built another engine over the same ranks
                     graphs.release()
