@@ -9,7 +9,7 @@ import torch
 from verispec.kernels import launch
 from verispec.quant import dispatch
 from verispec.quant.dispatch import Kernel
-from verispec.quant.kernels import frag, matmul
+from verispec.quant.kernels import cpu_qdot, frag, matmul
 from verispec.quant.layers.linear import MLXAffineLinear, PackedIntLinear
 from verispec.quant.packing import pack_rows
 
@@ -63,7 +63,9 @@ def test_the_rule_on_an_h200(gpu, bits, group, n, k, dtype, want):
 
 def test_the_rule_before_sm90_and_on_a_cpu(gpu):
     assert dispatch.choose(layer(4, 64), CPU, FP32)[0] is Kernel.DEQUANTIZE
-    assert dispatch.choose(layer(8, 64), CPU, BF16)[0] is Kernel.DEQUANTIZE
+    # 8-bit on a CPU: the integer-dot kernel where it builds (tests/quant/kernels/test_cpu_qdot.py)
+    assert dispatch.choose(layer(8, 64), CPU, BF16)[0] is (Kernel.QDOT if cpu_qdot.failure() is None
+                                                          else Kernel.DEQUANTIZE)
     gpu((8, 0))  # an A100: no tensor-core kernel of ours
     assert dispatch.choose(layer(4, 64), CUDA, BF16)[0] is Kernel.TINYGEMM
     assert dispatch.choose(layer(4, 64, kind=PackedIntLinear), CUDA, BF16)[0] is Kernel.TINYGEMM

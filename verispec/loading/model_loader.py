@@ -37,7 +37,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     `shard`: this tensor-parallel rank's share of the model, read alone from the files
     (models/sharding.py; a dense safetensors checkpoint, checked by check_shardable)."""
     from verispec.loading import quantized_shards
-    from verispec.loading.gguf import QUANTIZATION_CONFIG, keeps_4bit
+    from verispec.loading.gguf import QUANTIZATION_CONFIG, keeps_4bit, keeps_table
     from verispec.quant import loading as quant_loading
 
     if is_gguf(model_dir):
@@ -49,6 +49,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         kept = four_bit if keep else set()
         if four_bit and not keep and keep_gguf_4bit is None:
             log.debug("GGUF %s: 4-bit weights dequantized: %s", gguf.path.name, reason)
+        if keep and (table := gguf.quantized_table()) is not None and gguf.config.get("tie_word_embeddings"):
+            if (why := keeps_table(device, dtype)) is None:
+                kept = kept | {table}
+            else:
+                log.debug("GGUF %s: the embedding table dequantized: %s", gguf.path.name, why)
         config = dict(gguf.config, quantization=QUANTIZATION_CONFIG) if kept else gguf.config
         tensors = gguf.tensors_for_model(kept)
         shapes = gguf.checkpoint_shapes(kept) if kept else None

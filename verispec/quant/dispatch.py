@@ -12,8 +12,10 @@ the layer:
 4. GEMV: 2 / 4 / 8-bit on CUDA with Gluon: the GEMV on the checkpoint's words (kernels/gemv.py);
 then, for wider passes up to 128 rows (and decode passes nothing above took), the dequantizing
 Triton product (kernels/matmul.py) on CUDA, and beyond that (prefill) the weight dequantized into
-one GEMM. On a CPU only TINYGEMM runs, and for every pass (bfloat16 and float16 activations, 4-bit
-groups of 32-256: GGUF's Q4_0 / Q4_1 among them); other layers dequantize into one GEMM.
+one GEMM. On a CPU one kernel runs every pass of a layer (bfloat16 and float16 activations): QDOT,
+our integer-dot kernel on 4 / 8-bit groups of multiples of 32 (GGUF's Q4_0 / Q4_1 / Q8_0 among
+them; kernels/cpu_qdot.py), else TINYGEMM on 4-bit groups of 32-256 (no C compiler, scales that
+are not float16); other layers dequantize into one GEMM.
 Every kernel here sums a row the same way whatever the pass's width, so speculative verify equals
 plain decode row by row.
 
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from verispec import log
-from verispec.quant.kernels import exact, frag, gemv, int4_builtin, matmul, mma, stream_mlp
+from verispec.quant.kernels import cpu_qdot, exact, frag, gemv, int4_builtin, matmul, mma, stream_mlp
 from verispec.quant.layers.linear import QuantizedLinear
 from verispec.quant.layers.mlp import GatedProduct, gated_mlps
 
@@ -51,6 +53,7 @@ class Kernel(str, Enum):
     TRITON = "triton"  # kernels/matmul.py, dequantizing inside the product
     DEQUANTIZE = "dequantize"  # the whole weight dequantized, one GEMM
     EXACT = "exact"  # kernels/exact.py: one summation order at every row count (exact numerics)
+    QDOT = "qdot"  # the CPU integer-dot kernel on its own copy (kernels/cpu_qdot.py)
 
 
 # ---- the rule -----------------------------------------------------------------------------------
@@ -68,6 +71,11 @@ def tinygemm_reason(layer: QuantizedLinear, device: torch.device, dtype: torch.d
     """Why this layer does not get a copy for torch's int4 kernel (None: it does)."""
     return int4_builtin.unsupported_reason(device, dtype, layer.bits, layer.group_size, layer.out_features,
                                            layer.in_features)
+
+
+def qdot_reason(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this layer does not get a copy for the CPU integer-dot kernel (None: it does)."""
+    return cpu_qdot.unsupported_reason(device, dtype, layer.bits, layer.group_size, layer.in_features)
 
 
 def gemv_reason(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -90,6 +98,8 @@ def choose(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> 
     reasons = []
     rule = ((Kernel.FRAG, frag_reason), (Kernel.MMA, mma_reason), (Kernel.TINYGEMM, tinygemm_reason),
             (Kernel.GEMV, gemv_reason))
+    if device.type == "cpu":
+        rule = ((Kernel.QDOT, qdot_reason),) + rule
     for kernel, reason_of in rule:
         reason = reason_of(layer, device, dtype)
         if reason is None:
@@ -143,6 +153,10 @@ def _mma_gated(layer, x):
 
 def _tinygemm(layer, x):
     return int4_builtin.matmul(x.contiguous(), layer.int4_packed, layer.group_size, layer.int4_scale_zero)
+
+
+def _qdot(layer, x):
+    return cpu_qdot.matmul(x, layer.qdot_blocks, layer.bits, layer.out_features)
 
 
 def _gemv(layer, x):
@@ -199,6 +213,8 @@ def bind(layer: QuantizedLinear, device: torch.device, dtype: torch.dtype) -> Bo
             return Bound(device, dtype, ((sys.maxsize, Kernel.EXACT, _exact),))
         reasons.append(f"not exact: {reason}")
     copy = layer.frag if layer.frag_terms is not None and layer.frag_terms.dtype == dtype else None
+    if layer.qdot_blocks is not None and qdot_reason(layer, device, dtype) is None:
+        return Bound(device, dtype, ((sys.maxsize, Kernel.QDOT, _qdot),))  # every pass: row invariant
     if layer.int4_packed is not None and int4_builtin.activation_reason(device, dtype) is None:
         if device.type == "cpu":  # every pass: row invariant at every width, and the fastest at each
             return Bound(device, dtype, ((int4_builtin.max_rows(device), Kernel.TINYGEMM, _tinygemm),))
@@ -266,19 +282,24 @@ def _quantized_linears(root: nn.Module) -> list[QuantizedLinear]:
 
 
 def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = None) -> int:
-    """Gives every layer the rule puts on FRAG its fragment-order copy and every one it puts on
-    TINYGEMM tinygemm's copy (layers that have one are left alone). Returns how many copies."""
+    """Gives every layer the rule puts on FRAG its fragment-order copy, every one it puts on
+    TINYGEMM tinygemm's copy and every one it puts on QDOT that kernel's blocks (layers that have
+    one are left alone). Returns how many copies."""
     made, logged = collections.Counter(), set() if logged is None else logged
     for layer in _quantized_linears(root):
-        if layer.int4_packed is not None or layer.frag is not None:
+        if layer.int4_packed is not None or layer.frag is not None or layer.qdot_blocks is not None:
             continue
         device = layer.packed_values().device
         kernel, reasons = choose(layer, device, dtype)
-        if device.type != "cpu":
-            _log_once(logged, reasons)
-        elif kernel is not Kernel.TINYGEMM:  # the one CPU kernel: the CUDA kernels' reasons say nothing there
-            _log_once(logged, [f"not {Kernel.TINYGEMM.value}: {tinygemm_reason(layer, device, dtype)}"])
-        if kernel is Kernel.FRAG:
+        if kernel is Kernel.QDOT and (reason := layer.use_qdot()) is not None:
+            reasons.append(f"not {Kernel.QDOT.value}: {reason}")
+            kernel = Kernel.TINYGEMM if tinygemm_reason(layer, device, dtype) is None else Kernel.DEQUANTIZE
+        if device.type == "cpu":  # the CUDA kernels' reasons say nothing there
+            reasons = [r for r in reasons if r.startswith((f"not {Kernel.QDOT.value}", f"not {Kernel.TINYGEMM.value}"))]
+        _log_once(logged, reasons)
+        if kernel is Kernel.QDOT:
+            pass  # the copy was made above
+        elif kernel is Kernel.FRAG:
             layer.use_fragment_order(dtype)
         elif kernel is Kernel.TINYGEMM:
             layer.use_builtin_int4()

@@ -1,4 +1,4 @@
-"""torch's int4 product on a CPU for GGUF's 4-bit blocks (quant/kernels/int4_builtin.py): Q4_0 and
+"""torch's int4 product on a CPU (the fallback where the integer-dot kernel does not run) for GGUF's 4-bit blocks (quant/kernels/int4_builtin.py): Q4_0 and
 Q4_1 weights quantized by the `gguf` library, unpacked by verispec's GGUF reader into a quantized
 layer and multiplied by the CPU kernel (bfloat16 activations, and float16 through bfloat16),
 against the library's own dequantization times x in float64; and a row's bits whatever the
@@ -16,6 +16,12 @@ from verispec.quant.packing import pack_rows
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def without_the_integer_dot_kernel(monkeypatch):
+    """torch's int4 kernel is the CPU fallback where ours does not run (tests/quant/kernels/test_cpu_qdot.py)."""
+    monkeypatch.setattr(dispatch, "qdot_reason", lambda *args: "tested without it")
 
 N, K = 48, 96  # the CPU packing takes N in multiples of 16; K in whole 32-blocks
 DTYPES = [torch.bfloat16, torch.float16]

@@ -26,11 +26,14 @@ from verispec.loading.gguf.quants import AFFINE_TYPES, GROUP_SIZE, AffineQuantiz
     read_tensor, tensor_type_name
 
 SUFFIX = ".gguf"
-# Kept quantized where torch's int4 kernel (tinygemm) takes them: 4-bit groups of 32, on CUDA in
-# bfloat16, on a CPU in bfloat16 or float16 (verispec/quant/kernels/int4_builtin.py). Q8_0 stays
-# dense: our 8-bit kernel is slower than a bfloat16 GEMM (docs/benchmarks.md), and torch's CPU int8
-# product takes one scale per output row where Q8_0 has one per 32 values (docs/quantization.md).
+# Kept quantized where a kernel multiplies by them as stored: 4-bit groups of 32 on CUDA in bfloat16
+# (torch's int4 kernel), on a CPU in bfloat16 or float16 (the integer-dot kernel, else torch's int4
+# kernel; verispec/quant/kernels/cpu_qdot.py). A Q8_0 / Q4 embedding table stays quantized on a CPU
+# where the integer-dot kernel runs the tied head over it; elsewhere Q8_0 stays dense: our CUDA 8-bit
+# kernel is slower than a bfloat16 GEMM (docs/benchmarks.md).
 KEPT_4BIT_TYPES = ("Q4_0", "Q4_1")
+TYPE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+EMBEDDING_TABLE = "model.embed_tokens.weight"
 QUANTIZATION_CONFIG = {"group_size": GROUP_SIZE, "bits": 4}  # the MLX-affine form the kept weights take
 ROPE_FREQS = "rope_freqs.weight"
 # Token ids llama.cpp also ends generation on besides eos (end of turn / end of message)
@@ -112,9 +115,17 @@ class GGUFCheckpoint:
                 names.add(name)
         return names
 
+    def quantized_table(self) -> str | None:
+        """The embedding table's Hugging Face name when the file stores it as Q8_0 / Q4_0 / Q4_1
+        (None otherwise): kept quantized where the CPU integer-dot kernel runs a tied head over it."""
+        for t in self.reader.tensors:
+            if hf_name(t.name, self.architecture) == EMBEDDING_TABLE and tensor_type_name(t) in TYPE_BITS:
+                return EMBEDDING_TABLE
+        return None
+
     def checkpoint_shapes(self, kept: set[str]) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape as `tensors_for_model(kept)` yields it: a kept weight [N, K] as MLX's
-        packed weight [N, K/8] with scales and biases [N, K/32]."""
+        """Every tensor's shape as `tensors_for_model(kept)` yields it: a kept b-bit weight [N, K] as
+        MLX's packed weight [N, K*b/32] with scales and biases [N, K/32]."""
         from verispec.quant.packing import packed_words
 
         shapes = {}
@@ -125,7 +136,7 @@ class GGUFCheckpoint:
             shape = self.tensor_shapes[t.name]
             if name in kept:
                 prefix, (rows, cols) = name[: -len(".weight")], shape
-                shapes[name] = (rows, packed_words(cols, QUANTIZATION_CONFIG["bits"]))
+                shapes[name] = (rows, packed_words(cols, TYPE_BITS[tensor_type_name(t)]))
                 shapes[f"{prefix}.scales"] = shapes[f"{prefix}.biases"] = (rows, cols // GROUP_SIZE)
             else:
                 shapes[name] = shape
@@ -157,10 +168,18 @@ class GGUFCheckpoint:
 
 def keeps_4bit(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why a GGUF's Q4_0 / Q4_1 weights are dequantized at load on this device and dtype (None:
-    they stay quantized, for torch's int4 kernel)."""
+    they stay quantized, for torch's int4 kernel or, on a CPU, the integer-dot kernel)."""
     from verispec.quant.kernels.int4_builtin import activation_reason
 
     return activation_reason(device, dtype)
+
+
+def keeps_table(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a GGUF's quantized embedding table is dequantized at load (None: it stays quantized, and a
+    tied head multiplies by it on the CPU integer-dot kernel; lookups decode their rows)."""
+    from verispec.quant.kernels import cpu_qdot
+
+    return cpu_qdot.unsupported_reason(device, dtype, 8, 32, 32)
 
 
 def _field_value(name: str, field):

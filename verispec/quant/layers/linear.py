@@ -16,7 +16,7 @@ from torch import nn
 
 from verispec import log
 from verispec.errors import UnsupportedModelError
-from verispec.quant.kernels import dequantize, frag as frag_kernel, frag_dequantize, int4_builtin
+from verispec.quant.kernels import cpu_qdot, dequantize, frag as frag_kernel, frag_dequantize, int4_builtin
 from verispec.quant.kernels import mma as mma_kernel
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
@@ -53,6 +53,8 @@ class QuantizedLinear(nn.Module):
         # ran; buffers, so .to() moves them and the roofline counts them
         self.register_buffer("int4_packed", None, persistent=False)
         self.register_buffer("int4_scale_zero", None, persistent=False)
+        # the CPU integer-dot kernel's blocks (kernels/cpu_qdot.py), once use_qdot ran
+        self.register_buffer("qdot_blocks", None, persistent=False)
         # the fragment-order copy of a 4-bit weight (kernels/frag.py), once use_fragment_order ran
         self.register_buffer("frag_words", None, persistent=False)
         self.register_buffer("frag_terms", None, persistent=False)
@@ -101,6 +103,18 @@ class QuantizedLinear(nn.Module):
         self.int4_scale_zero = int4_builtin.scales_and_zeros(self.group_scales(), self.group_offsets(),
                                                              self.zero_point)
         self.bound = None
+
+    def use_qdot(self) -> str | None:
+        """Keeps a copy of the weight in the CPU integer-dot kernel's blocks (kernels/cpu_qdot.py) for
+        every pass; None, or why the weight has no such copy (a scale or offset not a float16)."""
+        q = unpack_rows(self.packed_values(), self.bits, self.in_features)  # [N, K]
+        blocks = cpu_qdot.pack(q, self.group_scales(), self.group_offsets(), self.bits, self.group_size,
+                               self.zero_point)
+        if blocks is None:
+            return "scales or offsets that are not exactly float16 (the kernel's blocks keep float16)"
+        self.qdot_blocks = blocks
+        self.bound = None
+        return None
 
     def use_fragment_order(self, dtype: torch.dtype) -> None:
         """Keeps a copy of the weight in the fragment-order kernel's layout (kernels/frag.py,

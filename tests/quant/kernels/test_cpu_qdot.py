@@ -1,0 +1,143 @@
+"""The CPU integer-dot kernel (quant/kernels/cpu_qdot.py, qdot.c) on GGUF's Q4_0, Q4_1 and Q8_0
+blocks, quantized by the `gguf` library and unpacked by verispec's reader into a quantized layer:
+against the library's own dequantization times the kernel's int8 activations in float64 (tightly:
+only float32 sums and the output's rounding), against the same times x itself (the activation
+rounding's bound), and a row's bits whatever the pass's width and thread count, as speculative
+verify == plain decode and batch == alone need."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verispec.kernels.cpu_build import Library
+from verispec.loading.gguf.quants import read_tensor
+from verispec.quant import dispatch
+from verispec.quant.kernels import cpu_qdot
+from verispec.quant.layers.linear import MLXAffineLinear
+from verispec.quant.packing import pack_rows
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cpu_qdot.failure() is not None, reason=f"no kernel: {cpu_qdot.failure()}")
+
+N, K = 48, 160  # K in whole 32-blocks, an odd count of them (the kernel pairs blocks); N for tinygemm's packing
+DTYPES = [torch.float16, torch.bfloat16]
+UNIT = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}  # the output's unit roundoff
+QTYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+
+class Tensor:
+    """What read_tensor reads from a gguf ReaderTensor: the type, the shape (innermost first) and the blocks."""
+
+    def __init__(self, blocks: np.ndarray, qtype, rows: int, cols: int):
+        self.data, self.tensor_type, self.name = blocks, qtype, "blk.0.ffn_down.weight"
+        self.shape = np.array([cols, rows])
+
+
+def layer_for(qtype_name: str, dtype: torch.dtype, seed: int = 0) -> tuple[MLXAffineLinear, torch.Tensor]:
+    """The layer as the GGUF loader builds it, its kernel copy made; and its weight [N, K] float64:
+    the library's dequantization in float16 (whose scales hold the file's exactly), the file's
+    scales rounded to bfloat16 in a bfloat16 model (as the loader's cast rounds them)."""
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    w[:, :32] += 0.03  # a block whose values do not straddle zero: Q4_1's minimum far from the scale's
+    blocks = quantize(w, qtype)
+    affine = read_tensor(Tensor(blocks, qtype, N, K))
+    layer = MLXAffineLinear(K, N, affine.bits, 32)
+    layer.weight.copy_(pack_rows(affine.q, affine.bits))
+    layer.scales.data, layer.biases.data = affine.scales.to(dtype), affine.biases.to(dtype)
+    dispatch.make_copies(torch.nn.Sequential(layer), dtype)
+    weight = layer.dequantized_weight(torch.float64)
+    if dtype == torch.float16:
+        assert torch.equal(weight, torch.from_numpy(dequantize(blocks, qtype)).double())
+    return layer, weight
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel rounds it: per block of 32, d = max|x| / 127 and codes round(x / d)
+    (float32 arithmetic, ties to even), returned as codes * d in float64."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    return (codes.double() * d.double()).view_as(x)
+
+
+def sum_bound(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 block sums over K, then the output's rounding to `dtype`: [M, N]."""
+    terms = x.abs() @ w.abs().T
+    return (K // 32 + 8) * 2.0 ** -23 * terms + UNIT[dtype] * (x @ w.T).abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_product_is_the_librarys_weights_times_int8_activations(qtype, dtype):
+    layer, w = layer_for(qtype, dtype)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = layer(x)
+    assert layer.bound.kernels[0] is dispatch.Kernel.QDOT and layer.qdot_blocks is not None
+    assert y.dtype == dtype and y.shape == (5, N)
+    xq = int8_activations(x)
+    err = (y.double() - xq @ w.T).abs()
+    assert (err <= sum_bound(xq, w, dtype)).all(), float((err - sum_bound(xq, w, dtype)).max())
+    # against x itself: each activation is within half its block's step (max|x| / 254) of x
+    step = x.double().abs().view(5, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(5, K) / 254
+    rounding = step @ w.abs().T
+    err = (y.double() - x.double() @ w.T).abs()
+    assert (err <= rounding + sum_bound(x.double(), w, dtype)).all()
+
+
+def test_the_bound_catches_a_lost_offset():
+    """The first test can fail: a Q4_1 layer whose blocks lost their offsets is outside it."""
+    layer, w = layer_for("Q4_1", torch.float16)
+    blocks = layer.qdot_blocks.view(N, K // 32, cpu_qdot.BLOCK_BYTES[4]).clone()
+    blocks[..., 2:4] = 0  # the float16 offset of every block
+    layer.qdot_blocks = blocks.view(N, -1)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(3)).half()
+    xq = int8_activations(x)
+    assert not ((layer(x).double() - xq @ w.T).abs() <= sum_bound(xq, w, torch.float16)).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_bits_do_not_depend_on_the_pass(qtype, dtype):
+    layer, _ = layer_for(qtype, dtype, seed=1)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(4)).to(dtype)
+    wide = layer(x)  # a prompt chunk's width
+    for rows in range(1, 9):  # decode, verify passes and batches of them
+        assert torch.equal(layer(x[:rows]), wide[:rows]), rows
+        assert torch.equal(layer(x[rows:rows + 1]), wide[rows:rows + 1]), rows  # the row alone
+    assert torch.equal(layer(x.view(2, 20, K)), wide.view(2, 20, N))  # [B, T, K] as the models pass it
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer(x[:3]), wide[:3])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_float32_models_keep_the_dequantized_product():
+    """The kernel rounds activations to int8: a float32 model's layers do not take it."""
+    layer, _ = layer_for("Q4_0", torch.float32)
+    assert layer.qdot_blocks is None
+    assert dispatch.Kernel.QDOT not in layer.bind(torch.device("cpu"), torch.float32).kernels
+
+
+def test_scales_that_are_not_float16_fall_back_to_torchs_int4_kernel():
+    layer, _ = layer_for("Q4_0", torch.bfloat16)
+    fresh = MLXAffineLinear(K, N, 4, 32)
+    fresh.weight.copy_(layer.weight)
+    fresh.scales.data = layer.scales.float() * (1 + 2.0 ** -20)  # between two float16 values
+    fresh.biases.data = layer.biases.float()
+    dispatch.make_copies(torch.nn.Sequential(fresh), torch.bfloat16)
+    assert fresh.qdot_blocks is None and fresh.int4_packed is not None
+    assert fresh.bind(torch.device("cpu"), torch.bfloat16).kernels[0] is dispatch.Kernel.TINYGEMM
+
+
+def test_without_a_compiler_the_kernel_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
+    library = Library(cpu_qdot._library.source, lambda lib: None)
+    assert library.get() is None and "no-such-cc" in library.failure()

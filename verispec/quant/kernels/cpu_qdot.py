@@ -1,0 +1,96 @@
+"""Integer-dot products for 4-bit and 8-bit group-quantized layers on a CPU (qdot.c beside this file).
+
+The weights stay quantized (GGUF's block layout: a float16 scale and offset and 32 codes a block)
+and each activation block of 32 is rounded to int8 with its own scale, as llama.cpp's Q8
+activations are; the block products are exact integer dot products (AVX2's `maddubs` where the CPU
+has it), summed over K in one order per output whatever the pass's width, so a row's bits are the
+same alone, in a batch, in a verify pass and in a prompt chunk (tests/quant/kernels/test_cpu_qdot.py).
+
+Built at first use by kernels/cpu_build.py (the system's C compiler, -march=native, cached on
+disk); without a compiler the layers run torch's int4 kernel, the reason logged.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from verispec import log
+from verispec.kernels.cpu_build import Library
+
+BLOCK = 32  # values a block: the activation rounding's and the weight layout's unit
+BITS = (4, 8)
+BLOCK_BYTES = {4: 4 + 16, 8: 4 + 32}  # float16 scale and offset, then the codes
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    library.qdot_linear.restype = ctypes.c_int
+    library.qdot_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    library.qdot_isa.restype = ctypes.c_char_p
+    log.debug("CPU integer-dot kernel: %s", library.qdot_isa().decode())
+
+
+_library = Library(Path(__file__).with_name("qdot.c"), _declare)
+
+
+def failure() -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    return _library.failure()
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
+                       in_features: int) -> str | None:
+    """Why this layer cannot take the kernel (None: it can)."""
+    if device.type != "cpu":
+        return f"device {device.type} (a CPU kernel)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        return f"activations in {name} (its int8 activation rounding is for float16 / bfloat16 models)"
+    if bits not in BITS:
+        return f"{bits}-bit weights (it takes 4 and 8)"
+    if group_size % BLOCK or in_features % BLOCK:
+        return f"group size {group_size}, {in_features} input features (it needs multiples of {BLOCK})"
+    if (reason := failure()) is not None:
+        return reason
+    return None
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int,
+         zero_point: bool) -> torch.Tensor | None:
+    """q [N, K] unsigned codes, scales / offsets [N, K/group_size] (w = q*s + o, or (q - o)*s with a
+    zero point) -> the kernel's blocks [N, K/32 * BLOCK_BYTES[bits]] uint8; None when a block's
+    scale or offset is not exactly a float16 (the layout keeps them as float16)."""
+    n, k = q.shape
+    repeat = group_size // BLOCK
+    s = scales.double().repeat_interleave(repeat, dim=1)
+    o = offsets.double().repeat_interleave(repeat, dim=1)
+    if zero_point:
+        o = -o * s  # (q - z) * s = q * s - z * s
+    codes = q.to(torch.int16)
+    if bits == 8:  # signed codes, the offset re-centred: q*s + o = (q - 128)*s + (o + 128 s)
+        codes, o = codes - 128, o + 128 * s
+    s16, o16 = s.to(torch.float16), o.to(torch.float16)
+    if not (torch.equal(s16.double(), s) and torch.equal(o16.double(), o)):
+        return None
+    blocks = k // BLOCK
+    head = torch.stack([s16, o16], dim=-1).view(torch.uint8).view(n, blocks, 4)
+    codes = codes.view(n, blocks, BLOCK)
+    if bits == 4:  # byte j: value j in the low nibble, value j + 16 in the high
+        codes = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)
+    else:
+        codes = codes.to(torch.int8).view(torch.uint8)
+    return torch.cat([head, codes], dim=-1).reshape(n, -1).contiguous()
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+    """x [M, K] (float16, bfloat16 or float32) -> [M, N] in x's dtype."""
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=x.dtype)
+    code = DTYPE_CODES[x.dtype]
+    if _library.get().qdot_linear(x.data_ptr(), code, m, k, packed.data_ptr(), bits, out_features, y.data_ptr(), code):
+        raise MemoryError(f"the CPU integer-dot kernel could not allocate its scratch for {m} x {k} activations")
+    return y
