@@ -33,6 +33,7 @@ from verispec.engine.scheduler import CacheOp, ClearState, CopyBlock, RestoreSta
 from verispec.errors import EngineUnavailableError
 
 EXIT_NOTICE_S = 1.0  # after a collective fails, how long to wait for the watch thread to name the rank
+ABORT_WAIT_S = 5.0  # how long a lost group's abort is waited on before it is left to itself
 
 
 class TensorParallelError(EngineUnavailableError):
@@ -149,6 +150,37 @@ def _abort_collectives() -> None:
             log.debug("tensor parallel: aborting the process group failed (%s)", exc)
 
 
+class BoundedOnce:
+    """Runs `work` once, in a thread of its own, and waits for it at most `wait_s` seconds over all
+    calls: aborting a group can block for good where a kernel on this GPU waits on the lost rank
+    (an NVLink all-reduce spinning on a signal that will not come), and neither the thread that
+    noticed the loss nor `stop()` may hang on it."""
+
+    def __init__(self, work, wait_s: float, what: str):
+        self.work, self.wait_s, self.what = work, wait_s, what
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._deadline = 0.0
+        self._warned = False
+
+    def run(self) -> bool:
+        """True once the work has returned; False while it is still blocked (logged once)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self.work, name=self.what, daemon=True)
+                self._deadline = time.monotonic() + self.wait_s
+                self._thread.start()
+        self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()))
+        if not self._thread.is_alive():
+            return True
+        with self._lock:
+            if not self._warned:
+                self._warned = True
+                log.warning("%s did not return within %.0f s: a kernel on this GPU may be waiting on the lost rank; "
+                            "the process cannot finish its GPU work and should be restarted", self.what, self.wait_s)
+        return False
+
+
 class Peers:
     """What rank 0's runner calls so the other ranks run the same step."""
 
@@ -158,6 +190,7 @@ class Peers:
         self._failure: str | None = None
         self._stopping = False
         self._graphs: list[weakref.ref] = []  # rank 0's BatchGraphs, released before the group goes
+        self._abort = BoundedOnce(_abort_collectives, ABORT_WAIT_S, "aborting the tensor-parallel group")
         tp_group.watch(group.workers, self._exited)
         group.hub.watch(self._disconnected)
 
@@ -181,7 +214,7 @@ class Peers:
             self._failure = failure
             log.warning("%s; open requests fail and new ones are refused", self._failure)
             if self.group.device.type == "cuda":
-                _abort_collectives()
+                self._abort.run()
 
     # ---- calls ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -261,6 +294,6 @@ class Peers:
                         torch.cuda.synchronize(self.group.device)
                     dist.destroy_process_group()
                 else:  # a rank is gone: tearing down would wait for it
-                    _abort_collectives()
+                    self._abort.run()
             tp_group.stop_workers(self.group.workers)
             self.group.hub.close()
