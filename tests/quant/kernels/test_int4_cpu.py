@@ -13,6 +13,7 @@ from verispec.loading.gguf.quants import read_tensor
 from verispec.quant import dispatch
 from verispec.quant.layers.linear import MLXAffineLinear
 from verispec.quant.packing import pack_rows
+from tests.quant.kernels.rows import assert_rows_do_not_depend_on_the_pass
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
@@ -95,18 +96,7 @@ def test_the_bound_catches_a_zero_off_by_one_scale():
 def test_a_rows_bits_do_not_depend_on_the_pass(dtype):
     layer, _ = cpu_layer("Q4_1", dtype, seed=1)
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(4)).to(dtype)
-    wide = layer(x)  # a prompt chunk's width
-    for rows in range(1, 9):  # decode, verify passes and batches of them
-        assert torch.equal(layer(x[:rows]), wide[:rows]), rows
-        assert torch.equal(layer(x[rows:rows + 1]), wide[rows:rows + 1]), rows  # the row alone
-    assert torch.equal(layer(x.view(2, 20, K)), wide.view(2, 20, N))  # [B, T, K] as the models pass it
-    with torch.no_grad():
-        previous = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            assert torch.equal(layer(x[:3]), wide[:3])
-        finally:
-            torch.set_num_threads(previous)
+    assert_rows_do_not_depend_on_the_pass(layer, x)
 
 
 def test_float32_and_float64_passes_keep_the_dequantized_product():
