@@ -52,7 +52,7 @@ class Library:
         if compiler is None:
             raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build {self.source.name}")
         text = self.source.read_bytes()
-        key = hashlib.sha256(text + " ".join((compiler, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
+        key = hashlib.sha256(text + " ".join((compiler, *FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
         target = _cache_dir() / f"{self.source.stem}-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -67,6 +67,17 @@ class Library:
         library = ctypes.CDLL(str(target))
         self.declare(library)
         return library
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's feature flags where Linux lists them (a home
+    directory shared by machines with other CPUs then keeps one build each)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
 def _cache_dir() -> Path:
