@@ -77,9 +77,9 @@ def test_smollm2_answers_a_chat_through_the_openai_client():
 @pytest.mark.slow
 @needs_wheel
 def test_smollm2_on_a_cpu_answers_the_readme_prompts_as_its_float16_weights_do(monkeypatch):
-    """On a CPU the Q4_1 weights stay 4-bit for torch's int4 kernel (bfloat16 products in the
-    float16 model); the README's prompts give the greedy tokens of the same model with its weights
-    dequantized to float16 (the CPU path before the kernel)."""
+    """On a CPU the Q4_1 weights and the tied head's Q8_0 table stay quantized for the integer-dot
+    kernel (int16 activations in the float16 model); the README's prompts give the greedy tokens of
+    the same model with its weights dequantized to float16 (the CPU path before the kernel)."""
     import verispec.loading.gguf as gguf_loading
     from verispec.engine.engine import load_engine
     from verispec.quant.dispatch import Kernel
@@ -94,7 +94,7 @@ def test_smollm2_on_a_cpu_answers_the_readme_prompts_as_its_float16_weights_do(m
 
     quantized = load_engine("smollm2", dtype="float16", device="cpu")
     layers = [m for m in quantized.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 4 * 30 and all(m.bound.kernels[0] is Kernel.TINYGEMM for m in layers)
+    assert len(layers) == 4 * 30 + 1 and all(m.bound.kernels[0] is Kernel.QDOT for m in layers)  # + the head
     four_bit = answers(quantized)
     monkeypatch.setattr(gguf_loading, "keeps_4bit", lambda device, dtype: "dequantized for the comparison")
     dense = load_engine("smollm2", dtype="float16", device="cpu")

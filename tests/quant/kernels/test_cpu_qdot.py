@@ -1,6 +1,6 @@
 """The CPU integer-dot kernel (quant/kernels/cpu_qdot.py, qdot.c) on GGUF's Q4_0, Q4_1 and Q8_0
 blocks, quantized by the `gguf` library and unpacked by verispec's reader into a quantized layer:
-against the library's own dequantization times the kernel's int8 activations in float64 (tightly:
+against the library's own dequantization times the kernel's int16 activations in float64 (tightly:
 only float32 sums and the output's rounding), against the same times x itself (the activation
 rounding's bound), and a row's bits whatever the pass's width and thread count, as speculative
 verify == plain decode and batch == alone need."""
@@ -56,13 +56,13 @@ def layer_for(qtype_name: str, dtype: torch.dtype, seed: int = 0) -> tuple[MLXAf
     return layer, weight
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel rounds it: per block of 32, d = max|x| / 127 and codes round(x / d)
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel rounds it: per block of 32, d = max|x| / 32767 and codes round(x / d)
     (float32 arithmetic, ties to even), returned as codes * d in float64."""
     blocks = x.float().view(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
     inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    codes = torch.round(blocks * inverse).clamp(-32767, 32767)
     return (codes.double() * d.double()).view_as(x)
 
 
@@ -74,17 +74,17 @@ def sum_bound(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qtype", list(QTYPES))
-def test_product_is_the_librarys_weights_times_int8_activations(qtype, dtype):
+def test_product_is_the_librarys_weights_times_int16_activations(qtype, dtype):
     layer, w = layer_for(qtype, dtype)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(3)).to(dtype)
     y = layer(x)
     assert layer.bound.kernels[0] is dispatch.Kernel.QDOT and layer.qdot_blocks is not None
     assert y.dtype == dtype and y.shape == (5, N)
-    xq = int8_activations(x)
+    xq = int16_activations(x)
     err = (y.double() - xq @ w.T).abs()
     assert (err <= sum_bound(xq, w, dtype)).all(), float((err - sum_bound(xq, w, dtype)).max())
-    # against x itself: each activation is within half its block's step (max|x| / 254) of x
-    step = x.double().abs().view(5, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(5, K) / 254
+    # against x itself: each activation is within half its block's step (max|x| / 65534) of x
+    step = x.double().abs().view(5, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(5, K) / 65534
     rounding = step @ w.abs().T
     err = (y.double() - x.double() @ w.T).abs()
     assert (err <= rounding + sum_bound(x.double(), w, dtype)).all()
@@ -97,7 +97,7 @@ def test_the_bound_catches_a_lost_offset():
     blocks[..., 2:4] = 0  # the float16 offset of every block
     layer.qdot_blocks = blocks.view(N, -1)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(3)).half()
-    xq = int8_activations(x)
+    xq = int16_activations(x)
     assert not ((layer(x).double() - xq @ w.T).abs() <= sum_bound(xq, w, torch.float16)).all()
 
 
@@ -110,7 +110,7 @@ def test_a_rows_bits_do_not_depend_on_the_pass(qtype, dtype):
 
 
 def test_float32_models_keep_the_dequantized_product():
-    """The kernel rounds activations to int8: a float32 model's layers do not take it."""
+    """The kernel rounds activations to int16: a float32 model's layers do not take it."""
     layer, _ = layer_for("Q4_0", torch.float32)
     assert layer.qdot_blocks is None
     assert dispatch.Kernel.QDOT not in layer.bind(torch.device("cpu"), torch.float32).kernels

@@ -1,10 +1,12 @@
 """Integer-dot products for 4-bit and 8-bit group-quantized layers on a CPU (qdot.c beside this file).
 
 The weights stay quantized (GGUF's block layout: a float16 scale and offset and 32 codes a block)
-and each activation block of 32 is rounded to int8 with its own scale, as llama.cpp's Q8
-activations are; the block products are exact integer dot products (AVX2's `maddubs` where the CPU
-has it), summed over K in one order per output whatever the pass's width, so a row's bits are the
-same alone, in a batch, in a verify pass and in a prompt chunk (tests/quant/kernels/test_cpu_qdot.py).
+and each activation block of 32 is rounded to int16 with its own scale (max |x| / 32767: finer
+than bfloat16's rounding; llama.cpp's int8 activations changed the default model's answers, as
+they change llama.cpp's own); the block products are exact integer dot products (AVX2's
+`madd` where the CPU has it), summed over K in one order per output whatever the pass's width,
+so a row's bits are the same alone, in a batch, in a verify pass and in a prompt chunk
+(tests/quant/kernels/test_cpu_qdot.py).
 
 Built at first use by kernels/cpu_build.py (the system's C compiler, -march=native, cached on
 disk); without a compiler the layers run torch's int4 kernel, the reason logged.
@@ -48,7 +50,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, grou
         return f"device {device.type} (a CPU kernel)"
     if dtype not in (torch.float16, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        return f"activations in {name} (its int8 activation rounding is for float16 / bfloat16 models)"
+        return f"activations in {name} (its int16 activation rounding is for float16 / bfloat16 models)"
     if bits not in BITS:
         return f"{bits}-bit weights (it takes 4 and 8)"
     if group_size % BLOCK or in_features % BLOCK:

@@ -1,11 +1,12 @@
 /* Integer-dot products for 4-bit and 8-bit group-quantized weights on a CPU (the GGUF Q4_0 / Q4_1 /
  * Q8_0 families, and any affine 4 / 8-bit layer in groups of 32), compiled at first use by
- * quant/kernels/cpu_qdot.py and called through ctypes.
+ * kernels/cpu_build.py for quant/kernels/cpu_qdot.py and called through ctypes.
  *
  * y[m, n] = sum over 32-blocks b of  d[n,b] * dx[m,b] * (q[n,b] . xq[m,b])  +  o[n,b] * dx[m,b] * sum(xq[m,b])
  * where the weight is w = q * d + o per block (q unsigned 4-bit, or signed 8-bit with the offset
- * re-centred) and each activation block is rounded to int8 with its own scale dx = max|x| / 127,
- * as llama.cpp's Q8 activations. The block dot products are exact integers; each output's float
+ * re-centred) and each activation block is rounded to int16 with its own scale dx = max|x| / 32767
+ * (llama.cpp rounds to int8, which changed this project's default model's answers; 16 bits are
+ * finer than bfloat16's rounding). The block dot products are exact integers; each output's float
  * sum runs over its blocks in order, whatever the row count, the other rows or the thread split,
  * so a row's bits are the same alone, in a batch, in a verify pass and in a prompt chunk.
  *
@@ -106,7 +107,7 @@ static inline void store_y(void *y, int dtype, size_t i, float v) {
 }
 
 /* One row's activations as int8 blocks: xq [K], dx [K/32] (scale), sx [K/32] (dx * sum of codes). */
-static void quantize_row(const void *x, int dtype, size_t offset, int K, int8_t *xq, float *dx, float *sx) {
+static void quantize_row(const void *x, int dtype, size_t offset, int K, int16_t *xq, float *dx, float *sx) {
     for (int b = 0; b < K / QK; b++) {
         float v[QK], amax = 0.0f;
         for (int j = 0; j < QK; j++) {
@@ -114,12 +115,12 @@ static void quantize_row(const void *x, int dtype, size_t offset, int K, int8_t 
             float a = fabsf(v[j]);
             amax = a > amax ? a : amax;
         }
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int j = 0; j < QK; j++) {
             int q = (int)nearbyintf(v[j] * id);
-            q = q > 127 ? 127 : (q < -127 ? -127 : q);
-            xq[b * QK + j] = (int8_t)q;
+            q = q > 32767 ? 32767 : (q < -32767 ? -32767 : q);
+            xq[b * QK + j] = (int16_t)q;
             sum += q;
         }
         dx[b] = d;
@@ -135,31 +136,33 @@ static inline float hsum8(__m256 v) {  /* a fixed pairing: the same bits for the
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 block_dot4(const block4 *w, const int8_t *xq) {
-    const __m128i packed = _mm_loadu_si128((const __m128i *)w->q);
-    const __m128i low = _mm_set1_epi8(0x0f);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
-    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    __m256i pairs = _mm256_maddubs_epi16(q, x);  /* q <= 15: no saturation */
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* 16 weights (as int16) times 16 activations, pairs summed: 8 int32 lanes; |sum| <= 32 * 128 * 32767 */
+static inline __m256i dot16(__m256i w, const int16_t *xq) {
+    return _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)xq));
 }
 
-static inline __m256 block_dot8(const block8 *w, const int8_t *xq) {
-    __m256i q = _mm256_loadu_si256((const __m256i *)w->q);
-    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    /* |q| * (x with q's sign): unsigned by signed, as maddubs takes them; |q| <= 128, |x| <= 127 */
-    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+static inline __m256 block_dot4(const block4 *w, const int16_t *xq) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)w->q);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m256i first = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low));                     /* values 0..15 */
+    __m256i second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low)); /* values 16..31 */
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(dot16(first, xq), dot16(second, xq + 16)));
+}
+
+static inline __m256 block_dot8(const block8 *w, const int16_t *xq) {
+    __m256i first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->q));
+    __m256i second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w->q + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(dot16(first, xq), dot16(second, xq + 16)));
 }
 #endif
 
-static inline int32_t block_dot4_scalar(const block4 *w, const int8_t *xq) {
+static inline int32_t block_dot4_scalar(const block4 *w, const int16_t *xq) {
     int32_t s = 0;
     for (int j = 0; j < 16; j++) s += (w->q[j] & 0x0f) * xq[j] + (w->q[j] >> 4) * xq[j + 16];
     return s;
 }
 
-static inline int32_t block_dot8_scalar(const block8 *w, const int8_t *xq) {
+static inline int32_t block_dot8_scalar(const block8 *w, const int16_t *xq) {
     int32_t s = 0;
     for (int j = 0; j < QK; j++) s += w->q[j] * xq[j];
     return s;
@@ -181,7 +184,7 @@ static inline int32_t block_dot8_scalar(const block8 *w, const int8_t *xq) {
     } while (0)
 
 #define DEFINE_TILE(NAME, BLOCK, DOT, R)                                                          \
-    static void NAME(const void *wrow, int nblocks, const int8_t *xq, const float *dx, const float *sx, \
+    static void NAME(const void *wrow, int nblocks, const int16_t *xq, const float *dx, const float *sx, \
                      int m0, float *out) {                                                        \
         __m256 even[R], odd[R];                                                                   \
         float even_off[R], odd_off[R];                                                            \
@@ -200,7 +203,7 @@ static inline int32_t block_dot8_scalar(const block8 *w, const int8_t *xq) {
     }
 #else
 #define DEFINE_TILE(NAME, BLOCK, DOT, R)                                                          \
-    static void NAME(const void *wrow, int nblocks, const int8_t *xq, const float *dx, const float *sx, \
+    static void NAME(const void *wrow, int nblocks, const int16_t *xq, const float *dx, const float *sx, \
                      int m0, float *out) {                                                        \
         for (int r = 0; r < R; r++) {                                                             \
             float acc = 0.0f, off = 0.0f;                                                         \
@@ -224,7 +227,7 @@ DEFINE_TILE(tile8_2, block8, block_dot8, 2)
 DEFINE_TILE(tile8_3, block8, block_dot8, 3)
 DEFINE_TILE(tile8_4, block8, block_dot8, 4)
 
-typedef void (*tile_fn)(const void *, int, const int8_t *, const float *, const float *, int, float *);
+typedef void (*tile_fn)(const void *, int, const int16_t *, const float *, const float *, int, float *);
 static const tile_fn TILES4[MAX_TILE_ROWS] = {tile4_1, tile4_2, tile4_3, tile4_4};
 static const tile_fn TILES8[MAX_TILE_ROWS] = {tile8_1, tile8_2, tile8_3, tile8_4};
 
@@ -233,7 +236,7 @@ static const tile_fn TILES8[MAX_TILE_ROWS] = {tile8_1, tile8_2, tile8_3, tile8_4
 int qdot_linear(const void *x, int x_dtype, int M, int K, const void *w, int bits, int N, void *y, int y_dtype) {
     int nblocks = K / QK;
     size_t block_bytes = bits == 4 ? sizeof(block4) : sizeof(block8);
-    int8_t *xq = malloc((size_t)M * K);
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
     float *dx = malloc(sizeof(float) * (size_t)M * nblocks), *sx = malloc(sizeof(float) * (size_t)M * nblocks);
     if (!xq || !dx || !sx) { free(xq); free(dx); free(sx); return -1; }
     #pragma omp parallel for schedule(static) if (M > 1)
