@@ -35,6 +35,8 @@ class Library:
 
     def get(self) -> ctypes.CDLL | None:
         """The loaded library, or None: `failure()` says why."""
+        if self._library is not None:  # every product asks: no lock once loaded
+            return self._library
         with self._lock:
             if self._library is None and self._failure is None:
                 try:

@@ -297,13 +297,11 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
         if device.type == "cpu":  # the CUDA kernels' reasons say nothing there
             reasons = [r for r in reasons if r.startswith((f"not {Kernel.QDOT.value}", f"not {Kernel.TINYGEMM.value}"))]
         _log_once(logged, reasons)
-        if kernel is Kernel.QDOT:
-            pass  # the copy was made above
-        elif kernel is Kernel.FRAG:
+        if kernel is Kernel.FRAG:
             layer.use_fragment_order(dtype)
         elif kernel is Kernel.TINYGEMM:
             layer.use_builtin_int4()
-        else:
+        elif kernel is not Kernel.QDOT:  # QDOT's copy was made above
             continue
         made[kernel] += 1
     for kernel, count in made.items():

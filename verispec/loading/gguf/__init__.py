@@ -22,7 +22,7 @@ from verispec import log
 from verispec.errors import ModelNotFoundError, VerispecError
 from verispec.loading.gguf.config import Metadata, hf_config
 from verispec.loading.gguf.names import hf_name, restore
-from verispec.loading.gguf.quants import AFFINE_TYPES, GROUP_SIZE, AffineQuantized, dense, logical_shape, \
+from verispec.loading.gguf.quants import AFFINE_BITS, AFFINE_TYPES, GROUP_SIZE, AffineQuantized, dense, logical_shape, \
     read_tensor, tensor_type_name
 
 SUFFIX = ".gguf"
@@ -32,7 +32,6 @@ SUFFIX = ".gguf"
 # where the integer-dot kernel runs the tied head over it; elsewhere Q8_0 stays dense: our CUDA 8-bit
 # kernel is slower than a bfloat16 GEMM (docs/benchmarks.md).
 KEPT_4BIT_TYPES = ("Q4_0", "Q4_1")
-TYPE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
 EMBEDDING_TABLE = "model.embed_tokens.weight"
 QUANTIZATION_CONFIG = {"group_size": GROUP_SIZE, "bits": 4}  # the MLX-affine form the kept weights take
 ROPE_FREQS = "rope_freqs.weight"
@@ -119,7 +118,7 @@ class GGUFCheckpoint:
         """The embedding table's Hugging Face name when the file stores it as Q8_0 / Q4_0 / Q4_1
         (None otherwise): kept quantized where the CPU integer-dot kernel runs a tied head over it."""
         for t in self.reader.tensors:
-            if hf_name(t.name, self.architecture) == EMBEDDING_TABLE and tensor_type_name(t) in TYPE_BITS:
+            if hf_name(t.name, self.architecture) == EMBEDDING_TABLE and tensor_type_name(t) in AFFINE_TYPES:
                 return EMBEDDING_TABLE
         return None
 
@@ -136,7 +135,7 @@ class GGUFCheckpoint:
             shape = self.tensor_shapes[t.name]
             if name in kept:
                 prefix, (rows, cols) = name[: -len(".weight")], shape
-                shapes[name] = (rows, packed_words(cols, TYPE_BITS[tensor_type_name(t)]))
+                shapes[name] = (rows, packed_words(cols, AFFINE_BITS[tensor_type_name(t)]))
                 shapes[f"{prefix}.scales"] = shapes[f"{prefix}.biases"] = (rows, cols // GROUP_SIZE)
             else:
                 shapes[name] = shape
@@ -179,7 +178,7 @@ def keeps_table(device: torch.device, dtype: torch.dtype) -> str | None:
     tied head multiplies by it on the CPU integer-dot kernel; lookups decode their rows)."""
     from verispec.quant.kernels import cpu_qdot
 
-    return cpu_qdot.unsupported_reason(device, dtype, 8, 32, 32)
+    return cpu_qdot.unsupported_reason(device, dtype, 8, GROUP_SIZE, GROUP_SIZE)  # any table's: blocks of 32
 
 
 def _field_value(name: str, field):

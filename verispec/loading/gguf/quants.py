@@ -20,7 +20,8 @@ import torch
 from verispec.errors import UnsupportedModelError
 
 DENSE_TYPES = ("F32", "F16", "BF16")
-AFFINE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+AFFINE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # the types unpacked here, and their codes' width
+AFFINE_TYPES = tuple(AFFINE_BITS)
 # dequantized with gguf.quants.dequantize (numpy), then used as dense weights
 LIBRARY_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = DENSE_TYPES + AFFINE_TYPES + LIBRARY_TYPES
