@@ -337,3 +337,31 @@ def test_the_70b_shape_is_llama_3_3():
     assert sum(p.numel() for p in built.parameters()) == pytest.approx(70.55e9, rel=0.01)
     for size in (2, 4, 8):
         check_shardable(config, size)
+
+
+def test_a_layer_with_a_kernel_copy_counts_the_copy_not_its_words():
+    """On a CPU a 4-bit layer runs the integer-dot kernel on its own blocks: a decode step reads
+    those, not the checkpoint's words kept beside them (as for tinygemm's and frag's copies)."""
+    from verispec.bench.roofline import weight_bytes
+    from verispec.quant import dispatch
+    from verispec.quant.kernels import cpu_qdot
+    from verispec.quant.layers.linear import MLXAffineLinear
+
+    if cpu_qdot.failure() is not None:
+        pytest.skip(f"no integer-dot kernel: {cpu_qdot.failure()}")
+
+    class Model(torch.nn.Module):  # weight_bytes needs a model with an (untied) input table
+        def __init__(self):
+            super().__init__()
+            self.table, self.layer = torch.nn.Embedding(4, 64), MLXAffineLinear(64, 32, 4, 32)
+
+        def input_embeddings(self):
+            return self.table
+
+    model = Model().half()
+    model.layer.scales.data.fill_(0.5)
+    before = weight_bytes(model)
+    dispatch.make_copies(model, torch.float16)
+    assert model.layer.qdot_blocks is not None
+    words = model.layer.checkpoint_bytes()
+    assert weight_bytes(model) == before - words + model.layer.qdot_blocks.numel()

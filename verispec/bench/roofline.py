@@ -38,11 +38,12 @@ def weight_bytes(model: CausalLM) -> int:
         table_bytes = sum(t.numel() * t.element_size() for t in list(table.parameters()) + list(table.buffers()))
         total -= table_bytes
         total += table_bytes // table.num_embeddings
-    # a 4-bit layer given a copy in a kernel's layout beside its checkpoint words (tinygemm's, or
-    # the fragment-order one of quant/kernels/frag.py) reads only the copy in a decode step
-    # (verispec/quant/dispatch.py); released words count nothing already
+    # a layer given a copy in a kernel's layout beside its checkpoint words (tinygemm's, the
+    # fragment-order one of quant/kernels/frag.py, the CPU integer-dot kernel's blocks) reads only
+    # the copy in a decode step (verispec/quant/dispatch.py); released words count nothing already
+    copies = ("int4_packed", "frag_words", "qdot_blocks")
     for module in model.modules():
-        if getattr(module, "int4_packed", None) is not None or getattr(module, "frag_words", None) is not None:
+        if any(getattr(module, name, None) is not None for name in copies):
             total -= module.checkpoint_bytes()
     return total
 
