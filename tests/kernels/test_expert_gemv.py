@@ -1,10 +1,11 @@
-"""The Triton expert GEMV (MoE decode path) against per-pair torch products, and the MoE layer's
-`gemv` method against transformers' reference experts loop. Runs on CUDA, and on CPU through
-Triton's interpreter (tests/conftest.py)."""
+"""The MoE decode kernels (routing, the union of experts' products, the weighted sum) against
+torch's own operations, and the MoE layer's `gemv` method against transformers' reference experts
+loop. Runs on CUDA, and on CPU through Triton's interpreter (tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from verispec.kernels import expert_gemv as kernel
 from verispec.models.layers.moe import ExpertsMethod, FusedExperts
@@ -14,36 +15,126 @@ pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("e,n,k,rows,per_x", [(6, 40, 96, 2, 3), (4, 64, 200, 5, 1), (3, 7, 33, 1, 2)])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_matches_per_pair_products(e, n, k, rows, per_x, dtype, tol):
-    gen = torch.Generator().manual_seed(n + k)
-    weight = torch.randn(e, n, k, generator=gen).to(dtype).to(DEVICE)
-    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
-    ids = torch.randint(0, e, (rows * per_x,), generator=gen).to(DEVICE)
-    y = kernel.expert_gemv(x, weight, ids, rows_per_x=per_x)
-    ref = torch.stack([weight[ids[p]].double() @ x[p // per_x].double() for p in range(rows * per_x)])
-    assert y.dtype == dtype and y.shape == (rows * per_x, n)
-    assert float((y.double() - ref).norm() / ref.norm()) < tol
+def _routings(tokens: int, top_k: int, experts: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """[tokens, top_k] distinct experts per token: random, every expert hit (tokens * top_k >= experts),
+    or one expert (0) chosen by every token."""
+    rows = [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
+    if kind == "all-hit":
+        order = torch.randperm(experts, generator=gen)
+        rows = [torch.roll(order, -t * top_k)[:top_k] for t in range(tokens)]
+    if kind == "one-for-all":
+        rows = [torch.cat([torch.tensor([0]), torch.randperm(experts - 1, generator=gen)[:top_k - 1] + 1])[
+            torch.randperm(top_k, generator=gen)] for _ in range(tokens)]
+    return torch.stack(rows).to(DEVICE)
 
 
-def test_rejects_mismatched_shapes():
+def _reference(x, weight, ids, x_per_pair, act=None):
+    t, k = ids.shape
+    rows = [x[p] if x_per_pair else x[p // k] for p in range(t * k)]
+    y = torch.stack([F.linear(rows[p].double(), weight[ids.reshape(-1)[p]].double()) for p in range(t * k)])
+    if act is not None:
+        gate, up = y.chunk(2, dim=-1)
+        y = act(gate) * up
+    return y
+
+
+@pytest.mark.parametrize("tokens,kind", [(1, "random"), (4, "random"), (8, "all-hit"), (16, "one-for-all")])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_union_products_match_per_pair_products(tokens, kind, dtype, tol):
+    gen = torch.Generator().manual_seed(tokens)
+    experts, top_k, n, kd = 8, 2, 40, 96
+    weight = torch.randn(experts, n, kd, generator=gen).to(dtype).to(DEVICE)
+    ids = _routings(tokens, top_k, experts, kind, gen)
+    for x_per_pair in (False, True):
+        x = torch.randn(tokens * top_k if x_per_pair else tokens, kd, generator=gen).to(dtype).to(DEVICE)
+        y = kernel.union_products(x, weight, ids, x_per_pair=x_per_pair)
+        ref = _reference(x, weight, ids, x_per_pair)
+        assert y.dtype == dtype and y.shape == (tokens * top_k, n)
+        assert float((y.double() - ref).norm() / ref.norm()) < tol
+
+
+@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh"])
+def test_gated_products_apply_the_activation(act_name):
+    gen = torch.Generator().manual_seed(3)
+    experts, top_k, inter, hidden = 6, 3, 24, 64
+    weight = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.3).to(DEVICE)
+    ids = _routings(5, top_k, experts, "random", gen)
+    x = torch.randn(5, hidden, generator=gen).to(DEVICE)
+    act = {"silu": F.silu, "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh")}[act_name]
+    y = kernel.union_products(x, weight, ids, x_per_pair=False, gated_act=act_name)
+    torch.testing.assert_close(y.double(), _reference(x, weight, ids, False, act), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tokens_products_do_not_depend_on_the_other_tokens():
+    gen = torch.Generator().manual_seed(5)
+    experts, top_k, inter, hidden = 8, 2, 32, 64
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ids = _routings(16, top_k, experts, "random", gen)
+    x = torch.randn(16, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+    together = kernel.union_products(x, gate_up, ids, x_per_pair=False, gated_act="silu")
+    for t in (0, 7, 15):
+        alone = kernel.union_products(x[t:t + 1], gate_up, ids[t:t + 1], x_per_pair=False, gated_act="silu")
+        assert torch.equal(alone, together[t * top_k:(t + 1) * top_k])
+
+
+def test_rejects_what_it_cannot_compute():
     w = torch.zeros(2, 4, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="expert ids"):
-        kernel.expert_gemv(torch.zeros(2, 8, device=DEVICE), w, torch.zeros(3, dtype=torch.long, device=DEVICE))
+    ids = torch.zeros(2, 1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="one x row per token"):
+        kernel.union_products(torch.zeros(3, 8, device=DEVICE), w, ids, x_per_pair=False)
     with pytest.raises(ValueError, match="K"):
-        kernel.expert_gemv(torch.zeros(2, 9, device=DEVICE), w, torch.zeros(2, dtype=torch.long, device=DEVICE))
+        kernel.union_products(torch.zeros(2, 9, device=DEVICE), w, ids, x_per_pair=False)
+    with pytest.raises(ValueError, match="at most 16"):
+        kernel.union_products(torch.zeros(17, 8, device=DEVICE), w, torch.zeros(17, 1, dtype=torch.long,
+                                                                                  device=DEVICE), x_per_pair=False)
+    with pytest.raises(ValueError, match="not fused"):
+        kernel.union_products(torch.zeros(2, 8, device=DEVICE), w, ids, x_per_pair=False, gated_act="relu")
 
 
-def test_moe_gemv_method_matches_reference_loop():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("experts,top_k,renormalize,scaled", [(128, 8, True, False), (20, 3, False, False),
+                                                               (64, 4, True, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_matches_torch(experts, top_k, renormalize, scaled, dtype):
+    gen = torch.Generator().manual_seed(experts)
+    # distinct logits exact in bfloat16 (no ties for the top-k to break differently)
+    logits = torch.stack([torch.randperm(experts, generator=gen) for _ in range(6)]).float() / 16 - 4
+    logits = logits.to(dtype).to(DEVICE)
+    scale = (torch.rand(experts, generator=gen) + 0.5).to(DEVICE) if scaled else None
+    weights, ids = kernel.softmax_top_k(logits, top_k, renormalize, scale, torch.float32)
+    ref_w, ref_ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    if scaled:
+        ref_w = ref_w * scale[ref_ids]
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    narrow, _ = kernel.softmax_top_k(logits, top_k, renormalize, scale)
+    assert narrow.dtype == dtype
+
+
+def test_combine_sums_the_weighted_products():
+    gen = torch.Generator().manual_seed(9)
+    y = torch.randn(3 * 4, 50, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for weights in (torch.rand(3, 4, generator=gen).to(torch.bfloat16).to(DEVICE),
+                    torch.rand(3, 4, generator=gen).to(DEVICE)):
+        got = kernel.combine(y, weights, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.shape == (3, 50)
+        # within bfloat16's rounding of the products and the sum (Triton's interpreter truncates
+        # where the GPU rounds to nearest, so the CPU run cannot hold torch's exact bits)
+        exact = (y.double() * weights.double().reshape(-1, 1)).view(3, 4, -1).sum(dim=1)
+        torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 8, 16])
+def test_moe_gemv_method_matches_reference_loop(tokens):
+    torch.manual_seed(tokens)
     experts = FusedExperts(num_experts=8, hidden=48, intermediate=24, act="gelu_pytorch_tanh").to(DEVICE)
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.2)
         experts.down_proj.normal_(0, 0.2)
-    x = torch.randn(3, 48, device=DEVICE)  # a verify pass of 3 tokens
-    index = torch.tensor([[0, 5], [5, 7], [2, 0]], device=DEVICE)
-    weights = torch.rand(3, 2, device=DEVICE)
+    x = torch.randn(tokens, 48, device=DEVICE)
+    index = _routings(tokens, 2, 8, "random", torch.Generator().manual_seed(tokens))
+    weights = torch.rand(tokens, 2, device=DEVICE)
     with torch.no_grad():
         experts.method = ExpertsMethod.LOOP
         ref = experts(x, index, weights)

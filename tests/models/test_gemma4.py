@@ -222,6 +222,8 @@ def test_experts_methods_agree(gemma4_dirs):
         assert len(set(index.flatten().tolist())) == ours.settings.num_experts  # every expert has tokens
         results = {}
         for method in moe.ExpertsMethod:
+            if method is moe.ExpertsMethod.GEMV:
+                continue  # at most 16 tokens: tests/kernels/test_expert_gemv.py
             layer.experts.method = method
             results[method] = layer.experts(x, index, weights)
         layer.experts.method = None

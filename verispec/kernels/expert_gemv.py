@@ -1,12 +1,20 @@
-"""Matrix-vector products with routed experts' weights, read in place: the decode / verify path
-of a mixture-of-experts layer (a few token/expert pairs).
+"""The decode / verify path of a mixture-of-experts layer (up to MAX_TOKENS tokens): routing, the
+routed experts' products read in place, and the weighted sum, in four launches a layer.
 
-For pair p with expert e_p:  y[p] = W[e_p] @ x[p // rows_per_x]
-W is one of the fused 3-D expert tensors ([E, N, K]: `gate_up_proj` [E, 2I, H] or `down_proj`
-[E, H, I]); the expert ids come from a device tensor, so a step needs no host sync and can be
-captured in a CUDA graph. Each selected expert's matrix is streamed once per pair: no sort, no
-histogram, no gathered copy of the weights (what torch's grouped GEMM path needs around it, for
-tiles that are mostly empty at one token).
+- `softmax_top_k`: router logits [T, E] -> the top-k experts of the float32 softmax, renormalised
+  and scaled per expert if the family asks, in one program per token (torch's softmax, topk,
+  sum, divide and cast were six kernels).
+- `union_products`: for pair p = (token t, slot s) with expert e_p, y[p] = W[e_p] @ x_row(p). Each
+  program owns one expert and a tile of output rows; the first pair naming an expert computes it
+  for every token routed to it, the others exit. So a verify pass or a batch reads the union of
+  its experts once, not once per pair. The gate/up form computes both halves and applies the
+  activation in the same program (h = act(gate) * up, rounded as transformers rounds them).
+- `combine`: out[t] = sum_s weight[t, s] * y[t * K + s], the products rounded to their dtype as
+  torch's `h * weights` does, summed in slot order in float32.
+
+The expert ids stay on the device, so a step needs no host sync and is captured in a CUDA graph.
+Each expert's tile is a chain of tensor-core products over K (16 token rows, padded), so a
+token's result does not depend on the other tokens in the pass.
 """
 from __future__ import annotations
 
@@ -19,51 +27,191 @@ except ImportError:  # CPU-only installs: the torch paths are used instead
     triton = None
     tl = None
 
+# The token rows one expert tile serves (tl.dot's smallest M): passes with more tokens (prefill,
+# large batches) take the grouped GEMM, which reads each expert once for all its rows.
+MAX_TOKENS = 16
+# Activations the gate/up program applies itself (others run in torch after an ungated product).
+FUSED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
+
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 if triton is not None:
 
     @triton.jit
-    def _expert_gemv_kernel(X, W, IDX, Y,
-                            stride_xp, stride_we, stride_wn, stride_yp,
-                            N: tl.constexpr, K: tl.constexpr, ROWS_PER_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pair = tl.program_id(1)
-        expert = tl.load(IDX + pair).to(tl.int64)
-        x_row = pair // ROWS_PER_X
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+    def _route_kernel(L, SCALE, W, IDS, stride_l, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        logits = tl.load(L + t * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, 0))
+        probs = p / tl.sum(p, 0)
+        remaining = tl.where(valid, probs, -1.0)
         offs_k = tl.arange(0, BLOCK_K)
-        w_rows = W + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            mask_k = k < K
-            x = tl.load(X + x_row * stride_xp + k, mask=mask_k, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-        tl.store(Y + pair * stride_yp + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
+        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for j in tl.static_range(K):  # K rounds of argmax: the lowest index wins a tie, as torch.topk
+            best = tl.max(remaining, 0)
+            idx = tl.min(tl.where(remaining == best, offs, BLOCK_E), 0)
+            weights = tl.where(offs_k == j, best, weights)
+            ids = tl.where(offs_k == j, idx, ids)
+            remaining = tl.where(offs == idx, -1.0, remaining)
+        in_k = offs_k < K
+        if RENORMALIZE:
+            weights = weights / tl.sum(tl.where(in_k, weights, 0.0), 0)
+        if HAS_SCALE:
+            weights = weights * tl.load(SCALE + ids, mask=in_k, other=0.0).to(tl.float32)
+        tl.store(W + t * K + offs_k, weights.to(W.dtype.element_ty, fp_downcast_rounding="rtne"), mask=in_k)
+        tl.store(IDS + t * K + offs_k, ids.to(tl.int64), mask=in_k)
+
+    @triton.jit
+    def _round(v, ty):
+        """float32 v rounded to the nearest ty (as torch rounds), back in float32."""
+        return v.to(ty, fp_downcast_rounding="rtne").to(tl.float32)
+
+    @triton.jit
+    def _activate(g, ACT: tl.constexpr):
+        if ACT == 0:  # silu
+            return g / (1.0 + tl.exp(-g))
+        # gelu, tanh form: tanh(z) = 2 / (1 + exp(-2z)) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+
+    @triton.jit
+    def _union_kernel(X, W, IDS, Y, stride_x, stride_we, stride_wn, stride_y, T, N, KD,
+                      TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        p = tl.program_id(1)
+        e = tl.load(IDS + p)
+        offs_p = tl.arange(0, BLOCK_P)
+        earlier = tl.load(IDS + offs_p, mask=offs_p < p, other=-1)
+        if tl.sum((earlier == e).to(tl.int32), 0) == 0:  # the first pair naming e computes it
+            # every token routed to e, and the pair it is routed by
+            offs_t = tl.arange(0, BLOCK_T)
+            offs_s = tl.arange(0, BLOCK_S)
+            pair_ts = offs_t[:, None] * TOP_K + offs_s[None, :]
+            ids_ts = tl.load(IDS + pair_ts, mask=(offs_t[:, None] < T) & (offs_s[None, :] < TOP_K), other=-1)
+            hit = ids_ts == e
+            routed = tl.max(hit.to(tl.int32), 1) > 0
+            pair_t = tl.sum(tl.where(hit, pair_ts, 0), 1)
+            if X_PER_PAIR:
+                x_rows = X + pair_t.to(tl.int64)[:, None] * stride_x
+            else:
+                x_rows = X + offs_t.to(tl.int64)[:, None] * stride_x
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, KD, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = k < KD
+                x = tl.load(x_rows + k[None, :], mask=routed[:, None] & mask_k[None, :], other=0.0)
+                w_mask = mask_n[:, None] & mask_k[None, :]
+                w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+                if IEEE:
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+                if GATED:  # the up rows sit N rows below the gate rows
+                    wu = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_mask, other=0.0)
+                    if IEEE:
+                        acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
+                    else:
+                        acc_up = tl.dot(x, tl.trans(wu), acc_up)
+            out_ty = Y.dtype.element_ty
+            if GATED:  # torch's rounding: gate and up products, then act(gate), then the product
+                g = _round(acc, out_ty)
+                acc = _round(_activate(g, ACT), out_ty) * _round(acc_up, out_ty)
+            tl.store(Y + pair_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
+                     acc.to(out_ty, fp_downcast_rounding="rtne"),
+                     mask=routed[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _weighted_sum_kernel(Y, WT, OUT, stride_y, stride_o, H, TOP_K: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(TOP_K):
+            w = tl.load(WT + t * TOP_K + s).to(tl.float32)
+            y = tl.load(Y + (t * TOP_K + s) * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+            product = y * w
+            if ROUND_PRODUCT:  # torch's `h * weights` in the 16-bit dtype of both
+                product = _round(product, Y.dtype.element_ty)
+            acc += product
+        tl.store(OUT + t * stride_o + offs, acc.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, rows_per_x: int = 1,
-                block_n: int = 32, block_k: int = 128) -> torch.Tensor:
-    """x [R, K] (row r serves pairs r*rows_per_x .. r*rows_per_x + rows_per_x - 1);
-    weight [E, N, K] (last dim contiguous); expert_ids [P] with P = R * rows_per_x -> y [P, N]
-    in x's dtype, accumulated in float32."""
-    pairs = expert_ids.numel()
-    e, n, k = weight.shape
-    if x.shape[-1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"expert_gemv: x [{', '.join(map(str, x.shape))}] against weight [{e}, {n}, {k}] "
-                         "(needs x's last dim == K and a contiguous last weight dim)")
-    if x.shape[0] * rows_per_x != pairs:
-        raise ValueError(f"expert_gemv: {x.shape[0]} rows x {rows_per_x} != {pairs} expert ids")
+def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, expert_scale: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, K] in `out_dtype` (default: the logits'), expert ids [T, K] int64):
+    the top-k of the float32 softmax over all E, divided by their sum if `renormalize`, then times
+    `expert_scale[id]` if given."""
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=out_dtype or logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, expert_scale if expert_scale is not None else weights, weights, ids,
+                            logits.stride(0), E=e, K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k),
+                            RENORMALIZE=renormalize, HAS_SCALE=expert_scale is not None)
+    return weights, ids
+
+
+def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, x_per_pair: bool,
+                   gated_act: str | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """y [T*K, N] with y[p] = W[ids[p]] @ x_row(p): x [T, KD] (row t serves pairs t*K..t*K+K-1), or
+    x [T*K, KD] with `x_per_pair`; weight [E, N', KD] (last dim contiguous); ids [T, K]. With
+    `gated_act`, weight holds gate rows then up rows (N' = 2N) and y = act(gate) * up."""
+    t, top_k = ids.shape
+    e, n, kd = weight.shape
+    if t > MAX_TOKENS:
+        raise ValueError(f"union_products: {t} tokens (at most {MAX_TOKENS}; more take the grouped GEMM)")
+    if x.shape[-1] != kd or weight.stride(-1) != 1 or x.shape[0] != (t * top_k if x_per_pair else t):
+        raise ValueError(f"union_products: x [{', '.join(map(str, x.shape))}] against weight [{e}, {n}, {kd}] "
+                         f"and {t}x{top_k} expert ids (needs x's last dim == K, a contiguous last weight dim "
+                         "and one x row per token, or per pair)")
+    if gated_act is not None:
+        if gated_act not in FUSED_ACTIVATIONS:
+            raise ValueError(f"union_products: activation '{gated_act}' is not fused "
+                             f"(fused: {', '.join(FUSED_ACTIVATIONS)})")
+        n //= 2
     x = x.contiguous()
-    y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), pairs)
-    _expert_gemv_kernel[grid](x, weight, expert_ids.reshape(-1), y,
-                              x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
-                              N=n, K=k, ROWS_PER_X=rows_per_x, BLOCK_N=block_n, BLOCK_K=block_k)
+    ids = ids.contiguous()
+    y = torch.empty(t * top_k, n, dtype=x.dtype, device=x.device)
+    # tiles measured on the H200 at the Qwen3-30B-A3B, Qwen3.6-35B-A3B and Gemma 4 26B-A4B shapes; the
+    # K tile follows K alone, so a token's chain of products is the same at every token count
+    block_n = block_n or 32
+    block_k = block_k or min(256 if kd >= 2048 else 128, max(32, _pow2(kd)))
+    grid = (triton.cdiv(n, block_n), t * top_k)
+    _union_kernel[grid](x, weight, ids, y, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0), t, n, kd,
+                        TOP_K=top_k, X_PER_PAIR=x_per_pair, GATED=gated_act is not None,
+                        ACT=FUSED_ACTIVATIONS.get(gated_act, 0), BLOCK_T=MAX_TOKENS, BLOCK_S=_pow2(top_k),
+                        BLOCK_P=_pow2(t * top_k), BLOCK_N=block_n, BLOCK_K=block_k,
+                        IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [T*K, H], weights [T, K] -> [T, H] = sum over slots of weights * y, each product in the
+    dtype torch would give it, summed in slot order in float32."""
+    t, top_k = weights.shape
+    h = y.shape[-1]
+    out = torch.empty(t, h, dtype=out_dtype, device=y.device)
+    product_dtype = torch.promote_types(y.dtype, weights.dtype)
+    block_h = min(1024, _pow2(h))
+    _weighted_sum_kernel[(t, triton.cdiv(h, block_h))](y, weights.contiguous(), out, y.stride(0), out.stride(0), h,
+                                                  TOP_K=top_k, ROUND_PRODUCT=product_dtype.itemsize == 2
+                                                  and product_dtype == y.dtype, BLOCK_H=block_h)
+    return out

@@ -38,6 +38,7 @@ from torch import nn
 from verispec import log
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.errors import UnsupportedModelError
+from verispec.kernels import expert_gemv
 from verispec.models.base import ForwardOutput, HFLayoutLM
 from verispec.models.layers.attention import AttentionInputs, attend, attend_cached
 from verispec.models.layers.fused import compiled, compiled_rows, merged_linear
@@ -313,7 +314,10 @@ class Gemma4Router(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, H] -> (weights [N, K] float32 (or wider), expert ids [N, K])."""
         x = gemma_rms_norm(h, None, self.eps) * self.scale * self.root_size
-        probs = F.softmax(self.proj(x), dim=-1, dtype=torch.float32)
+        logits = self.proj(x)
+        if expert_gemv.available(logits.device) and logits.dtype != torch.float64:  # one kernel on CUDA
+            return expert_gemv.softmax_top_k(logits, self.top_k, True, self.per_expert_scale, torch.float32)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[index], index

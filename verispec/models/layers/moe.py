@@ -10,9 +10,10 @@ Three ways to run the same computation, picked by device and size:
   so decode/verify steps can be captured in CUDA graphs (CUDA bf16/fp16 with 16-byte aligned rows);
 - `gathered`: each pair's expert matrices gathered and multiplied with bmm: static shapes in
   any dtype, but copies the weights, so only for the few pairs of a decode/verify step;
-- `gemv`: our Triton kernel (kernels/expert_gemv.py) streaming each pair's expert matrices in
-  place: static shapes, no sort or copy; CUDA's path for decode/verify steps (up to
-  MAX_GEMV_PAIRS pairs), where the grouped GEMM runs mostly empty tiles around a few rows.
+- `gemv`: our Triton kernels (kernels/expert_gemv.py) reading each expert of the pass's union in
+  place once, the activation and the weighted sum fused: static shapes, no sort or copy; CUDA's
+  path for decode/verify steps (up to expert_gemv.MAX_TOKENS tokens), where the grouped GEMM runs
+  mostly empty tiles around a few rows.
 """
 from __future__ import annotations
 
@@ -30,9 +31,6 @@ from verispec.kernels import expert_gemv
 MLX_SWITCH_GLU = "switch_glu."
 # Above this many token/expert pairs the gathered path would copy too many weights.
 MAX_GATHERED_PAIRS = 64
-# Up to this many pairs (a verify pass of 8 tokens x top-8) each pair streams its experts' weights;
-# past it (prefill) the grouped GEMM reads each expert once for all its rows.
-MAX_GEMV_PAIRS = 64
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
@@ -96,7 +94,7 @@ def loop_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
 def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, num_pairs: int) -> ExpertsMethod:
     if x.device.type != "cuda":
         return ExpertsMethod.LOOP  # the reference: equal to transformers' eager experts
-    if num_pairs <= MAX_GEMV_PAIRS and expert_gemv.available(x.device):
+    if x.shape[0] <= expert_gemv.MAX_TOKENS and expert_gemv.available(x.device):
         return ExpertsMethod.GEMV
     if grouped_mm_usable(x, gate_up.shape[1], down.shape[-1]):
         return ExpertsMethod.GROUPED
@@ -111,6 +109,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = activation(act)
+        self.act_name = act
         self.method: ExpertsMethod | None = None  # None: chosen per call by `default_method`
 
     def checkpoint_part(self, local_name: str) -> tuple[str, tuple] | None:
@@ -166,9 +165,10 @@ class FusedExperts(nn.Module):
         return h.view(n, k, -1).sum(dim=1).to(x.dtype)
 
     def _gemv(self, x, top_k_index, top_k_weights):
-        n, k = top_k_index.shape
-        experts = top_k_index.reshape(-1)  # pair p = token p // k, slot p % k
-        h = self._gated(expert_gemv.expert_gemv(x, self.gate_up_proj, experts, rows_per_x=k))  # [N*K, I]
-        h = expert_gemv.expert_gemv(h, self.down_proj, experts)  # [N*K, H]
-        h = h * top_k_weights.reshape(-1, 1)
-        return h.view(n, k, -1).sum(dim=1).to(x.dtype)
+        if self.act_name in expert_gemv.FUSED_ACTIVATIONS:
+            h = expert_gemv.union_products(x, self.gate_up_proj, top_k_index, x_per_pair=False,
+                                           gated_act=self.act_name)  # [N*K, I]
+        else:
+            h = self._gated(expert_gemv.union_products(x, self.gate_up_proj, top_k_index, x_per_pair=False))
+        y = expert_gemv.union_products(h, self.down_proj, top_k_index, x_per_pair=True)  # [N*K, H]
+        return expert_gemv.combine(y, top_k_weights, x.dtype)

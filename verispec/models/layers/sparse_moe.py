@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import UnsupportedModelError
+from verispec.kernels import expert_gemv
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.moe import FusedExperts
 
@@ -60,7 +61,9 @@ class MoeSettings:
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (weights [N, K] in the logits' dtype, expert ids [N, K]). The softmax
-    runs in float32 (float64 stays), over all E experts, before the top-k."""
+    runs in float32 (float64 stays), over all E experts, before the top-k; on CUDA in one kernel."""
+    if expert_gemv.available(logits.device) and logits.dtype != torch.float64:
+        return expert_gemv.softmax_top_k(logits, top_k, renormalize)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     weights, index = torch.topk(F.softmax(logits, dim=-1, dtype=dtype), top_k, dim=-1)
     if renormalize:
