@@ -309,6 +309,15 @@ def test_qwen_moe_shapes_read_routed_and_shared_experts(name, total, active):
     assert weight_bytes(model) / 2 == pytest.approx(active, rel=1e-3)
     if name == "qwen3.6-35b-a3b":
         assert any(".mlp.shared_expert." in n for n in params)  # read in full: not in the stacks
+    # a step of N tokens reads the expected union of N uniform routings, once: more tokens, more
+    # experts, never more than all of them
+    e, k = moe.num_experts, moe.top_k
+    for tokens in (2, 8, 64):
+        read = 2 * stacks - inactive_expert_bytes(model, tokens)
+        assert read == pytest.approx(2 * stacks * (1 - (1 - k / e) ** tokens), rel=1e-6)
+    assert weight_bytes(model, 8) > weight_bytes(model, 2) > weight_bytes(model)
+    assert weight_bytes(model, 4096) == pytest.approx(sum(2 * p.numel() for p in params.values())
+                                                      - 2 * model.input_embeddings().weight.numel(), rel=1e-3)
 
 
 @pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it

@@ -20,7 +20,7 @@ from verispec.bench.progress import Progress
 from verispec.bench.prompts import token_prompt, tokenized_prompt
 from verispec.bench.workloads import Workload, tokenized_workload_prompt
 from verispec.bench.report import BenchReport, run_metadata
-from verispec.bench.roofline import mean_decode_context, roofline_tok_s, token_bytes
+from verispec.bench.roofline import mean_decode_context, roofline_tok_s, token_bytes, weight_bytes
 from verispec.bench.shapes import default_eagle3_shape, eagle3_config, get_shape
 from verispec.bench.steps import measure_step_costs
 from verispec.config import EngineConfig
@@ -362,10 +362,11 @@ def _measure_concurrency(setup: Setup, engine: Engine, method: Method, context: 
         if method.speculative and grammar is None:
             costs = measure_step_costs(engine, _prompt(setup, context, -2), opts.step_iters, batch=n)
         best = sorted(runs, key=lambda x: x["decode_tok_s"] or 0)[len(runs) // 2]  # the median run
-        roofline = batched_roofline_tok_s(setup.bandwidth, tb.weights, tb.kv, n)
+        weights = weight_bytes(setup.target.model, tokens=n)  # a MoE step reads its tokens' union of experts
+        roofline = batched_roofline_tok_s(setup.bandwidth, weights, tb.kv, n)
         row = {"method": _label(method, grammar), "context": context, "gen_tokens": opts.gen_tokens, "repeats": len(runs),
                "ttft_ms": best["ttft_p50_ms"], "prefill_tok_s": None, "bytes_per_token": tb.total,
-               "weight_bytes": tb.weights, "kv_bytes": tb.kv, "roofline_tok_s": roofline,
+               "weight_bytes": weights, "kv_bytes": tb.kv, "roofline_tok_s": roofline,
                "roofline_fraction": best["decode_tok_s"] / roofline if roofline and best["decode_tok_s"] else None,
                "peak_memory_gib": _peak_gib(setup.device), "runs": runs, **best}
         if costs is not None:

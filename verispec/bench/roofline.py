@@ -25,14 +25,15 @@ class TokenBytes:
         return self.weights + self.kv
 
 
-def weight_bytes(model: CausalLM) -> int:
+def weight_bytes(model: CausalLM, tokens: int = 1) -> int:
     """Parameters and buffers, each counted once (a tied lm_head is the embedding's own Parameter,
-    which parameters() yields once), the untied input embedding replaced by one of its rows."""
+    which parameters() yields once), the untied input embedding replaced by one of its rows; routed
+    experts as many as a step of `tokens` tokens reads (`inactive_expert_bytes`)."""
     table = model.input_embeddings()
     embedding = getattr(table, "weight", None)  # a compressed-tensors quantized table has weight_packed
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    total -= inactive_expert_bytes(model)
+    total -= inactive_expert_bytes(model, tokens)
     if head is not embedding:
         # the table's own tensors (a quantized table has scales and biases beside its packed rows)
         table_bytes = sum(t.numel() * t.element_size() for t in list(table.parameters()) + list(table.buffers()))
@@ -59,10 +60,11 @@ def routing(settings) -> tuple[int, int] | None:
     return None
 
 
-def inactive_expert_bytes(model: CausalLM) -> int:
-    """Mixture-of-experts weights a batch-1 decode step does not read: of each layer's E routed
-    experts only top_k are used per token (the router, a shared expert, dense MLPs and attention
-    are all read)."""
+def inactive_expert_bytes(model: CausalLM, tokens: int = 1) -> int:
+    """Mixture-of-experts weights a decode step of `tokens` tokens does not read: each layer reads
+    the union of its tokens' top_k of E routed experts once, E * (1 - (1 - top_k/E)^tokens) of them
+    expected where routings are independent and uniform (as random weights route; one token: top_k).
+    The router, a shared expert, dense MLPs and attention are all read."""
     routed = routing(getattr(model, "settings", None))
     if routed is None:
         return 0
@@ -71,7 +73,8 @@ def inactive_expert_bytes(model: CausalLM) -> int:
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.dim() == 3 and p.shape[0] == num_experts:  # stacked expert weights [E, ...] (packed words too)
             expert_bytes += p.numel() * p.element_size()
-    return expert_bytes * (num_experts - top_k) // num_experts
+    unread = (1 - top_k / num_experts) ** tokens
+    return int(expert_bytes * unread) if tokens > 1 else expert_bytes * (num_experts - top_k) // num_experts
 
 
 def kv_bytes(model: CausalLM, context: int, kv_cache_dtype: str = "auto") -> int:
