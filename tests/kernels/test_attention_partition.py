@@ -53,3 +53,15 @@ def test_rows_of_a_verify_pass_equal_their_one_row_passes(window):
     for first in (_crossing(device) // 2 - 2, _crossing(device)):
         together, alone = _rows_alone_and_together(first, 4, window)
         assert torch.equal(together, alone), f"positions {first}..{first + 3}, window {window}"
+
+
+def test_shares_of_few_kv_heads_hold_fewer_keys(monkeypatch):
+    """8 or more kv heads: MIN_SHARE_KEYS keys a share at least; 4 and 2 heads a half and a quarter
+    of it (their batch-1 decode would otherwise run on 4 or 2 programs); always whole blocks."""
+    monkeypatch.setattr(kernel, "MIN_SHARE_KEYS", 512)
+    full = 512
+    assert kernel._min_share_keys(128, 8) == kernel._min_share_keys(128, 32) == full
+    assert kernel._min_share_keys(128, 4) == full // 2
+    assert kernel._min_share_keys(64, 2) == full // 4
+    assert kernel._min_share_keys(128, 1) == 128  # never less than one block
+    assert kernel._min_share_keys(96, 4) % 96 == 0

@@ -24,8 +24,10 @@ except ImportError:  # CPU-only installs: the torch reference is used instead
     tl = None
 
 MAX_QUERY_TOKENS = 8
-# A share holds at least this many keys (read at launch, by the split and prompt kernels alike, so
-# their shares agree): a 512-key context decodes as one share, not 16 programs' worth of partial sums
+# A share of a layer with 8 or more kv heads holds at least this many keys, one with fewer heads
+# proportionally fewer (read at launch, by the split and prompt kernels alike, so their shares
+# agree): a 512-key context decodes as one share per head where 8 heads keep the GPU busy, not 16
+# programs' worth of partial sums at 64 sequences; 4 or 2 heads alone would leave it idle
 MIN_SHARE_KEYS = 512
 # With programmatic launch, each split program of a one-token pass asks L2 for its first key block's
 # K and V before it waits for the kernel before it (scripts/gpu_fusion_bounds.py's
@@ -485,8 +487,9 @@ def split_config(d: int, element_size: int, coded: bool = False) -> dict:
                 LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)))
 
 
-def _min_share_keys(block_n: int) -> int:
-    return max(block_n, MIN_SHARE_KEYS // block_n * block_n)  # whole blocks
+def _min_share_keys(block_n: int, num_kv_heads: int) -> int:
+    keys = MIN_SHARE_KEYS * min(num_kv_heads, 8) // 8
+    return max(block_n, keys // block_n * block_n)  # whole blocks
 
 
 def _cache_layout(k_cache, v_cache, block_tables, positions):
@@ -533,7 +536,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         scale, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
-        MIN_KEYS=_min_share_keys(block_n), num_warps=num_warps or config["num_warps"], num_stages=num_stages,
+        MIN_KEYS=_min_share_keys(block_n, hkv), num_warps=num_warps or config["num_warps"], num_stages=num_stages,
         PDL=pdl, EARLY=early,
         # tq rows are shorter than the D values a prefetch line count assumes
         PREFETCH=pdl and PREFETCH and t == 1 and not tq, LINE=config["LINE"], LINES=config["LINES"], launch_pdl=pdl,
@@ -621,7 +624,7 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=block_m,
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
-        MIN_KEYS=_min_share_keys(config["BLOCK_N"]), FP8=fp8, **_code_bits(codec),
+        MIN_KEYS=_min_share_keys(config["BLOCK_N"], hkv), FP8=fp8, **_code_bits(codec),
         num_warps=num_warps or (8 if block_m >= 128 or coded else config["num_warps"]),
         # 128 rows staged 3 deep need 237,696 bytes of shared memory where an H200 has 232,448
         num_stages=2 if block_m >= 128 else config["num_stages"])
