@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.kernels import expert_gemv
 from verispec.quant.kernels import dequantize, gemv as gemv_kernel
 from verispec.models.layers.mlp import activation
 from verispec.models.layers.moe import gated, grouped_experts, grouped_mm_usable, loop_experts
@@ -144,8 +145,7 @@ class MLXQuantizedExperts(nn.Module):
 
     def _gemv(self, x, top_k_index, top_k_weights):
         glu = self.switch_glu
-        t, k = top_k_index.shape
+        k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)  # pair p = token p // k, slot p % k
         h = self.act(glu.gate_proj.gemv(x, experts, k)) * glu.up_proj.gemv(x, experts, k)  # [P, I]
-        h = glu.down_proj.gemv(h, experts, 1) * top_k_weights.reshape(-1, 1)  # [P, H]
-        return h.view(t, k, -1).sum(dim=1).to(x.dtype)
+        return expert_gemv.combine(glu.down_proj.gemv(h, experts, 1), top_k_weights, x.dtype)  # one launch
