@@ -18,11 +18,6 @@ TEXTS = ["Tell me a story about a cat.", "What is the capital of France? Explain
 
 
 def main() -> int:
-    from verispec.config import EngineConfig
-    from verispec.default_model import demo_default
-    from verispec.engine.engine import Engine
-    from verispec.sampling.params import SamplingParams
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model", default=None, help="model (default: the embedded demo model)")
     parser.add_argument("--device", default="cuda")
@@ -30,6 +25,11 @@ def main() -> int:
     parser.add_argument("--numerics", default="auto")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
+    from verispec.config import EngineConfig  # after the arguments: --help imports no torch
+    from verispec.default_model import demo_default
+    from verispec.engine.engine import Engine
+    from verispec.sampling.params import SamplingParams
+
     started = time.monotonic()
     model = args.model or demo_default(args.device.split(":")[0]).model
 

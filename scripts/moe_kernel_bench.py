@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from verispec.kernels import expert_gemv
-
 # (experts, top-k, hidden, expert intermediate) of the bench shapes of the same names
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "gemma4-26b-a4b": (128, 8, 2816, 704),
           "qwen3.6-35b-a3b": (256, 8, 2048, 512)}
@@ -21,6 +17,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
+    import torch  # after the arguments: --help imports no torch
+
+    from verispec.kernels import expert_gemv
+
     if not torch.cuda.is_available() or expert_gemv.triton is None:
         raise SystemExit("moe_kernel_bench: needs CUDA and Triton")
     from triton.testing import do_bench

@@ -194,11 +194,11 @@ def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, 
     # K tile follows K alone, so a token's chain of products is the same at every token count
     block_n = block_n or 32
     block_k = block_k or min(256 if kd >= 2048 else 128, max(32, _pow2(kd)))
-    grid = (triton.cdiv(n, block_n), t * top_k)
+    grid = (triton.cdiv(n, block_n), t * top_k)  # BLOCK_P as at MAX_TOKENS: one compile for every token count
     _union_kernel[grid](x, weight, ids, y, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0), t, n, kd,
                         TOP_K=top_k, X_PER_PAIR=x_per_pair, GATED=gated_act is not None,
                         ACT=FUSED_ACTIVATIONS.get(gated_act, 0), BLOCK_T=MAX_TOKENS, BLOCK_S=_pow2(top_k),
-                        BLOCK_P=_pow2(t * top_k), BLOCK_N=block_n, BLOCK_K=block_k,
+                        BLOCK_P=_pow2(MAX_TOKENS * top_k), BLOCK_N=block_n, BLOCK_K=block_k,
                         IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return y
 
