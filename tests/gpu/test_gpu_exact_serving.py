@@ -3,8 +3,8 @@ alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 ot
 prompt chunks, without the prefix cache, under preemption, eagerly, and speculating with replays of
 its own output that are always right and always wrong. Llama, Qwen3 (q/k norms), Gemma 3 (sliding
 windows, soft-capped logits), Qwen3 in MLX 4- and 8-bit (their exact kernels, and decoded to bf16 as
-`auto` runs a small quantized model) and the Qwen3.5 hybrid, tiny random checkpoints with the
-engine's real kernels."""
+`auto` runs a small quantized model), the Qwen3.5 hybrid and Qwen3-MoE (routed experts), tiny
+random checkpoints with the engine's real kernels."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +29,11 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
 # Qwen3 quantized (`verispec quantize`): its layers run quant/kernels/exact.py; "-decoded": the same
 # checkpoint under --numerics auto, whose layers a small model has decoded to bfloat16 (quant/dense.py)
 # "qwen3_5": the hybrid, whose Gated DeltaNet prompt chunks step token by token under exact numerics
-FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-mlx-4bit", "qwen3-mlx-8bit", "qwen3-mlx-4bit-decoded", "qwen3_5"]
+# "qwen3_moe": routed experts on the union kernel (up to 16 tokens) and the grouped one (more)
+FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-mlx-4bit", "qwen3-mlx-8bit", "qwen3-mlx-4bit-decoded", "qwen3_5",
+            "qwen3_moe"]
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+           decoder_sparse_step=1, mlp_only_layers=[2])
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,7 @@ def root(tmp_path_factory, tokenizer_dir):
     build_tiny_gemma3(root / "gemma3", tokenizer_dir=tokenizer_dir, hidden_size=256, intermediate_size=512,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
     build_tiny_qwen3_5(root / "qwen3_5", seed=41, tokenizer_dir=tokenizer_dir)
+    build_tiny_model(root / "qwen3_moe", "qwen3_moe", tokenizer_dir=tokenizer_dir, head_dim=64, **SHAPE, **MOE)
     for quant in ("mlx-4bit", "mlx-8bit"):
         assert cli_main(["quantize", "-m", str(root / "qwen3"), "--format", quant, "--out",
                          str(root / f"qwen3-{quant}")]) == 0

@@ -65,6 +65,50 @@ def test_gated_products_apply_the_activation(act_name):
     torch.testing.assert_close(y.double(), _reference(x, weight, ids, False, act), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,block_m", [(3, 16), (40, 16), (40, 64)])
+def test_grouped_products_match_per_pair_products(tokens, block_m):
+    gen = torch.Generator().manual_seed(tokens + block_m)
+    experts, top_k, inter, hidden = 6, 2, 24, 64
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.3).to(DEVICE)
+    ids = _routings(tokens, top_k, experts, "random", gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    h = kernel.grouped_products(x, gate_up, ids, x_per_pair=False, gated_act="silu", block_m=block_m, block_n=16)
+    torch.testing.assert_close(h.double(), _reference(x, gate_up, ids, False, F.silu), rtol=1e-5, atol=1e-5)
+    down = torch.randn(experts, hidden, inter, generator=gen).to(DEVICE)
+    y = kernel.grouped_products(h, down, ids, x_per_pair=True, block_m=block_m, block_n=16)
+    torch.testing.assert_close(y.double(), _reference(h, down, ids, True), rtol=1e-5, atol=1e-5)
+
+
+def test_expert_blocks_cover_every_pair_once_one_expert_a_block():
+    gen = torch.Generator().manual_seed(2)
+    ids = _routings(30, 3, 8, "one-for-all", gen)  # expert 0 has 30 pairs: three blocks of 12
+    order, expert, start, rows = kernel.expert_blocks(ids, 8, block_m=12)
+    flat = ids.reshape(-1).cpu()
+    seen = []
+    for b in range(rows.numel()):
+        pairs = order[start[b]:start[b] + rows[b]].cpu()
+        assert rows[b] <= 12 and bool((flat[pairs] == expert[b].cpu()).all())
+        seen += pairs.tolist()
+    assert sorted(seen) == list(range(flat.numel()))
+    assert int((rows[expert == 0]).sum()) == 30 and int((rows == 12).sum()) >= 2
+
+
+def test_a_pair_gets_the_same_bits_from_the_union_and_the_grouped_kernels():
+    """Exact numerics runs decode steps on the union kernel and prompts on the grouped one."""
+    gen = torch.Generator().manual_seed(8)
+    experts, top_k, inter, hidden = 8, 2, 32, 64
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+    down = torch.randn(experts, hidden, inter, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ids = _routings(12, top_k, experts, "random", gen)
+    x = torch.randn(12, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for block_m in (16, 64):
+        grouped = kernel.grouped_products(x, gate_up, ids, x_per_pair=False, gated_act="silu", block_m=block_m)
+        union = kernel.union_products(x, gate_up, ids, x_per_pair=False, gated_act="silu")
+        assert torch.equal(grouped, union)
+        assert torch.equal(kernel.grouped_products(union, down, ids, x_per_pair=True, block_m=block_m),
+                           kernel.union_products(union, down, ids, x_per_pair=True))
+
+
 def test_a_tokens_products_do_not_depend_on_the_other_tokens():
     gen = torch.Generator().manual_seed(5)
     experts, top_k, inter, hidden = 8, 2, 32, 64
@@ -84,6 +128,8 @@ def test_rejects_what_it_cannot_compute():
         kernel.union_products(torch.zeros(3, 8, device=DEVICE), w, ids, x_per_pair=False)
     with pytest.raises(ValueError, match="K"):
         kernel.union_products(torch.zeros(2, 9, device=DEVICE), w, ids, x_per_pair=False)
+    with pytest.raises(ValueError, match="one x row per token"):
+        kernel.grouped_products(torch.zeros(3, 8, device=DEVICE), w, ids, x_per_pair=False)
     with pytest.raises(ValueError, match="at most 16"):
         kernel.union_products(torch.zeros(17, 8, device=DEVICE), w, torch.zeros(17, 1, dtype=torch.long,
                                                                                   device=DEVICE), x_per_pair=False)
@@ -125,8 +171,9 @@ def test_combine_sums_the_weighted_products():
         torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 8, 16])
-def test_moe_gemv_method_matches_reference_loop(tokens):
+@pytest.mark.parametrize("tokens,method", [(1, "gemv"), (4, "gemv"), (8, "gemv"), (16, "gemv"), (8, "blocks"),
+                                           (64, "blocks")])
+def test_moe_triton_methods_match_reference_loop(tokens, method):
     torch.manual_seed(tokens)
     experts = FusedExperts(num_experts=8, hidden=48, intermediate=24, act="gelu_pytorch_tanh").to(DEVICE)
     with torch.no_grad():
@@ -138,6 +185,6 @@ def test_moe_gemv_method_matches_reference_loop(tokens):
     with torch.no_grad():
         experts.method = ExpertsMethod.LOOP
         ref = experts(x, index, weights)
-        experts.method = ExpertsMethod.GEMV
+        experts.method = ExpertsMethod(method)
         got = experts(x, index, weights)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

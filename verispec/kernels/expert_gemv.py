@@ -1,5 +1,5 @@
-"""The decode / verify path of a mixture-of-experts layer (up to MAX_TOKENS tokens): routing, the
-routed experts' products read in place, and the weighted sum, in four launches a layer.
+"""The routed experts of a mixture-of-experts layer on CUDA: routing, the experts' products read in
+place, and the weighted sum; a decode / verify pass (up to MAX_TOKENS tokens) in four launches.
 
 - `softmax_top_k`: router logits [T, E] -> the top-k experts of the float32 softmax, renormalised
   and scaled per expert if the family asks, in one program per token (torch's softmax, topk,
@@ -9,12 +9,15 @@ routed experts' products read in place, and the weighted sum, in four launches a
   for every token routed to it, the others exit. So a verify pass or a batch reads the union of
   its experts once, not once per pair. The gate/up form computes both halves and applies the
   activation in the same program (h = act(gate) * up, rounded as transformers rounds them).
+- `grouped_products`: the same products for passes of any size (prefill, large batches), the
+  pairs sorted by expert and each program a block of one expert's pairs: each expert read once a
+  block, and a pair's row the bits `union_products` gives it (exact numerics run both).
 - `combine`: out[t] = sum_s weight[t, s] * y[t * K + s], the products rounded to their dtype as
   torch's `h * weights` does, summed in slot order in float32.
 
 The expert ids stay on the device, so a step needs no host sync and is captured in a CUDA graph.
-Each expert's tile is a chain of tensor-core products over K (16 token rows, padded), so a
-token's result does not depend on the other tokens in the pass.
+Each expert's tile is a chain of tensor-core products over K in steps fixed by K alone, so a
+token's result does not depend on the other tokens in the pass, nor on which kernel ran it.
 """
 from __future__ import annotations
 
@@ -85,6 +88,34 @@ if triton is not None:
         return 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))
 
     @triton.jit
+    def _dot(x, w, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)
+
+    @triton.jit
+    def _expert_tile(x_rows, row_ok, w_rows, mask_n, N, stride_wn, KD, out_ty, ACT: tl.constexpr,
+                     GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """[BLOCK_M, BLOCK_N] products of the rows `x_rows` with one expert's rows `w_rows`: a chain
+        of tensor-core products over K in BLOCK_K steps (the same chain for any BLOCK_M, so a row's
+        bits do not depend on the tile it is in); GATED: the up rows sit N rows below the gate rows
+        and the result is act(gate) * up, rounded as torch rounds them."""
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, KD, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = k < KD
+            x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & mask_k[None, :], other=0.0)
+            w_mask = mask_n[:, None] & mask_k[None, :]
+            acc = _dot(x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), acc, IEEE)
+            if GATED:
+                acc_up = _dot(x, tl.load(w_rows + N * stride_wn + k[None, :], mask=w_mask, other=0.0), acc_up, IEEE)
+        if GATED:  # torch's rounding: gate and up products, then act(gate), then the product
+            acc = _round(_activate(_round(acc, out_ty), ACT), out_ty) * _round(acc_up, out_ty)
+        return acc
+
+    @triton.jit
     def _union_kernel(X, W, IDS, Y, stride_x, stride_we, stride_wn, stride_y, T, N, KD,
                       TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -110,31 +141,38 @@ if triton is not None:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, KD, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = k < KD
-                x = tl.load(x_rows + k[None, :], mask=routed[:, None] & mask_k[None, :], other=0.0)
-                w_mask = mask_n[:, None] & mask_k[None, :]
-                w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
-                if IEEE:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
-                if GATED:  # the up rows sit N rows below the gate rows
-                    wu = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_mask, other=0.0)
-                    if IEEE:
-                        acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
-                    else:
-                        acc_up = tl.dot(x, tl.trans(wu), acc_up)
             out_ty = Y.dtype.element_ty
-            if GATED:  # torch's rounding: gate and up products, then act(gate), then the product
-                g = _round(acc, out_ty)
-                acc = _round(_activate(g, ACT), out_ty) * _round(acc_up, out_ty)
+            acc = _expert_tile(x_rows, routed, w_rows, mask_n, N, stride_wn, KD, out_ty, ACT, GATED, IEEE,
+                               BLOCK_T, BLOCK_N, BLOCK_K)
             tl.store(Y + pair_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
-                     acc.to(out_ty, fp_downcast_rounding="rtne"),
-                     mask=routed[:, None] & mask_n[None, :])
+                     acc.to(out_ty, fp_downcast_rounding="rtne"), mask=routed[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _grouped_kernel(X, W, ORDER, BLOCK_EXPERT, BLOCK_START, BLOCK_ROWS, Y, stride_x, stride_we, stride_wn,
+                        stride_y, N, KD, TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr, GATED: tl.constexpr,
+                        ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        IEEE: tl.constexpr):
+        """Block b of the pairs sorted by expert: up to BLOCK_M pairs of one expert."""
+        b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = tl.load(BLOCK_ROWS + b)
+        if rows > 0:
+            e = tl.load(BLOCK_EXPERT + b)
+            offs_m = tl.arange(0, BLOCK_M)
+            row_ok = offs_m < rows
+            pair = tl.load(ORDER + tl.load(BLOCK_START + b) + offs_m, mask=row_ok, other=0)
+            if X_PER_PAIR:
+                x_rows = X + pair.to(tl.int64)[:, None] * stride_x
+            else:
+                x_rows = X + (pair // TOP_K).to(tl.int64)[:, None] * stride_x
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            out_ty = Y.dtype.element_ty
+            acc = _expert_tile(x_rows, row_ok, w_rows, mask_n, N, stride_wn, KD, out_ty, ACT, GATED, IEEE,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
+            tl.store(Y + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
+                     acc.to(out_ty, fp_downcast_rounding="rtne"), mask=row_ok[:, None] & mask_n[None, :])
 
     @triton.jit
     def _weighted_sum_kernel(Y, WT, OUT, stride_y, stride_o, H, TOP_K: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
@@ -168,38 +206,95 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, expert_sc
     return weights, ids
 
 
-def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, x_per_pair: bool,
-                   gated_act: str | None = None, block_n: int | None = None, block_k: int | None = None,
-                   num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """y [T*K, N] with y[p] = W[ids[p]] @ x_row(p): x [T, KD] (row t serves pairs t*K..t*K+K-1), or
-    x [T*K, KD] with `x_per_pair`; weight [E, N', KD] (last dim contiguous); ids [T, K]. With
-    `gated_act`, weight holds gate rows then up rows (N' = 2N) and y = act(gate) * up."""
+def _operands(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, x_per_pair: bool, gated_act: str | None,
+              caller: str) -> tuple[int, int, int]:
+    """(tokens, output columns, K) of a products call, its operands checked."""
     t, top_k = ids.shape
     e, n, kd = weight.shape
-    if t > MAX_TOKENS:
-        raise ValueError(f"union_products: {t} tokens (at most {MAX_TOKENS}; more take the grouped GEMM)")
     if x.shape[-1] != kd or weight.stride(-1) != 1 or x.shape[0] != (t * top_k if x_per_pair else t):
-        raise ValueError(f"union_products: x [{', '.join(map(str, x.shape))}] against weight [{e}, {n}, {kd}] "
+        raise ValueError(f"{caller}: x [{', '.join(map(str, x.shape))}] against weight [{e}, {n}, {kd}] "
                          f"and {t}x{top_k} expert ids (needs x's last dim == K, a contiguous last weight dim "
                          "and one x row per token, or per pair)")
     if gated_act is not None:
         if gated_act not in FUSED_ACTIVATIONS:
-            raise ValueError(f"union_products: activation '{gated_act}' is not fused "
-                             f"(fused: {', '.join(FUSED_ACTIVATIONS)})")
+            raise ValueError(f"{caller}: activation '{gated_act}' is not fused (fused: {', '.join(FUSED_ACTIVATIONS)})")
         n //= 2
-    x = x.contiguous()
-    ids = ids.contiguous()
+    return t, n, kd
+
+
+def _k_tile(kd: int) -> int:
+    """The K step of every products kernel: by K alone, so a token's chain of products is the same
+    in the union and the grouped kernels at any token count (tiles measured on the H200 at the
+    Qwen3-30B-A3B, Qwen3.6-35B-A3B and Gemma 4 26B-A4B shapes)."""
+    return min(256 if kd >= 2048 else 128, max(32, _pow2(kd)))
+
+
+def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, x_per_pair: bool,
+                   gated_act: str | None = None, block_n: int = 32, num_warps: int = 4,
+                   num_stages: int = 3) -> torch.Tensor:
+    """y [T*K, N] with y[p] = W[ids[p]] @ x_row(p): x [T, KD] (row t serves pairs t*K..t*K+K-1), or
+    x [T*K, KD] with `x_per_pair`; weight [E, N', KD] (last dim contiguous); ids [T, K]. With
+    `gated_act`, weight holds gate rows then up rows (N' = 2N) and y = act(gate) * up."""
+    t, n, kd = _operands(x, weight, ids, x_per_pair, gated_act, "union_products")
+    top_k = ids.shape[1]
+    if t > MAX_TOKENS:
+        raise ValueError(f"union_products: {t} tokens (at most {MAX_TOKENS}; more take grouped_products)")
+    x, ids = x.contiguous(), ids.contiguous()
     y = torch.empty(t * top_k, n, dtype=x.dtype, device=x.device)
-    # tiles measured on the H200 at the Qwen3-30B-A3B, Qwen3.6-35B-A3B and Gemma 4 26B-A4B shapes; the
-    # K tile follows K alone, so a token's chain of products is the same at every token count
-    block_n = block_n or 32
-    block_k = block_k or min(256 if kd >= 2048 else 128, max(32, _pow2(kd)))
     grid = (triton.cdiv(n, block_n), t * top_k)  # BLOCK_P as at MAX_TOKENS: one compile for every token count
     _union_kernel[grid](x, weight, ids, y, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0), t, n, kd,
                         TOP_K=top_k, X_PER_PAIR=x_per_pair, GATED=gated_act is not None,
                         ACT=FUSED_ACTIVATIONS.get(gated_act, 0), BLOCK_T=MAX_TOKENS, BLOCK_S=_pow2(top_k),
-                        BLOCK_P=_pow2(MAX_TOKENS * top_k), BLOCK_N=block_n, BLOCK_K=block_k,
+                        BLOCK_P=_pow2(MAX_TOKENS * top_k), BLOCK_N=block_n, BLOCK_K=_k_tile(kd),
                         IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """The pairs of ids [T, K] sorted by expert and cut into blocks of at most block_m pairs of one
+    expert: (order [P]: pair ids by expert, then per block its expert, first index into order and
+    pair count), the blocks padded to cdiv(P, block_m) + E with empty ones. Device-side, no host
+    sync: capturable."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True)[1]
+    histogram_input = flat.int() if flat.is_cuda else flat.float()  # histc: a fixed-size output, unlike bincount
+    counts = torch.histc(histogram_input, bins=num_experts, min=0, max=num_experts - 1).long()
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    first = torch.cumsum(counts, 0) - counts
+    b = torch.arange(triton.cdiv(flat.numel(), block_m) + num_experts, device=flat.device)
+    expert = torch.searchsorted(block_end, b, right=True)
+    owner = expert.clamp(max=num_experts - 1)
+    index_in_expert = b - (block_end[owner] - blocks[owner])
+    rows = torch.where(expert < num_experts, (counts[owner] - index_in_expert * block_m).clamp(0, block_m), 0)
+    return order, owner, first[owner] + index_in_expert * block_m, rows
+
+
+# shared memory a grouped program's pipeline stages may take (the H100/H200 give a block 227 KiB)
+STAGE_BYTES_BUDGET = 200 * 1024
+
+
+def grouped_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, x_per_pair: bool,
+                     gated_act: str | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
+    """`union_products` for any number of tokens (prefill, large batches): the pairs grouped by
+    expert, each expert's weights read once per block of block_m of its pairs. A pair's row gets
+    the bits `union_products` gives it (the same chain of products over K)."""
+    t, n, kd = _operands(x, weight, ids, x_per_pair, gated_act, "grouped_products")
+    top_k = ids.shape[1]
+    x = x.contiguous()
+    order, expert, start, rows = expert_blocks(ids, weight.shape[0], block_m)
+    y = torch.empty(t * top_k, n, dtype=x.dtype, device=x.device)
+    block_k = _k_tile(kd)
+    if num_stages is None:  # as many as fit: x's tile and one (or, gated, two) weight tiles a stage
+        stage_bytes = (block_m + block_n * (2 if gated_act else 1)) * block_k * x.element_size()
+        num_stages = max(1, min(3, STAGE_BYTES_BUDGET // stage_bytes))
+    grid = (rows.numel(), triton.cdiv(n, block_n))
+    _grouped_kernel[grid](x, weight, order, expert, start, rows, y, x.stride(0), weight.stride(0), weight.stride(1),
+                          y.stride(0), n, kd, TOP_K=top_k, X_PER_PAIR=x_per_pair, GATED=gated_act is not None,
+                          ACT=FUSED_ACTIVATIONS.get(gated_act, 0), BLOCK_M=block_m, BLOCK_N=block_n,
+                          BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps,
+                          num_stages=num_stages)
     return y
 
 

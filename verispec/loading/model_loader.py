@@ -119,6 +119,7 @@ def load_whole_tables(model_dir: Path, target: CausalLM) -> CausalLM:
 def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
     """The numerics `model` runs for --numerics `requested` on its device, and why not exact
     (models/layers/numerics.py `resolve`, told which kinds of layers the model has)."""
+    from verispec.kernels import expert_gemv
     from verispec.models.layers import numerics
     from verispec.models.layers.gated_delta_net import GatedDeltaNet
     from verispec.models.layers.moe import FusedExperts
@@ -130,8 +131,10 @@ def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
     modules = list(model.modules())
     return numerics.resolve(
         requested, param.device, param.dtype, recurrent=any(isinstance(m, GatedDeltaNet) for m in modules),
-        experts=any(isinstance(m, (FusedExperts, MLXQuantizedExperts, QuantizedExpertStack)) for m in modules),
+        experts=any(isinstance(m, (MLXQuantizedExperts, QuantizedExpertStack)) for m in modules)
+        or (any(isinstance(m, FusedExperts) for m in modules) and not expert_gemv.available(param.device)),
         quantized=any(isinstance(m, QuantizedLinear) for m in modules),
+        float_experts=any(isinstance(m, FusedExperts) for m in modules),
         weight_bytes=dense.dense_bytes(model, param.dtype))
 
 
@@ -157,9 +160,10 @@ def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: s
             model.fuse_small_ops()  # compiled on first use: prewarm pays for it
     quant.prepare(model, exact_numerics=numerics == "exact" and device.type == "cuda")
     if numerics == "exact" and device.type == "cuda":
-        from verispec.models.layers.exact import use_row_invariant_linears
+        from verispec.models.layers.exact import use_row_invariant_experts, use_row_invariant_linears
 
         use_row_invariant_linears(model)
+        use_row_invariant_experts(model)
 
 
 def _our_name(model: CausalLM, ckpt_name: str) -> str:

@@ -1,6 +1,7 @@
 """Exact numerics: every dense linear layer of a model on CUDA runs kernels/linear.py, whose rows
 are summed the same way at every row count, instead of cuBLAS, which picks its kernel (and so a
-row's summation order) by the pass's shape. With the norms, the q/k preparation and the attention
+row's summation order) by the pass's shape; routed experts run kernels/expert_gemv.py's union and
+grouped kernels, which give a token the same bits in any pass, instead of torch's grouped GEMM. With the norms, the q/k preparation and the attention
 kernels (also a row's bits whatever its pass), a token's logits do not depend on the batch, the
 speculation width, the prompt chunking or the prefix cache (docs/serving.md, "Exact numerics")."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 from verispec import log
 from verispec.kernels import linear as kernel
+from verispec.models.layers.moe import FusedExperts
 from verispec.models.layers.parallel import RowParallelLinear
 
 
@@ -38,3 +40,12 @@ def use_row_invariant_linears(model: nn.Module) -> int:
             reasons.add(reason)
             log.debug("a linear layer keeps torch's product under exact numerics: %s", reason)
     return bound
+
+
+def use_row_invariant_experts(model: nn.Module) -> int:
+    """Every FusedExperts of the model on its row-invariant kernels for passes of any size; returns
+    how many."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    for module in experts:
+        module.exact = True
+    return len(experts)

@@ -13,7 +13,10 @@ Three ways to run the same computation, picked by device and size:
 - `gemv`: our Triton kernels (kernels/expert_gemv.py) reading each expert of the pass's union in
   place once, the activation and the weighted sum fused: static shapes, no sort or copy; CUDA's
   path for decode/verify steps (up to expert_gemv.MAX_TOKENS tokens), where the grouped GEMM runs
-  mostly empty tiles around a few rows.
+  mostly empty tiles around a few rows;
+- `blocks`: our Triton grouped kernel (pairs sorted by expert, blocks of one expert's pairs) with
+  the same chain of products over K as `gemv`, so a token's bits do not depend on the pass: under
+  exact numerics CUDA's path for passes of more tokens (`exact`, set at load).
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ class ExpertsMethod(str, Enum):
     GROUPED = "grouped"
     GATHERED = "gathered"
     GEMV = "gemv"
+    BLOCKS = "blocks"
 
 
 def grouped_mm_usable(x: torch.Tensor, gate_up_rows: int, down_cols: int) -> bool:
@@ -91,11 +95,14 @@ def loop_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     return out
 
 
-def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, num_pairs: int) -> ExpertsMethod:
+def default_method(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, num_pairs: int,
+                   exact: bool = False) -> ExpertsMethod:
     if x.device.type != "cuda":
         return ExpertsMethod.LOOP  # the reference: equal to transformers' eager experts
     if x.shape[0] <= expert_gemv.MAX_TOKENS and expert_gemv.available(x.device):
         return ExpertsMethod.GEMV
+    if exact and expert_gemv.available(x.device):
+        return ExpertsMethod.BLOCKS
     if grouped_mm_usable(x, gate_up.shape[1], down.shape[-1]):
         return ExpertsMethod.GROUPED
     return ExpertsMethod.GATHERED if num_pairs <= MAX_GATHERED_PAIRS else ExpertsMethod.LOOP
@@ -111,6 +118,7 @@ class FusedExperts(nn.Module):
         self.act = activation(act)
         self.act_name = act
         self.method: ExpertsMethod | None = None  # None: chosen per call by `default_method`
+        self.exact = False  # exact numerics (set at load): every pass on the row-invariant kernels
 
     def checkpoint_part(self, local_name: str) -> tuple[str, tuple] | None:
         """Where one expert's matrix of a per-expert checkpoint lands (what transformers saves for
@@ -136,13 +144,15 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; top_k_index [N, K] expert ids; top_k_weights [N, K] -> [N, H] weighted sum."""
-        method = self.method or default_method(x, self.gate_up_proj, self.down_proj, top_k_index.numel())
+        method = self.method or default_method(x, self.gate_up_proj, self.down_proj, top_k_index.numel(), self.exact)
         if method is ExpertsMethod.GROUPED:
             return self._grouped(x, top_k_index, top_k_weights)
         if method is ExpertsMethod.GATHERED:
             return self._gathered(x, top_k_index, top_k_weights)
         if method is ExpertsMethod.GEMV:
-            return self._gemv(x, top_k_index, top_k_weights)
+            return self._triton(expert_gemv.union_products, x, top_k_index, top_k_weights)
+        if method is ExpertsMethod.BLOCKS:
+            return self._triton(expert_gemv.grouped_products, x, top_k_index, top_k_weights)
         return self._loop(x, top_k_index, top_k_weights)
 
     def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
@@ -164,11 +174,11 @@ class FusedExperts(nn.Module):
         h = h * top_k_weights.reshape(-1, 1)
         return h.view(n, k, -1).sum(dim=1).to(x.dtype)
 
-    def _gemv(self, x, top_k_index, top_k_weights):
+    def _triton(self, products, x, top_k_index, top_k_weights):
+        """`products`: expert_gemv.union_products or grouped_products (the same bits for a pair)."""
         if self.act_name in expert_gemv.FUSED_ACTIVATIONS:
-            h = expert_gemv.union_products(x, self.gate_up_proj, top_k_index, x_per_pair=False,
-                                           gated_act=self.act_name)  # [N*K, I]
+            h = products(x, self.gate_up_proj, top_k_index, x_per_pair=False, gated_act=self.act_name)  # [N*K, I]
         else:
-            h = self._gated(expert_gemv.union_products(x, self.gate_up_proj, top_k_index, x_per_pair=False))
-        y = expert_gemv.union_products(h, self.down_proj, top_k_index, x_per_pair=True)  # [N*K, H]
+            h = self._gated(products(x, self.gate_up_proj, top_k_index, x_per_pair=False))
+        y = products(h, self.down_proj, top_k_index, x_per_pair=True)  # [N*K, H]
         return expert_gemv.combine(y, top_k_weights, x.dtype)

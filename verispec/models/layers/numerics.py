@@ -18,7 +18,8 @@ def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: boo
     steps are (models/layers/attention.py)."""
     device = torch.device(device)
     if experts:
-        return "mixture-of-experts layers (the experts' kernel is chosen by the pass's token count)"
+        return ("mixture-of-experts layers without row-invariant kernels here (quantized experts, or "
+                "float experts off CUDA with Triton: their kernel is chosen by the pass's token count)")
     if device.type == "cuda":
         return None
     if device.type == "cpu":
@@ -36,12 +37,14 @@ SMALL_MODEL_BYTES = 1 << 30
 
 
 def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, recurrent: bool = False,
-            experts: bool = False, quantized: bool = False, weight_bytes: int = 0) -> tuple[str, str | None]:
+            experts: bool = False, quantized: bool = False, weight_bytes: int = 0,
+            float_experts: bool = False) -> tuple[str, str | None]:
     """(the numerics that run, why not exact): "auto" is exact where it holds and costs little, as
     measured (docs/benchmarks.md): dense weights on CUDA; a quantized model's exact product decodes
     several times slower and a CPU's exact prompts prefill 2.5-4.5x slower, so there `--numerics
     exact` asks for it; so does a Gated DeltaNet model over SMALL_MODEL_BYTES, whose exact
-    prompt chunks step token by token."""
+    prompt chunks step token by token, and a model with float experts (`float_experts`), whose
+    exact prompts and batches run our grouped expert kernel at an unmeasured cost."""
     if requested == "fast":
         return "fast", "--numerics fast"
     if (reason := why_not_exact(device, dtype, recurrent, experts)) is not None:
@@ -51,6 +54,10 @@ def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, r
             return "fast", "on a CPU exact prompt chunks prefill 2.5-4.5x slower (--numerics exact turns it on)"
         if quantized:
             return "fast", ("quantized layers: their exact product decodes several times slower "
+                            "(--numerics exact turns it on)")
+        if float_experts:
+            return "fast", ("mixture-of-experts layers: exact prompts and batches of more than 16 tokens run "
+                            "our grouped expert kernel, not torch's grouped GEMM, at a cost not measured yet "
                             "(--numerics exact turns it on)")
         if recurrent and weight_bytes > SMALL_MODEL_BYTES:
             return "fast", ("Gated DeltaNet layers: exact prompt chunks step token by token instead of the chunked "
