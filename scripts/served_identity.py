@@ -23,8 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from verispec.bench.http import served
-from verispec.bench.options import BenchOptions
 
 PROMPTS = [
     "Explain how a bicycle's gears make climbing easier.",
@@ -81,6 +79,9 @@ def _agree(answers: list[dict], reference: list[dict], indices: list[int]) -> tu
 
 def run_server(serve_args: str, prompts: list[str], max_tokens: int, clients: list[int], log: Path) -> dict:
     import httpx
+
+    from verispec.bench.http import served  # here, not at the top: --help imports no torch
+    from verispec.bench.options import BenchOptions
 
     opts = BenchOptions()
     with served(serve_args, opts, log) as (url, ready_s):
