@@ -116,6 +116,20 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _expert_rows(X, W, Y, e, pair, x_row, row_ok, pid_n, stride_x, stride_we, stride_wn, stride_y, N, KD,
+                     ACT: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Y rows `pair` (where row_ok) = expert e's output tile pid_n over X rows `x_row`."""
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        out_ty = Y.dtype.element_ty
+        acc = _expert_tile(X + x_row.to(tl.int64)[:, None] * stride_x, row_ok, w_rows, mask_n, N, stride_wn, KD,
+                           out_ty, ACT, GATED, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        tl.store(Y + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
+                 acc.to(out_ty, fp_downcast_rounding="rtne"), mask=row_ok[:, None] & mask_n[None, :])
+
+    @triton.jit
     def _union_kernel(X, W, IDS, Y, stride_x, stride_we, stride_wn, stride_y, T, N, KD,
                       TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -135,17 +149,11 @@ if triton is not None:
             routed = tl.max(hit.to(tl.int32), 1) > 0
             pair_t = tl.sum(tl.where(hit, pair_ts, 0), 1)
             if X_PER_PAIR:
-                x_rows = X + pair_t.to(tl.int64)[:, None] * stride_x
+                x_row = pair_t
             else:
-                x_rows = X + offs_t.to(tl.int64)[:, None] * stride_x
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-            out_ty = Y.dtype.element_ty
-            acc = _expert_tile(x_rows, routed, w_rows, mask_n, N, stride_wn, KD, out_ty, ACT, GATED, IEEE,
-                               BLOCK_T, BLOCK_N, BLOCK_K)
-            tl.store(Y + pair_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
-                     acc.to(out_ty, fp_downcast_rounding="rtne"), mask=routed[:, None] & mask_n[None, :])
+                x_row = offs_t
+            _expert_rows(X, W, Y, e, pair_t, x_row, routed, pid_n, stride_x, stride_we, stride_wn, stride_y, N, KD,
+                         ACT, GATED, IEEE, BLOCK_T, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _grouped_kernel(X, W, ORDER, BLOCK_EXPERT, BLOCK_START, BLOCK_ROWS, Y, stride_x, stride_we, stride_wn,
@@ -162,17 +170,11 @@ if triton is not None:
             row_ok = offs_m < rows
             pair = tl.load(ORDER + tl.load(BLOCK_START + b) + offs_m, mask=row_ok, other=0)
             if X_PER_PAIR:
-                x_rows = X + pair.to(tl.int64)[:, None] * stride_x
+                x_row = pair
             else:
-                x_rows = X + (pair // TOP_K).to(tl.int64)[:, None] * stride_x
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            w_rows = W + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-            out_ty = Y.dtype.element_ty
-            acc = _expert_tile(x_rows, row_ok, w_rows, mask_n, N, stride_wn, KD, out_ty, ACT, GATED, IEEE,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
-            tl.store(Y + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :],
-                     acc.to(out_ty, fp_downcast_rounding="rtne"), mask=row_ok[:, None] & mask_n[None, :])
+                x_row = pair // TOP_K
+            _expert_rows(X, W, Y, e, pair, x_row, row_ok, pid_n, stride_x, stride_we, stride_wn, stride_y, N, KD,
+                         ACT, GATED, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _weighted_sum_kernel(Y, WT, OUT, stride_y, stride_o, H, TOP_K: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
