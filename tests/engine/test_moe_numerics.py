@@ -3,6 +3,7 @@ row-invariant expert kernels run (CUDA with Triton), and say why not elsewhere; 
 stay fast (their GEMV is chosen by the pass's token count)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.models.test_qwen_moe import QWEN3_MOE
@@ -13,8 +14,12 @@ from verispec.models.layers.moe import FusedExperts
 from verispec.quant.in_memory import quantize_model_
 
 
-def test_float_experts_are_exact_where_their_kernels_run(tiny_models, monkeypatch):
-    model = load_model(tiny_models.get("qwen3_moe", "qwen3_moe", **QWEN3_MOE), torch.bfloat16, torch.device("cpu"))
+@pytest.fixture
+def model(tiny_models):
+    return load_model(tiny_models.get("qwen3_moe", "qwen3_moe", **QWEN3_MOE), torch.bfloat16, torch.device("cpu"))
+
+
+def test_float_experts_are_exact_where_their_kernels_run(model, monkeypatch):
     numerics, reason = resolve_numerics(model, "exact")
     assert numerics == "fast" and "mixture-of-experts" in reason  # no CUDA here
     monkeypatch.setattr(expert_gemv, "available", lambda device: True)
@@ -24,8 +29,7 @@ def test_float_experts_are_exact_where_their_kernels_run(tiny_models, monkeypatc
     assert use_row_invariant_experts(model) == len(experts) and all(m.exact for m in experts)
 
 
-def test_quantized_experts_stay_fast(tiny_models, monkeypatch):
-    model = load_model(tiny_models.get("qwen3_moe", "qwen3_moe", **QWEN3_MOE), torch.bfloat16, torch.device("cpu"))
+def test_quantized_experts_stay_fast(model, monkeypatch):
     quantize_model_(model, "mlx-4bit", group_size=32)  # the experts too (intermediate 32)
     monkeypatch.setattr(expert_gemv, "available", lambda device: True)
     numerics, reason = resolve_numerics(model, "exact")

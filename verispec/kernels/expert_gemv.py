@@ -41,8 +41,11 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E]: how many of `expert_ids` name each expert (histc, not bincount: bincount's output size
+    depends on the data, which a CUDA graph cannot capture). Plain torch: CPUs run it too."""
+    histogram_input = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
+    return torch.histc(histogram_input, bins=num_experts, min=0, max=num_experts - 1)
 
 
 if triton is not None:
@@ -203,14 +206,15 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, expert_sc
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
         _route_kernel[(t,)](logits, expert_scale if expert_scale is not None else weights, weights, ids,
-                            logits.stride(0), E=e, K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k),
-                            RENORMALIZE=renormalize, HAS_SCALE=expert_scale is not None)
+                            logits.stride(0), E=e, K=top_k, BLOCK_E=triton.next_power_of_2(e),
+                            BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                            HAS_SCALE=expert_scale is not None)
     return weights, ids
 
 
 def _operands(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, x_per_pair: bool, gated_act: str | None,
-              caller: str) -> tuple[int, int, int]:
-    """(tokens, output columns, K) of a products call, its operands checked."""
+              caller: str) -> tuple[int, int, int, int]:
+    """(tokens, experts a token, output columns, K) of a products call, its operands checked."""
     t, top_k = ids.shape
     e, n, kd = weight.shape
     if x.shape[-1] != kd or weight.stride(-1) != 1 or x.shape[0] != (t * top_k if x_per_pair else t):
@@ -221,14 +225,14 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, x_per_pa
         if gated_act not in FUSED_ACTIVATIONS:
             raise ValueError(f"{caller}: activation '{gated_act}' is not fused (fused: {', '.join(FUSED_ACTIVATIONS)})")
         n //= 2
-    return t, n, kd
+    return t, top_k, n, kd
 
 
 def _k_tile(kd: int) -> int:
     """The K step of every products kernel: by K alone, so a token's chain of products is the same
     in the union and the grouped kernels at any token count (tiles measured on the H200 at the
     Qwen3-30B-A3B, Qwen3.6-35B-A3B and Gemma 4 26B-A4B shapes)."""
-    return min(256 if kd >= 2048 else 128, max(32, _pow2(kd)))
+    return min(256 if kd >= 2048 else 128, max(32, triton.next_power_of_2(kd)))
 
 
 def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, x_per_pair: bool,
@@ -237,8 +241,7 @@ def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, 
     """y [T*K, N] with y[p] = W[ids[p]] @ x_row(p): x [T, KD] (row t serves pairs t*K..t*K+K-1), or
     x [T*K, KD] with `x_per_pair`; weight [E, N', KD] (last dim contiguous); ids [T, K]. With
     `gated_act`, weight holds gate rows then up rows (N' = 2N) and y = act(gate) * up."""
-    t, n, kd = _operands(x, weight, ids, x_per_pair, gated_act, "union_products")
-    top_k = ids.shape[1]
+    t, top_k, n, kd = _operands(x, weight, ids, x_per_pair, gated_act, "union_products")
     if t > MAX_TOKENS:
         raise ValueError(f"union_products: {t} tokens (at most {MAX_TOKENS}; more take grouped_products)")
     x, ids = x.contiguous(), ids.contiguous()
@@ -246,8 +249,9 @@ def union_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *, 
     grid = (triton.cdiv(n, block_n), t * top_k)  # BLOCK_P as at MAX_TOKENS: one compile for every token count
     _union_kernel[grid](x, weight, ids, y, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0), t, n, kd,
                         TOP_K=top_k, X_PER_PAIR=x_per_pair, GATED=gated_act is not None,
-                        ACT=FUSED_ACTIVATIONS.get(gated_act, 0), BLOCK_T=MAX_TOKENS, BLOCK_S=_pow2(top_k),
-                        BLOCK_P=_pow2(MAX_TOKENS * top_k), BLOCK_N=block_n, BLOCK_K=_k_tile(kd),
+                        ACT=FUSED_ACTIVATIONS.get(gated_act, 0), BLOCK_T=MAX_TOKENS,
+                        BLOCK_S=triton.next_power_of_2(top_k), BLOCK_P=triton.next_power_of_2(MAX_TOKENS * top_k),
+                        BLOCK_N=block_n, BLOCK_K=_k_tile(kd),
                         IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return y
 
@@ -259,8 +263,7 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     sync: capturable."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True)[1]
-    histogram_input = flat.int() if flat.is_cuda else flat.float()  # histc: a fixed-size output, unlike bincount
-    counts = torch.histc(histogram_input, bins=num_experts, min=0, max=num_experts - 1).long()
+    counts = expert_counts(flat, num_experts).long()
     blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)
     first = torch.cumsum(counts, 0) - counts
@@ -282,8 +285,7 @@ def grouped_products(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *
     """`union_products` for any number of tokens (prefill, large batches): the pairs grouped by
     expert, each expert's weights read once per block of block_m of its pairs. A pair's row gets
     the bits `union_products` gives it (the same chain of products over K)."""
-    t, n, kd = _operands(x, weight, ids, x_per_pair, gated_act, "grouped_products")
-    top_k = ids.shape[1]
+    t, top_k, n, kd = _operands(x, weight, ids, x_per_pair, gated_act, "grouped_products")
     x = x.contiguous()
     order, expert, start, rows = expert_blocks(ids, weight.shape[0], block_m)
     y = torch.empty(t * top_k, n, dtype=x.dtype, device=x.device)
@@ -307,7 +309,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> t
     h = y.shape[-1]
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     product_dtype = torch.promote_types(y.dtype, weights.dtype)
-    block_h = min(1024, _pow2(h))
+    block_h = min(1024, triton.next_power_of_2(h))
     _weighted_sum_kernel[(t, triton.cdiv(h, block_h))](y, weights.contiguous(), out, y.stride(0), out.stride(0), h,
                                                   TOP_K=top_k, ROUND_PRODUCT=product_dtype.itemsize == 2
                                                   and product_dtype == y.dtype, BLOCK_H=block_h)

@@ -129,12 +129,13 @@ def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
 
     param = next(model.parameters())
     modules = list(model.modules())
+    float_experts = any(isinstance(m, FusedExperts) for m in modules)
     return numerics.resolve(
         requested, param.device, param.dtype, recurrent=any(isinstance(m, GatedDeltaNet) for m in modules),
         experts=any(isinstance(m, (MLXQuantizedExperts, QuantizedExpertStack)) for m in modules)
-        or (any(isinstance(m, FusedExperts) for m in modules) and not expert_gemv.available(param.device)),
+        or (float_experts and not expert_gemv.available(param.device)),
         quantized=any(isinstance(m, QuantizedLinear) for m in modules),
-        float_experts=any(isinstance(m, FusedExperts) for m in modules),
+        float_experts=float_experts,
         weight_bytes=dense.dense_bytes(model, param.dtype))
 
 

@@ -1,9 +1,10 @@
 """Exact numerics: every dense linear layer of a model on CUDA runs kernels/linear.py, whose rows
 are summed the same way at every row count, instead of cuBLAS, which picks its kernel (and so a
 row's summation order) by the pass's shape; routed experts run kernels/expert_gemv.py's union and
-grouped kernels, which give a token the same bits in any pass, instead of torch's grouped GEMM. With the norms, the q/k preparation and the attention
-kernels (also a row's bits whatever its pass), a token's logits do not depend on the batch, the
-speculation width, the prompt chunking or the prefix cache (docs/serving.md, "Exact numerics")."""
+grouped kernels, which give a token the same bits in any pass, instead of torch's grouped GEMM.
+With the norms, the q/k preparation and the attention kernels (also a row's bits whatever its
+pass), a token's logits do not depend on the batch, the speculation width, the prompt chunking or
+the prefix cache (docs/serving.md, "Exact numerics")."""
 from __future__ import annotations
 
 import types

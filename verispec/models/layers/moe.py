@@ -44,10 +44,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     num_experts = gate_up.shape[0]
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     rows = x[order // k]  # [N*K, H] grouped by expert
-    # histc, not bincount: bincount's output size depends on the data (not graph-capturable)
-    counts_input = expert_ids.float() if x.device.type != "cuda" else expert_ids.int()
-    counts = torch.histc(counts_input, bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    offsets = torch.cumsum(expert_gemv.expert_counts(expert_ids, num_experts), dim=0, dtype=torch.int32)
     h = gated(F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets))
     h = F.grouped_mm(h, down.transpose(-2, -1), offs=offsets)
     h = h * top_k_weights.reshape(-1)[order, None]
