@@ -59,11 +59,13 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     if proposer is not None:
         log.startup_phase("loading the drafter", t4 - t3)
     warmup.pin_triton_cache_dir(device)  # before the load-time rewrites compile anything (see there)
+    numerics, _ = resolve_numerics(model, config.numerics)
+    prepare_for_device(model, config.fuse_small_ops, numerics)  # after the proposer, which may share its layers
+    # again, prepared: a CPU model whose layers now run the layer kernel is exact under auto too
     numerics, why_not_exact = resolve_numerics(model, config.numerics)
     if why_not_exact is not None:  # a warning where exact was asked for; /v1/models and --json say it anyway
         (log.warning if config.numerics == "exact" else log.debug)("numerics: fast (not exact: %s)", why_not_exact)
     config = dataclasses.replace(config, numerics=numerics)
-    prepare_for_device(model, config.fuse_small_ops, numerics)  # after the proposer, which may share its layers
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts, peers
 

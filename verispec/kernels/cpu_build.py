@@ -25,10 +25,11 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 
 
 class Library:
-    """One C source, built and loaded once per process on first use."""
+    """One C source, built and loaded once per process on first use. `includes`: the sources it
+    #includes (their text is part of the build's cache key)."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]):
-        self.source, self.declare = source, declare
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], includes: tuple[Path, ...] = ()):
+        self.source, self.declare, self.includes = source, declare, includes
         self._lock = threading.Lock()
         self._library: ctypes.CDLL | None = None
         self._failure: str | None = None
@@ -53,7 +54,7 @@ class Library:
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             raise RuntimeError(f"no C compiler (cc, gcc or $CC) to build {self.source.name}")
-        text = self.source.read_bytes()
+        text = b"".join(path.read_bytes() for path in (self.source, *self.includes))
         key = hashlib.sha256(text + " ".join((compiler, *FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
         target = _cache_dir() / f"{self.source.stem}-{key}.so"
         if not target.exists():

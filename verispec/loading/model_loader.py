@@ -33,11 +33,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     """A checkpoint directory (config.json + safetensors; quantized formats load as stored) or a
     GGUF file (see resolve_model). A GGUF's Q4_0 / Q4_1 linear weights stay quantized where torch's
     int4 kernel runs (CUDA in bfloat16, a CPU in bfloat16 or float16; `keep_gguf_4bit` overrides),
-    the rest arrive dequantized.
+    its Q8_0 ones where the CPU integer-dot kernel does (unless keep_gguf_4bit is False), the rest
+    arrive dequantized.
     `shard`: this tensor-parallel rank's share of the model, read alone from the files
     (models/sharding.py; a dense safetensors checkpoint, checked by check_shardable)."""
     from verispec.loading import quantized_shards
-    from verispec.loading.gguf import QUANTIZATION_CONFIG, keeps_4bit, keeps_table
+    from verispec.loading.gguf import KEPT_8BIT_TYPES, QUANTIZATION_CONFIG, keeps_4bit, keeps_8bit, keeps_table
     from verispec.quant import loading as quant_loading
 
     if is_gguf(model_dir):
@@ -45,10 +46,15 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         log.debug("%s", gguf.describe())
         reason = keeps_4bit(device, dtype)
         keep = reason is None if keep_gguf_4bit is None else keep_gguf_4bit
-        four_bit = gguf.kept_4bit_names()
+        four_bit = gguf.linear_names()
         kept = four_bit if keep else set()
         if four_bit and not keep and keep_gguf_4bit is None:
             log.debug("GGUF %s: 4-bit weights dequantized: %s", gguf.path.name, reason)
+        if keep_gguf_4bit is not False and (eight_bit := gguf.linear_names(KEPT_8BIT_TYPES)):
+            if (why := keeps_8bit(device, dtype)) is None:
+                kept = kept | eight_bit
+            else:
+                log.debug("GGUF %s: Q8_0 weights dequantized: %s", gguf.path.name, why)
         if keep and (table := gguf.quantized_table()) is not None and gguf.config.get("tie_word_embeddings"):
             if (why := keeps_table(device, dtype)) is None:
                 kept = kept | {table}
@@ -135,7 +141,7 @@ def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
         experts=any(isinstance(m, (MLXQuantizedExperts, QuantizedExpertStack)) for m in modules)
         or (float_experts and not expert_gemv.available(param.device)),
         quantized=any(isinstance(m, QuantizedLinear) for m in modules),
-        float_experts=float_experts,
+        float_experts=float_experts, layer_kernel=getattr(model, "layer_stack", None) is not None,
         weight_bytes=dense.dense_bytes(model, param.dtype))
 
 

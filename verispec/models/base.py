@@ -98,6 +98,9 @@ class FoldedDecoderLM(HFLayoutLM):
     not yet added). Llama/Qwen3 and Qwen3.5 share this forward."""
 
     final_add_norm = staticmethod(add_rms_norm)  # fuse() swaps in the kernel (fast_add_rms_norm)
+    # runs a range of layers in one call where a kernel can (set at load: quant/layer_stack.py):
+    # takes(inputs) -> bool; (x, update, cos, sin, inputs, start, stop) -> (x, update), as the layers
+    layer_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 capture: tuple[int, ...] = ()) -> ForwardOutput:
@@ -105,12 +108,19 @@ class FoldedDecoderLM(HFLayoutLM):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         inputs = AttentionInputs(positions, cache)
+        stack = self.layer_stack if self.layer_stack is not None and self.layer_stack.takes(inputs) else None
+        layers = self.model.layers
         captured: dict[int, torch.Tensor] = {}
         update = None
-        for i, layer in enumerate(self.model.layers):
-            if i in capture:
-                captured[i] = x if update is None else x + update
-            x, update = layer(x, update, cos, sin, inputs)
+        bounds = sorted({0, len(layers), *(i for i in capture if 0 < i < len(layers))})
+        for start, stop in zip(bounds, bounds[1:]):  # the captured layers' inputs between the ranges
+            if start in capture:
+                captured[start] = x if update is None else x + update
+            if stack is not None:
+                x, update = stack(x, update, cos, sin, inputs, start, stop)
+            else:
+                for layer in layers[start:stop]:
+                    x, update = layer(x, update, cos, sin, inputs)
         norm = self.model.norm
         x, hidden = self.final_add_norm(x, update, norm.weight, norm.eps, norm.unit_offset)
         return ForwardOutput(hidden, [captured[i] for i in capture], pre_norm=x)

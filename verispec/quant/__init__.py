@@ -61,3 +61,7 @@ def prepare(model, dtype=None, exact_numerics: bool = False) -> None:
     from verispec.quant.dispatch import prepare as prepare_layers
 
     prepare_layers(model, dtype, exact_numerics)
+    if next(model.parameters()).device.type == "cpu":
+        from verispec.quant import layer_stack
+
+        layer_stack.install(model)  # whole layers in one kernel call where every product runs the CPU kernel

@@ -32,6 +32,7 @@ SUFFIX = ".gguf"
 # where the integer-dot kernel runs the tied head over it; elsewhere Q8_0 stays dense: our CUDA 8-bit
 # kernel is slower than a bfloat16 GEMM (docs/benchmarks.md).
 KEPT_4BIT_TYPES = ("Q4_0", "Q4_1")
+KEPT_8BIT_TYPES = ("Q8_0",)  # kept where the CPU integer-dot kernel runs (`keeps_8bit`)
 EMBEDDING_TABLE = "model.embed_tokens.weight"
 QUANTIZATION_CONFIG = {"group_size": GROUP_SIZE, "bits": 4}  # the MLX-affine form the kept weights take
 ROPE_FREQS = "rope_freqs.weight"
@@ -104,12 +105,12 @@ class GGUFCheckpoint:
             log.debug("GGUF %s: %d tensors not used by the model (e.g. %s)", self.path.name, len(skipped),
                       ", ".join(skipped[:3]))
 
-    def kept_4bit_names(self) -> set[str]:
-        """Hugging Face names of the Q4_0 / Q4_1 linear weights (not the embedding table)."""
+    def linear_names(self, types: tuple[str, ...] = KEPT_4BIT_TYPES) -> set[str]:
+        """Hugging Face names of the linear weights stored as one of `types` (not the embedding table)."""
         names = set()
         for t in self.reader.tensors:
             name = hf_name(t.name, self.architecture)
-            if (name is not None and tensor_type_name(t) in KEPT_4BIT_TYPES and len(self.tensor_shapes[t.name]) == 2
+            if (name is not None and tensor_type_name(t) in types and len(self.tensor_shapes[t.name]) == 2
                     and name.endswith(".weight") and "embed_tokens" not in name):
                 names.add(name)
         return names
@@ -171,6 +172,14 @@ def keeps_4bit(device: torch.device, dtype: torch.dtype) -> str | None:
     from verispec.quant.kernels.int4_builtin import activation_reason
 
     return activation_reason(device, dtype)
+
+
+def keeps_8bit(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a GGUF's Q8_0 linear weights are dequantized at load (None: they stay quantized, for the
+    CPU integer-dot kernel, at half a float16 weight's bytes)."""
+    from verispec.quant.kernels import cpu_qdot
+
+    return cpu_qdot.unsupported_reason(device, dtype, 8, GROUP_SIZE, GROUP_SIZE)
 
 
 def keeps_table(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -38,19 +38,23 @@ SMALL_MODEL_BYTES = 1 << 30
 
 def resolve(requested: str, device: torch.device | str, dtype: torch.dtype, *, recurrent: bool = False,
             experts: bool = False, quantized: bool = False, weight_bytes: int = 0,
-            float_experts: bool = False) -> tuple[str, str | None]:
+            float_experts: bool = False, layer_kernel: bool = False) -> tuple[str, str | None]:
     """(the numerics that run, why not exact): "auto" is exact where it holds and costs little, as
     measured (docs/benchmarks.md): dense weights on CUDA; a quantized model's exact product decodes
     several times slower and a CPU's exact prompts prefill 2.5-4.5x slower, so there `--numerics
     exact` asks for it; so does a Gated DeltaNet model over SMALL_MODEL_BYTES, whose exact
     prompt chunks step token by token, and a model with float experts (`float_experts`), whose
-    exact prompts and batches run our grouped expert kernel at an unmeasured cost."""
+    exact prompts and batches run our grouped expert kernel at an unmeasured cost. A CPU model
+    whose layers run the CPU layer kernel (`layer_kernel`, quant/layer_stack.py) is exact at no
+    cost: that kernel computes every row alone in every pass."""
     if requested == "fast":
         return "fast", "--numerics fast"
     if (reason := why_not_exact(device, dtype, recurrent, experts)) is not None:
         return "fast", reason
     if requested == "auto":
         if torch.device(device).type == "cpu":
+            if layer_kernel:
+                return "exact", None
             return "fast", "on a CPU exact prompt chunks prefill 2.5-4.5x slower (--numerics exact turns it on)"
         if quantized:
             return "fast", ("quantized layers: their exact product decodes several times slower "
