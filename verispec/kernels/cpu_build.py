@@ -1,8 +1,8 @@
 """Our C kernels for a CPU (`*.c` beside their Python wrappers): compiled at first use with the
-system's C compiler (`cc`, or $CC) for this CPU (-march=native, OpenMP: torch's own runtime,
-already loaded, so ours and torch's ops share one thread pool), cached under ~/.cache/verispec
-(or $XDG_CACHE_HOME/verispec) by the source and the flags, and called through ctypes (which
-releases the GIL for the call). Without a compiler a caller falls back to torch, its reason logged.
+system's C compiler (`cc`, or $CC) for this CPU (-march=native, OpenMP: the runtime torch already
+loaded, so our parallel regions run on torch's threads), cached under ~/.cache/verispec (or
+$XDG_CACHE_HOME/verispec) by the sources and the flags, and called through ctypes (which releases
+the GIL for the call). Without a compiler a caller falls back to torch, its reason logged.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 /* Whole decoder layers of the Llama family on a CPU, for a pass of R rows (tokens of one or more
  * sequences: a prompt chunk, a decode step, a verify pass), every product an integer-dot product
- * over the layers' quantized blocks (qdot.c), in one OpenMP parallel region for all the layers
- * asked for. Called through ctypes by quant/kernels/cpu_layers.py.
+ * over the layers' quantized blocks (qdot.c), every layer asked for in one pass of a thread pool
+ * (cpu_pool.h). Called through ctypes by quant/kernels/cpu_layers.py.
  *
  * Each layer does what models/llama.py's DecoderLayer does in torch, rounding to the model's dtype
  * (float16 or bfloat16) at the same points:
@@ -14,8 +14,6 @@
  * width or the thread split: a row's bits are the same in a prompt chunk, a decode step, a verify
  * pass or a batch (tests/quant/kernels/test_cpu_layers.py).
  */
-#include <omp.h>
-
 #include "qdot.c"
 
 typedef struct {
@@ -61,25 +59,30 @@ static void rms_norm_row(const float *x, const void *weight, int n, float eps, i
     for (int i = 0; i < n; i++) y[i] = round_to(load_x(weight, dtype, i) * round_to(x[i] * inv, dtype), dtype);
 }
 
-/* out [R, N] = in [R, K] times the product's weight, each value rounded to the dtype; called by
- * every thread of the region (work shared over the outputs). xq / dx / sx: scratch for R rows. */
-static void product(const product_t *p, int R, const float *in, int16_t *xq, float *dx, float *sx, float *out,
-                    int dtype) {
-    const int K = p->k, N = p->n, nblocks = K / QK;
-    const size_t block_bytes = p->bits == 4 ? sizeof(block4) : sizeof(block8);
-    #pragma omp for schedule(static)
-    for (int m = 0; m < R; m++)
+/* Rows lo..hi-1 of in [R, K] as int16 blocks (qdot.c's activation rounding) */
+static void quantize_rows(const float *in, int K, int lo, int hi, int16_t *xq, float *dx, float *sx) {
+    const int nblocks = K / QK;
+    for (int m = lo; m < hi; m++)
         quantize_row(in, DT_F32, (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nblocks, sx + (size_t)m * nblocks);
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const void *wrow = (const char *)p->blocks + (size_t)n * nblocks * block_bytes;
+}
+
+/* out [R, N] = the quantized rows [R, K] times the product's weight, each value rounded to the
+ * dtype: this thread's share of the outputs */
+static void product(const product_t *p, int R, const int16_t *xq, const float *dx, const float *sx, float *out,
+                    int dtype, int thread, int threads) {
+    const int nblocks = p->k / QK, N = p->n;
+    const size_t row_bytes = (size_t)nblocks * (p->bits == 4 ? sizeof(block4) : sizeof(block8));
+    int lo, hi;
+    pool_share(N, thread, threads, &lo, &hi);
+    float sums[MAX_TILE_ROWS];
+    for (int n = lo; n < hi; n++) {
+        const void *wrow = (const char *)p->blocks + (size_t)n * row_bytes;
         const float bias = p->bias ? load_x(p->bias, dtype, n) : 0.0f;
-        float acc[MAX_TILE_ROWS];
         for (int m0 = 0; m0 < R; m0 += MAX_TILE_ROWS) {
-            int rows = R - m0 < MAX_TILE_ROWS ? R - m0 : MAX_TILE_ROWS;
-            (p->bits == 4 ? TILES4 : TILES8)[rows - 1](wrow, nblocks, xq, dx, sx, m0, acc);
+            const int rows = R - m0 < MAX_TILE_ROWS ? R - m0 : MAX_TILE_ROWS;
+            (p->bits == 4 ? TILES4 : TILES8)[rows - 1](wrow, nblocks, xq, dx, sx, m0, sums);
             for (int r = 0; r < rows; r++) {
-                float v = round_to(acc[r], dtype);
+                const float v = round_to(sums[r], dtype);
                 out[(size_t)(m0 + r) * N + n] = p->bias ? round_to(v + bias, dtype) : v;
             }
         }
@@ -215,10 +218,98 @@ static void attend_row(const dims_t *m, const layer_t *L, const pass_t *pass, in
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+typedef struct {  /* one call's arguments and scratch, shared by the pool's threads */
+    const dims_t *m;
+    const layer_t *layers;
+    int num_layers, has_update;
+    const pass_t *pass;
+    float *x, *h, *wide, *narrow, *dx, *sx, *scores;
+    int16_t *xq;
+    size_t scores_per_thread;
+} job_t;
+
+/* One thread's part of every layer: each phase splits its rows, heads or outputs by thread, then
+ * all wait at a barrier for the next phase's inputs. */
+static void run_layers(void *arg, pool_t *pool, int thread) {
+    const int threads = pool->threads;
+    const job_t *job = arg;
+    const dims_t *m = job->m;
+    const pass_t *pass = job->pass;
+    const int R = pass->rows, H = m->hidden, D = m->head_dim, I = m->intermediate, dt = m->dtype;
+    const int q_size = m->heads * D, kv_size = m->kv_heads * D, qkv_size = q_size + 2 * kv_size;
+    float *x = job->x, *h = job->h, *wide = job->wide, *narrow = job->narrow;
+    int rows_lo, rows_hi;
+    pool_share(R, thread, threads, &rows_lo, &rows_hi);
+    for (int l = 0; l < job->num_layers; l++) {
+        const layer_t *L = &job->layers[l];
+        /* the residual add (the previous layer's MLP output), the input norm, its int16 rows */
+        for (int r = rows_lo; r < rows_hi; r++) {
+            float *xr = x + (size_t)r * H;
+            if (job->has_update || l > 0)
+                for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + narrow[(size_t)r * H + i], dt);
+            rms_norm_row(xr, L->input_norm, H, m->eps, dt, h + (size_t)r * H);
+        }
+        quantize_rows(h, H, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        pool_barrier(pool);
+        product(&L->qkv, R, job->xq, job->dx, job->sx, wide, dt, thread, threads);
+        pool_barrier(pool);
+        /* q/k norms, RoPE, and the keys and values into the pools */
+        for (int r = rows_lo; r < rows_hi; r++) {
+            float *row = wide + (size_t)r * qkv_size, normed[512];
+            const size_t rope_offset = (size_t)r * D;
+            for (int head = 0; head < m->heads + m->kv_heads; head++) {
+                float *vec = row + (size_t)head * D;
+                const void *norm = head < m->heads ? L->q_norm : L->k_norm;
+                if (norm) {
+                    rms_norm_row(vec, norm, D, m->eps, dt, normed);
+                    memcpy(vec, normed, sizeof(float) * D);
+                }
+                rope_head(vec, pass->cos, pass->sin, rope_offset, D, dt);
+            }
+            const size_t slot = (size_t)pass->write_slots[r] * m->kv_heads * D;
+            for (int i = 0; i < kv_size; i++) {
+                store_y(L->keys, dt, slot + i, row[q_size + i]);
+                store_y(L->values, dt, slot + i, row[q_size + kv_size + i]);
+            }
+        }
+        pool_barrier(pool);
+        /* attention: every (row, head) over its own keys, into h as o_proj's input; interleaved,
+         * as a prompt chunk's later rows have more keys */
+        for (int task = thread; task < R * m->heads; task += threads) {
+            const int r = task / m->heads, head = task % m->heads;
+            attend_row(m, L, pass, r, head, wide + (size_t)r * qkv_size + (size_t)head * D,
+                       job->scores + (size_t)thread * job->scores_per_thread, h + (size_t)r * q_size + (size_t)head * D);
+        }
+        pool_barrier(pool);
+        quantize_rows(h, q_size, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        pool_barrier(pool);
+        product(&L->o, R, job->xq, job->dx, job->sx, narrow, dt, thread, threads);
+        pool_barrier(pool);
+        for (int r = rows_lo; r < rows_hi; r++) {
+            float *xr = x + (size_t)r * H;
+            for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + narrow[(size_t)r * H + i], dt);
+            rms_norm_row(xr, L->post_norm, H, m->eps, dt, h + (size_t)r * H);
+        }
+        quantize_rows(h, H, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        pool_barrier(pool);
+        product(&L->gate_up, R, job->xq, job->dx, job->sx, wide, dt, thread, threads);
+        pool_barrier(pool);
+        for (int r = rows_lo; r < rows_hi; r++) {
+            const float *gate = wide + (size_t)r * 2 * I, *up = gate + I;
+            float *act = h + (size_t)r * I;
+            for (int i = 0; i < I; i++) act[i] = round_to(round_to(silu(gate[i]), dt) * up[i], dt);
+        }
+        quantize_rows(h, I, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        pool_barrier(pool);
+        product(&L->down, R, job->xq, job->dx, job->sx, narrow, dt, thread, threads);
+        pool_barrier(pool);
+    }
+}
+
 /* Layers [0, num_layers) of `layers` on the pass's rows. x [R, hidden]: the residual stream, read
  * and written; update [R, hidden]: the previous layer's MLP output not yet added (has_update = 0:
  * none, the first layer), on return the last layer's. Both in the model's dtype.
- * Returns 0, or -1 when scratch memory could not be had. */
+ * Returns 0, -1 when scratch memory could not be had, -2 for a shape it does not take. */
 int decoder_layers(const dims_t *m, const layer_t *layers, int num_layers, const pass_t *pass, void *x_io,
                    void *update_io, int has_update, int64_t max_keys, int threads) {
     const int R = pass->rows, H = m->hidden, D = m->head_dim, I = m->intermediate, dt = m->dtype;
@@ -226,84 +317,34 @@ int decoder_layers(const dims_t *m, const layer_t *layers, int num_layers, const
     int max_k = H > q_size ? H : q_size;
     max_k = max_k > I ? max_k : I;
     const int widest = qkv_size > 2 * I ? qkv_size : 2 * I;
-    if (D > 512 || max_k % QK) return -2;
-    float *x = malloc(sizeof(float) * (size_t)R * H), *h = malloc(sizeof(float) * (size_t)R * max_k);
-    float *wide = malloc(sizeof(float) * (size_t)R * widest), *narrow = malloc(sizeof(float) * (size_t)R * H);
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)R * max_k);
-    float *dx = malloc(sizeof(float) * (size_t)R * (max_k / QK)), *sx = malloc(sizeof(float) * (size_t)R * (max_k / QK));
-    float *scores = malloc(sizeof(float) * (size_t)threads * (size_t)(max_keys > 1 ? max_keys : 1));
+    if (D > 512 || max_k % QK || H % QK || q_size % QK || I % QK) return -2;
+    threads = threads < 1 ? 1 : (threads > POOL_MAX_THREADS ? POOL_MAX_THREADS : threads);
+    job_t job = {.m = m, .layers = layers, .num_layers = num_layers, .has_update = has_update, .pass = pass};
+    job.scores_per_thread = (size_t)(max_keys > 1 ? max_keys : 1);
+    job.x = malloc(sizeof(float) * (size_t)R * H);
+    job.h = malloc(sizeof(float) * (size_t)R * max_k);
+    job.wide = malloc(sizeof(float) * (size_t)R * widest);
+    job.narrow = malloc(sizeof(float) * (size_t)R * H);
+    job.xq = malloc(sizeof(int16_t) * (size_t)R * max_k);
+    job.dx = malloc(sizeof(float) * (size_t)R * (max_k / QK));
+    job.sx = malloc(sizeof(float) * (size_t)R * (max_k / QK));
+    job.scores = malloc(sizeof(float) * (size_t)threads * job.scores_per_thread);
     int status = 0;
-    if (!x || !h || !wide || !narrow || !xq || !dx || !sx || !scores) {
+    if (!job.x || !job.h || !job.wide || !job.narrow || !job.xq || !job.dx || !job.sx || !job.scores) {
         status = -1;
         goto done;
     }
     for (size_t i = 0; i < (size_t)R * H; i++) {
-        x[i] = load_x(x_io, dt, i);
-        narrow[i] = has_update ? load_x(update_io, dt, i) : 0.0f;
+        job.x[i] = load_x(x_io, dt, i);
+        job.narrow[i] = has_update ? load_x(update_io, dt, i) : 0.0f;
     }
-    #pragma omp parallel num_threads(threads)
-    {
-        float *my_scores = scores + (size_t)omp_get_thread_num() * (size_t)(max_keys > 1 ? max_keys : 1);
-        for (int l = 0; l < num_layers; l++) {
-            const layer_t *L = &layers[l];
-            /* the residual add (the previous layer's MLP output) and the input norm */
-            #pragma omp for schedule(static)
-            for (int r = 0; r < R; r++) {
-                float *xr = x + (size_t)r * H;
-                if (has_update || l > 0)
-                    for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + narrow[(size_t)r * H + i], dt);
-                rms_norm_row(xr, L->input_norm, H, m->eps, dt, h + (size_t)r * H);
-            }
-            product(&L->qkv, R, h, xq, dx, sx, wide, dt);
-            /* q/k norms, RoPE, and the keys and values into the pools */
-            #pragma omp for schedule(static)
-            for (int r = 0; r < R; r++) {
-                float *row = wide + (size_t)r * qkv_size, normed[512];
-                const size_t rope_offset = (size_t)r * D;
-                for (int head = 0; head < m->heads + m->kv_heads; head++) {
-                    float *vec = row + (size_t)head * D;
-                    const void *norm = head < m->heads ? L->q_norm : L->k_norm;
-                    if (norm) {
-                        rms_norm_row(vec, norm, D, m->eps, dt, normed);
-                        memcpy(vec, normed, sizeof(float) * D);
-                    }
-                    rope_head(vec, pass->cos, pass->sin, rope_offset, D, dt);
-                }
-                const size_t slot = (size_t)pass->write_slots[r] * m->kv_heads * D;
-                for (int i = 0; i < kv_size; i++) {
-                    store_y(L->keys, dt, slot + i, row[q_size + i]);
-                    store_y(L->values, dt, slot + i, row[q_size + kv_size + i]);
-                }
-            }
-            /* attention: every (row, head) over its own keys, into h as o_proj's input */
-            #pragma omp for schedule(static, 1)  /* interleaved: a prompt chunk's later rows have more keys */
-            for (int task = 0; task < R * m->heads; task++) {
-                int r = task / m->heads, head = task % m->heads;
-                attend_row(m, L, pass, r, head, wide + (size_t)r * qkv_size + (size_t)head * D, my_scores,
-                           h + (size_t)r * q_size + (size_t)head * D);
-            }
-            product(&L->o, R, h, xq, dx, sx, narrow, dt);
-            #pragma omp for schedule(static)
-            for (int r = 0; r < R; r++) {
-                float *xr = x + (size_t)r * H;
-                for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + narrow[(size_t)r * H + i], dt);
-                rms_norm_row(xr, L->post_norm, H, m->eps, dt, h + (size_t)r * H);
-            }
-            product(&L->gate_up, R, h, xq, dx, sx, wide, dt);
-            #pragma omp for schedule(static)
-            for (int r = 0; r < R; r++) {
-                const float *gate = wide + (size_t)r * 2 * I, *up = gate + I;
-                float *act = h + (size_t)r * I;
-                for (int i = 0; i < I; i++) act[i] = round_to(round_to(silu(gate[i]), dt) * up[i], dt);
-            }
-            product(&L->down, R, h, xq, dx, sx, narrow, dt);
-        }
-    }
+    pool_run(run_layers, &job, threads);
     for (size_t i = 0; i < (size_t)R * H; i++) {
-        store_y(x_io, dt, i, x[i]);
-        store_y(update_io, dt, i, narrow[i]);
+        store_y(x_io, dt, i, job.x[i]);
+        store_y(update_io, dt, i, job.narrow[i]);
     }
 done:
-    free(x); free(h); free(wide); free(narrow); free(xq); free(dx); free(sx); free(scores);
+    free(job.x); free(job.h); free(job.wide); free(job.narrow); free(job.xq); free(job.dx); free(job.sx);
+    free(job.scores);
     return status;
 }

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.kernels.cpu_build import Library
-from verispec.quant.kernels import cpu_qdot
+from verispec.quant.kernels import cpu_library, cpu_qdot
 
 DTYPE_CODES = {torch.float16: cpu_qdot.DTYPE_CODES[torch.float16], torch.bfloat16: cpu_qdot.DTYPE_CODES[torch.bfloat16]}
 MAX_HEAD_DIM = 512
@@ -47,15 +46,7 @@ class Pass(ctypes.Structure):
                 ("rows_per_sequence", ctypes.c_int), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
 
 
-def _declare(library: ctypes.CDLL) -> None:
-    library.decoder_layers.restype = ctypes.c_int
-    library.decoder_layers.argtypes = [ctypes.POINTER(Dims), ctypes.POINTER(Layer), ctypes.c_int,
-                                       ctypes.POINTER(Pass), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_int64, ctypes.c_int]
-
-
-_here = Path(__file__).parent
-_library = Library(_here / "cpu_layers.c", _declare, includes=(_here / "qdot.c",))
+_library = cpu_library.library
 
 
 def failure() -> str | None:
@@ -138,11 +129,11 @@ class Layers:
         write_slots, block_tables = write_slots.contiguous(), block_tables.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         structs = self._structs(keys, values)
-        layers = ctypes.cast(ctypes.byref(structs, start * ctypes.sizeof(Layer)), ctypes.POINTER(Layer))
+        layers = ctypes.addressof(structs) + start * ctypes.sizeof(Layer)
         the_pass = Pass(b * t, positions.data_ptr(), write_slots.data_ptr(), block_tables.data_ptr(),
                         block_tables.shape[1], block_size, t, cos.data_ptr(), sin.data_ptr())
         max_keys = int(positions.max()) + 1 if positions.numel() else 1
-        status = _library.get().decoder_layers(ctypes.byref(self.dims), layers, stop - start, ctypes.byref(the_pass),
+        status = _library.get().decoder_layers(ctypes.addressof(self.dims), layers, stop - start, ctypes.addressof(the_pass),
                                                x.data_ptr(), update_out.data_ptr(), int(update is not None),
                                                max(max_keys, 1), torch.get_num_threads())
         if status:

@@ -9,7 +9,8 @@ so a row's bits are the same alone, in a batch, in a verify pass and in a prompt
 (tests/quant/kernels/test_cpu_qdot.py).
 
 Built at first use by kernels/cpu_build.py (the system's C compiler, -march=native, cached on
-disk); without a compiler the layers run torch's int4 kernel, the reason logged.
+disk) into one library with the layer kernel (cpu_library.py); without a compiler the layers run
+torch's int4 kernel, the reason logged.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from verispec import log
-from verispec.kernels.cpu_build import Library
+from verispec.quant.kernels import cpu_library
 
 BLOCK = 32  # values a block: the activation rounding's and the weight layout's unit
 BITS = (4, 8)
@@ -27,15 +28,7 @@ BLOCK_BYTES = {4: 4 + 16, 8: 4 + 32}  # float16 scale and offset, then the codes
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _declare(library: ctypes.CDLL) -> None:
-    library.qdot_linear.restype = ctypes.c_int
-    library.qdot_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    library.qdot_isa.restype = ctypes.c_char_p
-    log.debug("CPU integer-dot kernel: %s", library.qdot_isa().decode())
-
-
-_library = Library(Path(__file__).with_name("qdot.c"), _declare)
+_library = cpu_library.library
 
 
 def failure() -> str | None:
@@ -93,6 +86,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int) 
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=x.dtype)
     code = DTYPE_CODES[x.dtype]
-    if _library.get().qdot_linear(x.data_ptr(), code, m, k, packed.data_ptr(), bits, out_features, y.data_ptr(), code):
+    if _library.get().qdot_linear(x.data_ptr(), code, m, k, packed.data_ptr(), bits, out_features, y.data_ptr(), code,
+                                  torch.get_num_threads()):
         raise MemoryError(f"the CPU integer-dot kernel could not allocate its scratch for {m} x {k} activations")
     return y

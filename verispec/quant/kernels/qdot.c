@@ -1,6 +1,6 @@
 /* Integer-dot products for 4-bit and 8-bit group-quantized weights on a CPU (the GGUF Q4_0 / Q4_1 /
- * Q8_0 families, and any affine 4 / 8-bit layer in groups of 32), compiled at first use by
- * kernels/cpu_build.py for quant/kernels/cpu_qdot.py and called through ctypes.
+ * Q8_0 families, and any affine 4 / 8-bit layer in groups of 32), included by cpu_layers.c (one
+ * library, quant/kernels/cpu_library.py) and called through ctypes by quant/kernels/cpu_qdot.py.
  *
  * y[m, n] = sum over 32-blocks b of  d[n,b] * dx[m,b] * (q[n,b] . xq[m,b])  +  o[n,b] * dx[m,b] * sum(xq[m,b])
  * where the weight is w = q * d + o per block (q unsigned 4-bit, or signed 8-bit with the offset
@@ -21,6 +21,8 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+
+#include "cpu_pool.h"
 
 #define QK 32
 #define MAX_TILE_ROWS 4
@@ -231,29 +233,51 @@ typedef void (*tile_fn)(const void *, int, const int16_t *, const float *, const
 static const tile_fn TILES4[MAX_TILE_ROWS] = {tile4_1, tile4_2, tile4_3, tile4_4};
 static const tile_fn TILES8[MAX_TILE_ROWS] = {tile8_1, tile8_2, tile8_3, tile8_4};
 
-/* y [M, N] (dtype y_dtype) = x [M, K] (dtype x_dtype) times the packed weight's transpose; K % 32 == 0.
- * Returns 0, or -1 when scratch memory could not be had. */
-int qdot_linear(const void *x, int x_dtype, int M, int K, const void *w, int bits, int N, void *y, int y_dtype) {
-    int nblocks = K / QK;
-    size_t block_bytes = bits == 4 ? sizeof(block4) : sizeof(block8);
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
-    float *dx = malloc(sizeof(float) * (size_t)M * nblocks), *sx = malloc(sizeof(float) * (size_t)M * nblocks);
-    if (!xq || !dx || !sx) { free(xq); free(dx); free(sx); return -1; }
-    #pragma omp parallel for schedule(static) if (M > 1)
-    for (int m = 0; m < M; m++)
-        quantize_row(x, x_dtype, (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nblocks, sx + (size_t)m * nblocks);
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const void *wrow = (const char *)w + (size_t)n * nblocks * block_bytes;
-        float out[MAX_TILE_ROWS];
-        for (int m0 = 0; m0 < M; m0 += MAX_TILE_ROWS) {
-            int rows = M - m0 < MAX_TILE_ROWS ? M - m0 : MAX_TILE_ROWS;
-            (bits == 4 ? TILES4 : TILES8)[rows - 1](wrow, nblocks, xq, dx, sx, m0, out);
-            for (int r = 0; r < rows; r++) store_y(y, y_dtype, (size_t)(m0 + r) * N + n, out[r]);
+typedef struct {  /* one qdot_linear call, shared by the pool's threads */
+    const void *x, *w;
+    void *y;
+    int x_dtype, y_dtype, M, K, N, bits;
+    int16_t *xq;
+    float *dx, *sx;
+} linear_job_t;
+
+static void linear_rows(void *arg, pool_t *pool, int thread) {
+    const int threads = pool->threads;
+    const linear_job_t *job = arg;
+    const int nblocks = job->K / QK;
+    const size_t row_bytes = (size_t)nblocks * (job->bits == 4 ? sizeof(block4) : sizeof(block8));
+    int lo, hi;
+    pool_share(job->M, thread, threads, &lo, &hi);
+    for (int m = lo; m < hi; m++)
+        quantize_row(job->x, job->x_dtype, (size_t)m * job->K, job->K, job->xq + (size_t)m * job->K,
+                     job->dx + (size_t)m * nblocks, job->sx + (size_t)m * nblocks);
+    pool_barrier(pool);
+    pool_share(job->N, thread, threads, &lo, &hi);
+    float out[MAX_TILE_ROWS];
+    for (int n = lo; n < hi; n++) {
+        const void *wrow = (const char *)job->w + (size_t)n * row_bytes;
+        for (int m0 = 0; m0 < job->M; m0 += MAX_TILE_ROWS) {
+            int rows = job->M - m0 < MAX_TILE_ROWS ? job->M - m0 : MAX_TILE_ROWS;
+            (job->bits == 4 ? TILES4 : TILES8)[rows - 1](wrow, nblocks, job->xq, job->dx, job->sx, m0, out);
+            for (int r = 0; r < rows; r++) store_y(job->y, job->y_dtype, (size_t)(m0 + r) * job->N + n, out[r]);
         }
     }
-    free(xq); free(dx); free(sx);
-    return 0;
+}
+
+/* y [M, N] (dtype y_dtype) = x [M, K] (dtype x_dtype) times the packed weight's transpose; K % 32 == 0;
+ * on `threads` threads of the pool. Returns 0, or -1 when scratch memory could not be had. */
+int qdot_linear(const void *x, int x_dtype, int M, int K, const void *w, int bits, int N, void *y, int y_dtype,
+                int threads) {
+    const int nblocks = K / QK;
+    linear_job_t job = {.x = x, .w = w, .y = y, .x_dtype = x_dtype, .y_dtype = y_dtype, .M = M, .K = K, .N = N,
+                        .bits = bits};
+    job.xq = malloc(sizeof(int16_t) * (size_t)M * K);
+    job.dx = malloc(sizeof(float) * (size_t)M * nblocks);
+    job.sx = malloc(sizeof(float) * (size_t)M * nblocks);
+    const int failed = !job.xq || !job.dx || !job.sx;
+    if (!failed) pool_run(linear_rows, &job, threads);
+    free(job.xq); free(job.dx); free(job.sx);
+    return failed ? -1 : 0;
 }
 
 /* Which instruction set this build sums with (for the log). */
