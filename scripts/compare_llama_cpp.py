@@ -3,7 +3,8 @@
 (llama.cpp, verispec, llama.cpp, ...) so a busy host slows both alike. Prints each run, the
 medians and their ratio (verispec / llama.cpp) for:
   - decode tok/s at 1 client: the README's chat prompt, N greedy tokens (end of text ignored);
-  - TTFT at a P-token prompt: prefill and the first token, no prompt cache.
+  - TTFT at a P-token prompt: prefill and the first token, no prompt cache;
+  - peak resident memory of each process (Linux).
 
 llama.cpp runs through llama-cpp-python in its own virtual environment (it builds llama.cpp from
 source; a plain CPU build):
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -69,6 +71,12 @@ class LlamaCpp:
         self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
+
+    def peak_rss_mib(self) -> float:
+        """The llama.cpp process's peak resident memory so far (Linux's VmHWM)."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            line = next(line for line in status if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -147,7 +155,9 @@ def main() -> None:
             first_tokens.setdefault(who, decode["token_ids"][:40])
             print(f"run {r + 1} {who:9s}: decode {decode['decode_tok_per_s']:6.1f} tok/s, "
                   f"TTFT {ttft['ttft_ms']:7.1f} ms", flush=True)
+    theirs_rss = theirs.peak_rss_mib()
     theirs.close()
+    ours_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process: verispec's engine
     median = {key: statistics.median(values) for key, values in runs.items()}
     ours_decode, theirs_decode = median["verispec", "decode"], median["llama.cpp", "decode"]
     print(f"median decode tok/s: llama.cpp {theirs_decode:.1f}, verispec {ours_decode:.1f} -> verispec / llama.cpp = "
@@ -155,6 +165,8 @@ def main() -> None:
     print(f"median TTFT ms ({len(ttft_ids)} tokens): llama.cpp {median['llama.cpp', 'ttft']:.0f}, verispec "
           f"{median['verispec', 'ttft']:.0f} -> llama.cpp / verispec = "
           f"{median['llama.cpp', 'ttft'] / median['verispec', 'ttft']:.2f} (above 1: verispec faster)")
+    print(f"peak RSS MiB: llama.cpp {theirs_rss:.0f}, verispec {ours_rss:.0f} (this process, Python and torch "
+          f"included) -> verispec / llama.cpp = {ours_rss / theirs_rss:.2f}")
     for who, ids in first_tokens.items():
         print(f"{who} greedy text: {ours.tokenizer.decode(ids)!r}")
 

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_seconds and rows and time.perf_counter() - t0 > args.max_seconds:
             print(f"stopping after {len(rows)} configurations (--max-seconds)", file=sys.stderr)
             break
-        config = EngineConfig(**base) if k == 0 else EngineConfig(**base, eagle3=args.eagle3, draft_block=k)
+        config = EngineConfig(**base) if k == 0 else EngineConfig(**base, eagle3=args.eagle3, num_draft_tokens=k)
         row, outputs = measure(config, prompts, args.max_tokens)
         if reference is None:
             reference = outputs
