@@ -228,6 +228,19 @@ typedef struct {  /* one call's arguments and scratch, shared by the pool's thre
     size_t scores_per_thread;
 } job_t;
 
+/* Rows lo..hi-1: x += narrow (each value rounded; skipped when !add), h = rms_norm(x) with `weight`,
+ * and h's rows as int16 blocks for the next product */
+static void add_norm_quantize(const job_t *job, int lo, int hi, const void *weight, int add) {
+    const int H = job->m->hidden, dt = job->m->dtype;
+    for (int r = lo; r < hi; r++) {
+        float *xr = job->x + (size_t)r * H;
+        if (add)
+            for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + job->narrow[(size_t)r * H + i], dt);
+        rms_norm_row(xr, weight, H, job->m->eps, dt, job->h + (size_t)r * H);
+    }
+    quantize_rows(job->h, H, lo, hi, job->xq, job->dx, job->sx);
+}
+
 /* One thread's part of every layer: each phase splits its rows, heads or outputs by thread, then
  * all wait at a barrier for the next phase's inputs. */
 static void run_layers(void *arg, pool_t *pool, int thread) {
@@ -235,21 +248,15 @@ static void run_layers(void *arg, pool_t *pool, int thread) {
     const job_t *job = arg;
     const dims_t *m = job->m;
     const pass_t *pass = job->pass;
-    const int R = pass->rows, H = m->hidden, D = m->head_dim, I = m->intermediate, dt = m->dtype;
+    const int R = pass->rows, D = m->head_dim, I = m->intermediate, dt = m->dtype;
     const int q_size = m->heads * D, kv_size = m->kv_heads * D, qkv_size = q_size + 2 * kv_size;
-    float *x = job->x, *h = job->h, *wide = job->wide, *narrow = job->narrow;
+    float *h = job->h, *wide = job->wide, *narrow = job->narrow;
     int rows_lo, rows_hi;
     pool_share(R, thread, threads, &rows_lo, &rows_hi);
     for (int l = 0; l < job->num_layers; l++) {
         const layer_t *L = &job->layers[l];
         /* the residual add (the previous layer's MLP output), the input norm, its int16 rows */
-        for (int r = rows_lo; r < rows_hi; r++) {
-            float *xr = x + (size_t)r * H;
-            if (job->has_update || l > 0)
-                for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + narrow[(size_t)r * H + i], dt);
-            rms_norm_row(xr, L->input_norm, H, m->eps, dt, h + (size_t)r * H);
-        }
-        quantize_rows(h, H, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        add_norm_quantize(job, rows_lo, rows_hi, L->input_norm, job->has_update || l > 0);
         pool_barrier(pool);
         product(&L->qkv, R, job->xq, job->dx, job->sx, wide, dt, thread, threads);
         pool_barrier(pool);
@@ -285,12 +292,7 @@ static void run_layers(void *arg, pool_t *pool, int thread) {
         pool_barrier(pool);
         product(&L->o, R, job->xq, job->dx, job->sx, narrow, dt, thread, threads);
         pool_barrier(pool);
-        for (int r = rows_lo; r < rows_hi; r++) {
-            float *xr = x + (size_t)r * H;
-            for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + narrow[(size_t)r * H + i], dt);
-            rms_norm_row(xr, L->post_norm, H, m->eps, dt, h + (size_t)r * H);
-        }
-        quantize_rows(h, H, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        add_norm_quantize(job, rows_lo, rows_hi, L->post_norm, 1);  /* the attention's output added */
         pool_barrier(pool);
         product(&L->gate_up, R, job->xq, job->dx, job->sx, wide, dt, thread, threads);
         pool_barrier(pool);
