@@ -14,12 +14,8 @@ torch's int4 kernel, the reason logged.
 """
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 
-from verispec import log
 from verispec.quant.kernels import cpu_library
 
 BLOCK = 32  # values a block: the activation rounding's and the weight layout's unit
