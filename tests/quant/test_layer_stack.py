@@ -150,3 +150,10 @@ def test_models_and_caches_the_kernel_does_not_take(files):
     fp8 = PagedPools(specs, 4, BLOCK, 1, torch.float16, "cpu", kv_cache_dtype="fp8")
     assert not stack.takes(inputs(type("Cache", (), {"pools": fp8})()))  # fp8 rows: the torch layers decode them
     assert not stack.takes(type("Inputs", (), {"paged": False})())  # the contiguous cache
+    # a tensor-parallel shard's products are all-reduced between the ops: the torch layers run it
+    from verispec.models.layers.parallel import Shard, make_row_parallel
+
+    sharded = engine_for(files, "llama", "Q4_1", "float16").model
+    make_row_parallel(sharded.model.layers[0].self_attn.o_proj, Shard(rank=0, world_size=1))
+    stack, reason = layer_stack.build(sharded)
+    assert stack is None and "tensor-parallel" in reason

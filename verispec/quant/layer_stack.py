@@ -15,6 +15,7 @@ from verispec import log
 from verispec.models.base import FoldedDecoderLM
 from verispec.models.layers.attention import AttentionInputs
 from verispec.models.layers.mlp import GatedMLP
+from verispec.models.layers.parallel import Shard
 from verispec.models.llama import Attention, DecoderLayer
 from verispec.quant.dispatch import Kernel
 from verispec.quant.kernels import cpu_layers
@@ -67,6 +68,8 @@ def build(model) -> tuple[LayerStack | None, str | None]:
         return None, f"device {device.type} (a CPU kernel)"
     if dtype not in cpu_layers.DTYPE_CODES:
         return None, f"activations in {str(dtype).removeprefix('torch.')} (it takes float16 and bfloat16)"
+    if any(isinstance(getattr(m, "shard", None), Shard) for m in model.modules()):
+        return None, "a tensor-parallel shard (its products are summed across ranks between the ops)"
     s = model.settings
     if s.head_dim > cpu_layers.MAX_HEAD_DIM or s.head_dim % 2:
         return None, f"head dim {s.head_dim}"
