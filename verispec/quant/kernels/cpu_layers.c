@@ -12,7 +12,7 @@
  *   x = x + o; h = rms_norm(x); update = (silu(h Wgate) * h Wup) Wdown
  * Every row is computed alone, in one order, whatever the other rows of the pass, the pass's
  * width or the thread split: a row's bits are the same in a prompt chunk, a decode step, a verify
- * pass or a batch (tests/quant/kernels/test_cpu_layers.py).
+ * pass or a batch (tests/quant/test_layer_stack.py).
  */
 #include "qdot.c"
 
@@ -59,19 +59,12 @@ static void rms_norm_row(const float *x, const void *weight, int n, float eps, i
     for (int i = 0; i < n; i++) y[i] = round_to(load_x(weight, dtype, i) * round_to(x[i] * inv, dtype), dtype);
 }
 
-/* Rows lo..hi-1 of in [R, K] as int16 blocks (qdot.c's activation rounding) */
-static void quantize_rows(const float *in, int K, int lo, int hi, int16_t *xq, float *dx, float *sx) {
-    const int nblocks = K / QK;
-    for (int m = lo; m < hi; m++)
-        quantize_row(in, DT_F32, (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nblocks, sx + (size_t)m * nblocks);
-}
-
 /* out [R, N] = the quantized rows [R, K] times the product's weight, each value rounded to the
  * dtype: this thread's share of the outputs */
 static void product(const product_t *p, int R, const int16_t *xq, const float *dx, const float *sx, float *out,
                     int dtype, int thread, int threads) {
     const int nblocks = p->k / QK, N = p->n;
-    const size_t row_bytes = (size_t)nblocks * (p->bits == 4 ? sizeof(block4) : sizeof(block8));
+    const size_t row_bytes = weight_row_bytes(p->bits, nblocks);
     int lo, hi;
     pool_share(N, thread, threads, &lo, &hi);
     float sums[MAX_TILE_ROWS];
@@ -80,7 +73,7 @@ static void product(const product_t *p, int R, const int16_t *xq, const float *d
         const float bias = p->bias ? load_x(p->bias, dtype, n) : 0.0f;
         for (int m0 = 0; m0 < R; m0 += MAX_TILE_ROWS) {
             const int rows = R - m0 < MAX_TILE_ROWS ? R - m0 : MAX_TILE_ROWS;
-            (p->bits == 4 ? TILES4 : TILES8)[rows - 1](wrow, nblocks, xq, dx, sx, m0, sums);
+            tile_for(p->bits, rows)(wrow, nblocks, xq, dx, sx, m0, sums);
             for (int r = 0; r < rows; r++) {
                 const float v = round_to(sums[r], dtype);
                 out[(size_t)(m0 + r) * N + n] = p->bias ? round_to(v + bias, dtype) : v;
@@ -105,9 +98,10 @@ static void rope_head(float *x, const void *cos, const void *sin, size_t offset,
 }
 
 /* Calls BODY for each run of keys that sit in one block of the sequence's table: `j0` (the first
- * key's position), `count` keys, `offset` (where key j0's row of kv_head starts in the pool; the
- * next key's is `stride` further). Positions past the table read the scratch block. */
-#define FOR_EACH_RUN(pass, table, start, end, BODY)                                               \
+ * key's position), `count` keys, `offset` (where key j0's row of kv_head starts in pools of
+ * kv_heads heads of d values; the next key's is kv_heads * d further). Positions past the table
+ * read the scratch block. */
+#define FOR_EACH_RUN(pass, table, start, end, kv_heads, kv_head, d, BODY)                         \
     do {                                                                                          \
         const int64_t bs_ = (pass)->block_size;                                                   \
         for (int64_t j0 = (start); j0 < (end);) {                                                 \
@@ -115,7 +109,7 @@ static void rope_head(float *x, const void *cos, const void *sin, size_t offset,
             const int64_t block_ = column_ < (pass)->table_width ? (table)[column_] : 0;          \
             const int64_t stop_ = (column_ + 1) * bs_ < (end) ? (column_ + 1) * bs_ : (end);     \
             const int count = (int)(stop_ - j0);                                                  \
-            const size_t offset = (((size_t)block_ * bs_ + (size_t)(j0 - column_ * bs_)) * m->kv_heads + kv_head) * d; \
+            const size_t offset = (((size_t)block_ * bs_ + (size_t)(j0 - column_ * bs_)) * (kv_heads) + (kv_head)) * (d); \
             BODY;                                                                                 \
             j0 = stop_;                                                                           \
         }                                                                                         \
@@ -200,7 +194,7 @@ static void attend_row(const dims_t *m, const layer_t *L, const pass_t *pass, in
     const int64_t end = position + 1 > 1 ? position + 1 : 1;  /* padding rows: any key, output unused */
     const int64_t start = L->window > 0 && end > L->window ? end - L->window : 0;
     const int64_t *table = pass->block_tables + (size_t)(r / pass->rows_per_sequence) * pass->table_width;
-    FOR_EACH_RUN(pass, table, start, end,
+    FOR_EACH_RUN(pass, table, start, end, m->kv_heads, kv_head, d,
                  key_scores(q, L->keys, dtype, offset, stride, count, d, m->scale, scores + (j0 - start)));
     float best = -INFINITY;
     for (int64_t j = 0; j < end - start; j++) best = scores[j] > best ? scores[j] : best;
@@ -210,7 +204,7 @@ static void attend_row(const dims_t *m, const layer_t *L, const pass_t *pass, in
         total += scores[j];
     }
     for (int i = 0; i < d; i++) out[i] = 0.0f;
-    FOR_EACH_RUN(pass, table, start, end,
+    FOR_EACH_RUN(pass, table, start, end, m->kv_heads, kv_head, d,
                  add_values(out, scores + (j0 - start), L->values, dtype, offset, stride, count, d));
     const float inv = 1.0f / total;
     for (int i = 0; i < d; i++) out[i] = round_to(out[i] * inv, dtype);
@@ -238,7 +232,7 @@ static void add_norm_quantize(const job_t *job, int lo, int hi, const void *weig
             for (int i = 0; i < H; i++) xr[i] = round_to(xr[i] + job->narrow[(size_t)r * H + i], dt);
         rms_norm_row(xr, weight, H, job->m->eps, dt, job->h + (size_t)r * H);
     }
-    quantize_rows(job->h, H, lo, hi, job->xq, job->dx, job->sx);
+    quantize_rows(job->h, DT_F32, H, lo, hi, job->xq, job->dx, job->sx);
 }
 
 /* One thread's part of every layer: each phase splits its rows, heads or outputs by thread, then
@@ -288,7 +282,7 @@ static void run_layers(void *arg, pool_t *pool, int thread) {
                        job->scores + (size_t)thread * job->scores_per_thread, h + (size_t)r * q_size + (size_t)head * D);
         }
         pool_barrier(pool);
-        quantize_rows(h, q_size, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        quantize_rows(h, DT_F32, q_size, rows_lo, rows_hi, job->xq, job->dx, job->sx);
         pool_barrier(pool);
         product(&L->o, R, job->xq, job->dx, job->sx, narrow, dt, thread, threads);
         pool_barrier(pool);
@@ -301,7 +295,7 @@ static void run_layers(void *arg, pool_t *pool, int thread) {
             float *act = h + (size_t)r * I;
             for (int i = 0; i < I; i++) act[i] = round_to(round_to(silu(gate[i]), dt) * up[i], dt);
         }
-        quantize_rows(h, I, rows_lo, rows_hi, job->xq, job->dx, job->sx);
+        quantize_rows(h, DT_F32, I, rows_lo, rows_hi, job->xq, job->dx, job->sx);
         pool_barrier(pool);
         product(&L->down, R, job->xq, job->dx, job->sx, narrow, dt, thread, threads);
         pool_barrier(pool);

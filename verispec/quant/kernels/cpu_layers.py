@@ -1,6 +1,7 @@
 """Whole Llama-family decoder layers on a CPU in one call (cpu_layers.c beside this file): the
 norms, RoPE, the paged KV write, attention and the gated MLP around integer-dot products over the
-layers' quantized blocks (cpu_qdot.py's layout), every layer of a range in one OpenMP region.
+layers' quantized blocks (cpu_qdot.py's layout), every layer of a range in one OpenMP region
+(cpu_pool.h).
 
 Why: in torch a decode step of the default model (SmolLM2-135M, 30 layers) is ~2,400 small ops of
 a few microseconds each (casts, views, norms, RoPE, per-row attention) around 120 products, and
@@ -121,7 +122,7 @@ class Layers:
         layer's MLP output not yet added; None before the first layer), at positions [B, T] whose
         keys and values go to pool rows write_slots [B * T], sequence b's keys read through
         block_tables[b]. keys / values: every layer's pools [slots, Hkv, D]. Returns new (x, update)."""
-        b, t, hidden = x.shape
+        b, t, _ = x.shape
         x = x.contiguous().clone()
         update_out = update.contiguous().clone() if update is not None else torch.empty_like(x)
         positions = positions.contiguous()
@@ -131,10 +132,10 @@ class Layers:
         layers = ctypes.addressof(structs) + start * ctypes.sizeof(Layer)
         the_pass = Pass(b * t, positions.data_ptr(), write_slots.data_ptr(), block_tables.data_ptr(),
                         block_tables.shape[1], block_size, t, cos.data_ptr(), sin.data_ptr())
-        max_keys = int(positions.max()) + 1 if positions.numel() else 1
+        max_keys = max(int(positions.max()) + 1, 1)  # padding rows may sit at negative positions
         status = _library.get().decoder_layers(ctypes.addressof(self.dims), layers, stop - start, ctypes.addressof(the_pass),
                                                x.data_ptr(), update_out.data_ptr(), int(update is not None),
-                                               max(max_keys, 1), torch.get_num_threads())
+                                               max_keys, torch.get_num_threads())
         if status:
             raise MemoryError(f"the CPU layer kernel could not allocate its scratch for {b * t} rows (status {status})")
         return x, update_out

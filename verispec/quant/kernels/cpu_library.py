@@ -1,7 +1,7 @@
 """The CPU kernels' one shared library: cpu_layers.c, which includes qdot.c (the integer-dot
-products) and cpu_pool.h (their thread pool). One library, so that the layer kernel and the
-products a pass runs outside it (the head, the torch layers' products) share one pool of
-threads: two pools spinning on a 2-core machine take the cores from each other."""
+products) and cpu_pool.h (how their phases share torch's OpenMP threads). One library, so that the
+layer kernel calls qdot.c's tiles directly and both are built, cached and loaded once;
+quant/kernels/cpu_qdot.py and cpu_layers.py call into it."""
 from __future__ import annotations
 
 import ctypes

@@ -233,6 +233,21 @@ typedef void (*tile_fn)(const void *, int, const int16_t *, const float *, const
 static const tile_fn TILES4[MAX_TILE_ROWS] = {tile4_1, tile4_2, tile4_3, tile4_4};
 static const tile_fn TILES8[MAX_TILE_ROWS] = {tile8_1, tile8_2, tile8_3, tile8_4};
 
+/* The tile that sums `rows` (1..MAX_TILE_ROWS) activation rows against one weight row */
+static inline tile_fn tile_for(int bits, int rows) { return (bits == 4 ? TILES4 : TILES8)[rows - 1]; }
+
+/* A weight row's bytes in the packed layout */
+static inline size_t weight_row_bytes(int bits, int nblocks) {
+    return (size_t)nblocks * (bits == 4 ? sizeof(block4) : sizeof(block8));
+}
+
+/* Rows lo..hi-1 of x [M, K] (dtype x_dtype) as int16 blocks: xq [M, K], dx / sx [M, K/32] */
+static void quantize_rows(const void *x, int x_dtype, int K, int lo, int hi, int16_t *xq, float *dx, float *sx) {
+    const int nblocks = K / QK;
+    for (int m = lo; m < hi; m++)
+        quantize_row(x, x_dtype, (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nblocks, sx + (size_t)m * nblocks);
+}
+
 typedef struct {  /* one qdot_linear call, shared by the pool's threads */
     const void *x, *w;
     void *y;
@@ -245,12 +260,10 @@ static void linear_rows(void *arg, pool_t *pool, int thread) {
     const int threads = pool->threads;
     const linear_job_t *job = arg;
     const int nblocks = job->K / QK;
-    const size_t row_bytes = (size_t)nblocks * (job->bits == 4 ? sizeof(block4) : sizeof(block8));
+    const size_t row_bytes = weight_row_bytes(job->bits, nblocks);
     int lo, hi;
     pool_share(job->M, thread, threads, &lo, &hi);
-    for (int m = lo; m < hi; m++)
-        quantize_row(job->x, job->x_dtype, (size_t)m * job->K, job->K, job->xq + (size_t)m * job->K,
-                     job->dx + (size_t)m * nblocks, job->sx + (size_t)m * nblocks);
+    quantize_rows(job->x, job->x_dtype, job->K, lo, hi, job->xq, job->dx, job->sx);
     pool_barrier(pool);
     pool_share(job->N, thread, threads, &lo, &hi);
     float out[MAX_TILE_ROWS];
@@ -258,7 +271,7 @@ static void linear_rows(void *arg, pool_t *pool, int thread) {
         const void *wrow = (const char *)job->w + (size_t)n * row_bytes;
         for (int m0 = 0; m0 < job->M; m0 += MAX_TILE_ROWS) {
             int rows = job->M - m0 < MAX_TILE_ROWS ? job->M - m0 : MAX_TILE_ROWS;
-            (job->bits == 4 ? TILES4 : TILES8)[rows - 1](wrow, nblocks, job->xq, job->dx, job->sx, m0, out);
+            tile_for(job->bits, rows)(wrow, nblocks, job->xq, job->dx, job->sx, m0, out);
             for (int r = 0; r < rows; r++) store_y(job->y, job->y_dtype, (size_t)(m0 + r) * job->N + n, out[r]);
         }
     }
