@@ -157,3 +157,46 @@ def test_models_and_caches_the_kernel_does_not_take(files):
     make_row_parallel(sharded.model.layers[0].self_attn.o_proj, Shard(rank=0, world_size=1))
     stack, reason = layer_stack.build(sharded)
     assert stack is None and "tensor-parallel" in reason
+
+
+def test_the_weights_are_held_once_and_the_tied_table_reads_the_heads_blocks(files):
+    """Once the integer-dot blocks serve every pass the checkpoint's tensors are dropped (a CPU
+    load holds the weights once); the tied Q8_0 table then looks its rows up in the head's blocks,
+    and they are the `gguf` library's dequantized rows."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from verispec.quant.layers.linear import MLXAffineEmbedding, QuantizedLinear
+
+    model = engine_for(files, "qwen2", "Q8_0", "float16").model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.qdot_blocks is not None and m.released() for m in layers)
+    table = model.model.embed_tokens
+    assert isinstance(table, MLXAffineEmbedding) and table.weight.numel() == 0
+    assert table.qdot_blocks is model.lm_head.qdot_blocks
+    reader = gguf.GGUFReader(str(files["qwen2", "Q8_0"].path))
+    stored = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    expected = torch.from_numpy(dequantize(stored.data, stored.tensor_type)).half()
+    with torch.inference_mode():
+        rows = table(torch.arange(expected.shape[0]))
+    assert torch.equal(rows, expected)
+    assert torch.equal(model.lm_head.dequantized_weight(torch.float16), expected)
+
+
+def test_a_cpu_server_process_imports_no_compiler_stack(files):
+    """A CPU engine on a GGUF file (its tokenizer cached) loads without Triton, dynamo or
+    transformers' model code: ~170 MiB of a small model's process that it never runs."""
+    import os
+    import subprocess
+    import sys
+
+    path = files["qwen2", "Q8_0"].path
+    engine_for(files, "qwen2", "Q8_0", "float16")  # the tokenizer is built and cached
+    script = ("import sys; from verispec.engine.engine import load_engine; "
+              f"e = load_engine({str(path)!r}, dtype='float16', device='cpu'); "
+              "print(sorted(m for m in ('triton', 'torch._dynamo', 'sympy', 'transformers.models.auto') "
+              "if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -36,6 +36,19 @@ def test_packing_round_trip(bits):
     assert torch.equal(unpack_rows(packed, bits, 96).long(), values)
 
 
+@pytest.mark.parametrize("bits", mlx_affine.SUPPORTED_BITS)
+def test_packing_in_row_chunks_gives_mlx_words(bits, monkeypatch):
+    """A large table is packed a few rows at a time (bounded temporaries): the words are MLX's."""
+    mx = import_mlx()
+    w = mx.random.normal((37, 192), key=mx.random.key(bits))
+    packed, _, _ = mx.quantize(w, group_size=64, bits=bits)
+    words = to_torch(packed).view(torch.int32)
+    values = unpack_rows(words, bits, 192)
+    monkeypatch.setattr("verispec.quant.packing.PACK_CHUNK_VALUES", 192 * 5)  # 8 chunks, the last short
+    assert torch.equal(pack_rows(values, bits), words)
+    assert torch.equal(pack_rows(values.reshape(37, 1, 192), bits), words.reshape(37, 1, -1))
+
+
 @pytest.mark.parametrize("bits,group", [(4, 64), (8, 32), (3, 128), (6, 64)])
 def test_our_quantize_is_read_by_mx_dequantize(bits, group):
     """What `verispec quantize` writes decodes the same in MLX, and is as accurate as mx.quantize."""

@@ -156,6 +156,7 @@ def compile_frags(cases: list[dict]) -> list[CompiledFrag]:
     Triton's interpreter), importing this checkout's verispec and tools."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    env["VERISPEC_TRITON"] = "1"  # the kernels defined without a GPU (verispec/kernels/triton_import.py)
     done = subprocess.run([sys.executable, "-m", "tools.sass.offline_sass"], input=json.dumps(cases),
                           capture_output=True, text=True, env=env, cwd=_ROOT)
     if done.returncode:

@@ -66,8 +66,26 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     if why_not_exact is not None:  # a warning where exact was asked for; /v1/models and --json say it anyway
         (log.warning if config.numerics == "exact" else log.debug)("numerics: fast (not exact: %s)", why_not_exact)
     config = dataclasses.replace(config, numerics=numerics)
+    if device.type == "cpu":
+        _return_freed_memory()
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts, peers
+
+
+def _return_freed_memory() -> None:
+    """Hands the allocator's free pages back to the system (glibc): a CPU load's temporaries (the
+    checkpoint's tensors the kernels' copies replaced, the unpacking) otherwise stay resident,
+    ~130 MiB of the default model's process."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _decode_small_quantized(model, requested: str, dtype, device) -> None:

@@ -18,8 +18,10 @@ from verispec.kernels import kv_fp8, kv_turboquant, launch
 # the plain-torch definitions the kernels are tested against (and the CPU path runs), named here too
 from verispec.kernels.attention_reference import (decode_attention_reference,
                                                   paged_decode_attention_reference)
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -22,8 +22,10 @@ token's result does not depend on the other tokens in the pass, nor on which ker
 from __future__ import annotations
 
 import torch
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch paths are used instead

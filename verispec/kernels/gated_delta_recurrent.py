@@ -16,8 +16,10 @@ tested against).
 from __future__ import annotations
 
 import torch
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch reference is used instead

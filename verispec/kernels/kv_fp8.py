@@ -21,8 +21,10 @@ Bytes per token and layer: 2 x Hkv x (D + 1), against 2 x Hkv x 2D for bfloat16 
 from __future__ import annotations
 
 import torch
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch functions stand in

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch functions stand in

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from verispec.kernels import kv_fp8, kv_turboquant
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: index_copy_ stands in

@@ -14,7 +14,10 @@ import functools
 
 import torch
 
+from verispec.kernels.triton_import import require_triton
+
 try:
+    require_triton()
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

@@ -16,8 +16,10 @@ import dataclasses
 import torch
 
 from verispec.kernels import launch
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -19,8 +19,10 @@ import torch
 
 from verispec.kernels import kv_fp8, launch
 from verispec.kernels.kv_write import KVDestination
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

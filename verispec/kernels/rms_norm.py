@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 
 from verispec.kernels import launch
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -13,6 +13,7 @@ from verispec.loading.gguf import GGUFCheckpoint, is_gguf
 from verispec.loading.parts import check_part_shape, find_part, part_modules
 from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
 from verispec.models.base import CausalLM, renamed
+from verispec.models.layers.meta import materialize, on_meta
 from verispec.models.layers.parallel import Shard
 from verispec.models.sharding import check_shardable, shard_model
 from verispec.models.registry import model_class
@@ -68,7 +69,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         files = checkpoint_files(model_dir)
         tensors, shapes = iter_tensors(files), tensor_shapes(files)
     cls = model_class(config.get("model_type"))
-    with torch.device("meta"):
+    with on_meta():
         model = cls(config)
         unwrapped: list[str] = []
         if shard is not None:
@@ -86,7 +87,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
             quantized = quant_loading.prepare_model(model, config, named) is not None
         if unwrapped:
             quantized_shards.rewrap(model, unwrapped, shard)
-    model.to_empty(device=device)
+    materialize(model, device)
     model.to(dtype)
     _load_weights(model, tensors, dtype, device)
     model.tie_weights()
@@ -107,7 +108,7 @@ def load_whole_tables(model_dir: Path, target: CausalLM) -> CausalLM:
     config = quant_loading.with_sidecar_config(read_config(model_dir), model_dir)
     files = checkpoint_files(model_dir)
     param = next(p for p in target.parameters() if p.is_floating_point())
-    with torch.device("meta"):
+    with on_meta():
         tables = WholeTables(target)
         wanted = lambda name: _our_name(tables, name).startswith(("model.embed_tokens.", "lm_head."))  # noqa: E731
         named = {_our_name(tables, name): quant_loading.CheckpointTensor(name, shape)

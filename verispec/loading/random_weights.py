@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from verispec.models.base import CausalLM
+from verispec.models.layers.meta import on_meta
 from verispec.models.layers.parallel import Shard
 from verispec.models.registry import model_class
 from verispec.models.sharding import check_shardable, shard_model
@@ -28,7 +29,7 @@ def random_model(source: RandomWeights, device: torch.device, dtype: torch.dtype
                  shard: Shard | None = None) -> CausalLM:
     """The model (this rank's share of it, with `shard`) with random weights on `device`."""
     cls = model_class(source.config.get("model_type"))
-    with torch.device("meta"):
+    with on_meta():
         model = cls(dict(source.config))
         if shard is not None:
             check_shardable(source.config, shard.world_size)

@@ -31,8 +31,6 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: Path, extra_eos: list[int] | None = None) -> "Tokenizer":
         """From a checkpoint directory, or from a GGUF file's metadata (see resolve_model)."""
-        from transformers import AutoTokenizer
-
         from verispec.loading.gguf import GGUFCheckpoint, is_gguf
 
         if is_gguf(model_dir):
@@ -40,6 +38,7 @@ class Tokenizer:
             if extra_eos:
                 tokenizer.eos_token_ids = sorted(set(tokenizer.eos_token_ids) | set(extra_eos))
             return tokenizer
+        from transformers import AutoTokenizer  # (its module imports transformers' model code)
 
         try:
             hf = AutoTokenizer.from_pretrained(str(model_dir))

@@ -36,7 +36,7 @@ from torch import nn
 
 from verispec import log
 from verispec.quant.kernels import cpu_qdot, exact, frag, gemv, int4_builtin, matmul, mma, stream_mlp
-from verispec.quant.layers.linear import QuantizedLinear
+from verispec.quant.layers.linear import MLXAffineEmbedding, QuantizedLinear
 from verispec.quant.layers.mlp import GatedProduct, gated_mlps
 
 # passes up to this many rows run the fragment-order kernel 8 rows a launch (each launch reads the
@@ -286,6 +286,7 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
     TINYGEMM tinygemm's copy and every one it puts on QDOT that kernel's blocks (layers that have
     one are left alone). Returns how many copies."""
     made, logged = collections.Counter(), set() if logged is None else logged
+    tables = _untied_tables(root)
     for layer in _quantized_linears(root):
         if layer.int4_packed is not None or layer.frag is not None or layer.qdot_blocks is not None:
             continue
@@ -294,6 +295,8 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
         if kernel is Kernel.QDOT and (reason := layer.use_qdot()) is not None:
             reasons.append(f"not {Kernel.QDOT.value}: {reason}")
             kernel = Kernel.TINYGEMM if tinygemm_reason(layer, device, dtype) is None else Kernel.DEQUANTIZE
+        elif kernel is Kernel.QDOT:
+            release_for_qdot(layer, tables)
         if device.type == "cpu":  # the CUDA kernels' reasons say nothing there
             reasons = [r for r in reasons if r.startswith((f"not {Kernel.QDOT.value}", f"not {Kernel.TINYGEMM.value}"))]
         _log_once(logged, reasons)
@@ -307,6 +310,26 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
     for kernel, count in made.items():
         log.debug("%d quantized layers take a copy for the %s kernel", count, kernel.value)
     return sum(made.values())
+
+
+def _untied_tables(root: nn.Module) -> list[MLXAffineEmbedding]:
+    """The MLX-affine embedding tables under `root` that still hold their own tensors."""
+    return [m for m in root.modules() if isinstance(m, MLXAffineEmbedding) and m.qdot_blocks is None]
+
+
+def release_for_qdot(layer: QuantizedLinear, tables: list[MLXAffineEmbedding]) -> None:
+    """Drops the checkpoint's tensors of a layer whose integer-dot blocks now serve every pass (a
+    CPU) as soon as they are made, so the weights take their memory once and the load's peak holds
+    one layer's two forms at most; a table tied to it (one of `tables`) then looks its rows up in
+    the blocks. A layer with a zero point keeps its tensors (its blocks fold the zero point into
+    the offset, which decodes in another order)."""
+    if layer.zero_point or layer.released():
+        return
+    words = layer.packed_values().data_ptr()
+    for table in tables:
+        if table.qdot_blocks is None and table.weight.numel() and table.weight.data_ptr() == words:
+            table.look_up_in(layer.qdot_blocks)
+    layer.release_checkpoint()
 
 
 def release_converted_checkpoints(root: nn.Module) -> int:

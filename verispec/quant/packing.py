@@ -43,10 +43,27 @@ def unpack_rows(packed: torch.Tensor, bits: int, num_values: int) -> torch.Tenso
     return values.to(torch.uint8)
 
 
+PACK_CHUNK_VALUES = 1 << 22  # values packed at a time: the int64 temporaries stay ~100 MiB at most
+
+
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """values [..., K] integers in [0, 2**bits) -> packed [..., ceil(K*bits/32)] int32."""
+    """values [..., K] integers in [0, 2**bits) -> packed [..., ceil(K*bits/32)] int32. Rows are
+    packed a chunk at a time: a whole vocabulary table at once held ~27 bytes a value in int64
+    temporaries, the peak of a small model's load."""
     if int(values.min()) < 0 or int(values.max()) >= (1 << bits):
         raise ValueError(f"pack_rows: values must lie in [0, {1 << bits}) for {bits} bits")
+    k = values.shape[-1]
+    rows = values.reshape(-1, k) if values.dim() != 1 else values[None]
+    step = max(1, PACK_CHUNK_VALUES // max(k, 1))
+    if len(rows) > step:
+        out = torch.empty(len(rows), packed_words(k, bits), dtype=torch.int32, device=values.device)
+        for start in range(0, len(rows), step):
+            out[start:start + step] = _pack(rows[start:start + step], bits)
+        return out.reshape(*values.shape[:-1], -1)
+    return _pack(values, bits)
+
+
+def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     k = values.shape[-1]
     num_words = packed_words(k, bits)
     v = values.to(torch.int64)

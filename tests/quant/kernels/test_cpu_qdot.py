@@ -41,6 +41,16 @@ def layer_for(qtype_name: str, dtype: torch.dtype, seed: int = 0) -> tuple[MLXAf
     """The layer as the GGUF loader builds it, its kernel copy made; and its weight [N, K] float64:
     the library's dequantization in float16 (whose scales hold the file's exactly), the file's
     scales rounded to bfloat16 in a bfloat16 model (as the loader's cast rounds them)."""
+    layer, blocks = checkpoint_layer(qtype_name, dtype, seed)
+    dispatch.make_copies(torch.nn.Sequential(layer), dtype)
+    weight = layer.dequantized_weight(torch.float64)  # from the kernel's blocks alone (released)
+    if dtype == torch.float16:
+        assert torch.equal(weight, torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType[qtype_name])).double())
+    return layer, weight
+
+
+def checkpoint_layer(qtype_name: str, dtype: torch.dtype, seed: int = 0) -> tuple[MLXAffineLinear, np.ndarray]:
+    """The layer as the GGUF loader builds it, before any kernel copy; and the file's blocks."""
     qtype = gguf.GGMLQuantizationType[qtype_name]
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
     w[:, :32] += 0.03  # a block whose values do not straddle zero: Q4_1's minimum far from the scale's
@@ -49,11 +59,7 @@ def layer_for(qtype_name: str, dtype: torch.dtype, seed: int = 0) -> tuple[MLXAf
     layer = MLXAffineLinear(K, N, affine.bits, 32)
     layer.weight.copy_(pack_rows(affine.q, affine.bits))
     layer.scales.data, layer.biases.data = affine.scales.to(dtype), affine.biases.to(dtype)
-    dispatch.make_copies(torch.nn.Sequential(layer), dtype)
-    weight = layer.dequantized_weight(torch.float64)
-    if dtype == torch.float16:
-        assert torch.equal(weight, torch.from_numpy(dequantize(blocks, qtype)).double())
-    return layer, weight
+    return layer, blocks
 
 
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +123,7 @@ def test_float32_models_keep_the_dequantized_product():
 
 
 def test_scales_that_are_not_float16_fall_back_to_torchs_int4_kernel():
-    layer, _ = layer_for("Q4_0", torch.bfloat16)
+    layer, _ = checkpoint_layer("Q4_0", torch.bfloat16)
     fresh = MLXAffineLinear(K, N, 4, 32)
     fresh.weight.copy_(layer.weight)
     fresh.scales.data = layer.scales.float() * (1 + 2.0 ** -20)  # between two float16 values

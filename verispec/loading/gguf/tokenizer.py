@@ -29,15 +29,15 @@ END_OF_TURN_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>"
 
 def gguf_tokenizer(checkpoint) -> Tokenizer:
     """checkpoint: a GGUFCheckpoint."""
-    from transformers import AutoTokenizer
-
     from verispec.loading.gguf import END_OF_GENERATION_KEYS
 
     path = checkpoint.path
     cached = _cache_dir(path)
     if cached is not None and (cached / "tokenizer.json").is_file():
-        hf = AutoTokenizer.from_pretrained(str(cached))
+        hf = _read_cached(cached)
     else:
+        from transformers import AutoTokenizer
+
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as exc:  # transformers raises many types; the user needs the path + cause
@@ -60,6 +60,25 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     if not eos:
         log.debug("GGUF %s names no eos token; ending generation on %s only", path.name, markers or "max_tokens")
     return Tokenizer(hf, eos + markers)
+
+
+def _read_cached(cached: Path):
+    """The saved tokenizer, read by the class its settings name (what AutoTokenizer would pick),
+    imported by name: AutoTokenizer's own module imports transformers' model and generation code,
+    dynamo with it (~140 MiB of the process's memory, seconds of start-up)."""
+    import json
+
+    import transformers
+
+    try:
+        named = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    cls = getattr(transformers, named, None) if isinstance(named, str) and named.endswith(
+        ("Tokenizer", "TokenizerFast", "TokenizersBackend")) else None
+    if cls is None:
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(str(cached))
 
 
 def _cache_dir(path: Path) -> Path | None:

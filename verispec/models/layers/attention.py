@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
@@ -34,6 +33,14 @@ def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None,
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def _causal_lower_right(num_queries: int, num_keys: int):
+    """torch's lower-right causal bias, imported where first used: its module imports dynamo
+    (and sympy), ~40 MiB that a server running the CPU layer kernel never needs."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(num_queries, num_keys)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
          scale: float, causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with GQA: q [B, Hq, T, D], k/v [B, Hkv, S, D] -> [B, Hq, T, D].
@@ -53,7 +60,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     gqa = q.shape[1] != k.shape[1]
     if causal:
         t, s = q.shape[2], k.shape[2]
-        bias = None if s == t else causal_lower_right(t, s)
+        bias = None if s == t else _causal_lower_right(t, s)
         # not cuDNN, which torch picks first on Hopper even for an unmasked causal call, and which
         # plans per shape (a batched prefill's per-sequence slices are new shapes every time)
         with sdpa_kernel(_NO_CUDNN):

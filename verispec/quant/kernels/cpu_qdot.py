@@ -76,6 +76,24 @@ def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
     return torch.cat([head, codes], dim=-1).reshape(n, -1).contiguous()
 
 
+def unpack(blocks: torch.Tensor, bits: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's blocks [N, K/32 * BLOCK_BYTES[bits]] (or some of their rows) -> what `pack` was
+    given, for a layer without a zero point, at groups of 32: (q [N, K] uint8, scales, offsets
+    [N, K/32] float16), so w = q*s + o decodes as the checkpoint's tensors did (a layer keeps only
+    these blocks once they serve every pass)."""
+    n, groups = blocks.shape[0], in_features // BLOCK
+    rows = blocks.view(n, groups, BLOCK_BYTES[bits])
+    head = rows[..., :4].contiguous().view(torch.float16)  # [N, G, 2]: scale, offset
+    s, o = head[..., 0], head[..., 1]
+    codes = rows[..., 4:]
+    if bits == 4:
+        q = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+    else:  # signed codes and the re-centred offset back: o = o' - 128 s, exact (pack checked o' was)
+        q = (codes.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        o = (o.double() - 128 * s.double()).to(torch.float16)
+    return q.reshape(n, in_features), s.contiguous(), o.contiguous()
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
     """x [M, K] (float16, bfloat16 or float32) -> [M, N] in x's dtype."""
     x = x.contiguous()

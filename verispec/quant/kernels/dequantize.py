@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from verispec.quant.packing import unpack_rows
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs
@@ -88,9 +90,16 @@ def decode_torch(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
                  zero_point: bool, dtype: torch.dtype) -> torch.Tensor:
     """`decode`'s values in torch's form on any device (embedding lookups take it: a few rows per
     step, inside captured decode graphs where the kernel has not been measured)."""
+    rows, num_groups = scales.shape
+    return decode_values(unpack_rows(packed, bits, num_groups * group_size), scales, offsets, zero_point, dtype)
+
+
+def decode_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, zero_point: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """q [R, K] unsigned codes; scales, offsets [R, G] -> [R, K] in `dtype`, as decode_torch."""
     compute = torch.promote_types(dtype, torch.float32)
     rows, num_groups = scales.shape
-    q = unpack_rows(packed, bits, num_groups * group_size).view(rows, num_groups, group_size).to(compute)
+    q = q.view(rows, num_groups, -1).to(compute)
     s, o = scales.to(compute).unsqueeze(-1), offsets.to(compute).unsqueeze(-1)
     w = (q - o) * s if zero_point else q * s + o
     return w.view(rows, -1).to(dtype)

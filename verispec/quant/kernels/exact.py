@@ -13,8 +13,10 @@ import torch
 
 from verispec.kernels import linear as dense
 from verispec.quant.kernels import matmul
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:

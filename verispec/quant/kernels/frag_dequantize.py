@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 
 from verispec.kernels.launch import triton
+from verispec.kernels.triton_import import require_triton
 from verispec.quant.kernels.frag import BLOCK, TILE_ROWS, FragWeights, fragment_positions
 
 try:  # the dequantizing kernel is plain Triton (it runs in the CPU interpreter too)
+    require_triton()
     import triton.language as tl
 except ImportError:
     tl = None

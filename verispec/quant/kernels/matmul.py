@@ -23,8 +23,10 @@ import functools
 import torch
 
 from verispec.quant.packing import unpack_rows
+from verispec.kernels.triton_import import require_triton
 
 try:
+    require_triton()
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the layers dequantize with torch instead

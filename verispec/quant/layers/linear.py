@@ -20,6 +20,8 @@ from verispec.quant.kernels import cpu_qdot, dequantize, frag as frag_kernel, fr
 from verispec.quant.kernels import mma as mma_kernel
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
+QDOT_PACK_VALUES = 1 << 21  # weights converted to the integer-dot blocks at a time (use_qdot)
+
 
 def debug_once(module: nn.Module, message: str) -> None:
     """A fallback's reason under VERISPEC_DEBUG=1, once per layer (not once per token)."""
@@ -107,12 +109,17 @@ class QuantizedLinear(nn.Module):
     def use_qdot(self) -> str | None:
         """Keeps a copy of the weight in the CPU integer-dot kernel's blocks (kernels/cpu_qdot.py) for
         every pass; None, or why the weight has no such copy (a scale or offset not a float16)."""
-        q = unpack_rows(self.packed_values(), self.bits, self.in_features)  # [N, K]
-        blocks = cpu_qdot.pack(q, self.group_scales(), self.group_offsets(), self.bits, self.group_size,
-                               self.zero_point)
-        if blocks is None:
-            return "scales or offsets that are not exactly float16 (the kernel's blocks keep float16)"
-        self.qdot_blocks = blocks
+        packed, scales, offsets = self.packed_values(), self.group_scales(), self.group_offsets()
+        step = max(1, QDOT_PACK_VALUES // self.in_features)  # rows at a time: a vocabulary's temporaries stay small
+        pieces = []
+        for start in range(0, self.out_features, step):
+            rows = slice(start, start + step)
+            q = unpack_rows(packed[rows], self.bits, self.in_features)  # [rows, K]
+            piece = cpu_qdot.pack(q, scales[rows], offsets[rows], self.bits, self.group_size, self.zero_point)
+            if piece is None:
+                return "scales or offsets that are not exactly float16 (the kernel's blocks keep float16)"
+            pieces.append(piece)
+        self.qdot_blocks = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         self.bound = None
         return None
 
@@ -126,8 +133,9 @@ class QuantizedLinear(nn.Module):
         self.bound = None
 
     def release_checkpoint(self) -> None:
-        """Drops the checkpoint's tensors once the fragment-order copy holds the weight (an
-        embedding sharing them keeps its own reference)."""
+        """Drops the checkpoint's tensors once a copy that serves every pass holds the weight (the
+        fragment-order copy on CUDA, the integer-dot blocks on a CPU; an embedding sharing them
+        keeps its own reference)."""
         for name in self.checkpoint_tensor_names():
             old = getattr(self, name)
             empty = torch.empty(0, dtype=old.dtype, device=old.device)
@@ -136,6 +144,9 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
+        if self.qdot_blocks is not None and self.released():  # the same values, from the kernel's blocks
+            q, scales, offsets = cpu_qdot.unpack(self.qdot_blocks, self.bits, self.in_features)
+            return dequantize.decode_values(q, scales, offsets, False, dtype)
         if (frag := self.frag) is not None and self.released():
             if frag.words.device.type == "cuda" and frag_dequantize.tl is not None and dtype != torch.float64:
                 return frag_dequantize.dequantize_kernel(frag, dtype)
@@ -375,12 +386,26 @@ class MLXAffineEmbedding(nn.Module):
         num_groups = embedding_dim // group_size
         self.scales = float_param(num_embeddings, num_groups)
         self.biases = float_param(num_embeddings, num_groups)
+        self.register_buffer("qdot_blocks", None, persistent=False)  # look_up_in: the tied head's, on a CPU
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
-        w = dequantize.decode_torch(self.weight[rows], self.scales[rows], self.biases[rows], self.bits, self.group_size,
-                              False, self.scales.dtype)
+        if self.qdot_blocks is not None:  # the tied head's integer-dot blocks hold the table alone
+            q, scales, offsets = cpu_qdot.unpack(self.qdot_blocks[rows], self.bits, self.embedding_dim)
+            w = dequantize.decode_values(q, scales, offsets, False, self.scales.dtype)
+        else:
+            w = dequantize.decode_torch(self.weight[rows], self.scales[rows], self.biases[rows], self.bits,
+                                        self.group_size, False, self.scales.dtype)
         return w.view(*input_ids.shape, self.embedding_dim)
+
+    def look_up_in(self, blocks: torch.Tensor) -> None:
+        """Rows are decoded from the tied head's integer-dot blocks (cpu_qdot.unpack: the same
+        values), and this table's own tensors are dropped with the head's."""
+        self.qdot_blocks = blocks
+        for name in ("weight", "scales", "biases"):
+            old = getattr(self, name)
+            empty = torch.empty(0, dtype=old.dtype, device=old.device)
+            setattr(self, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole table [V, H] in `dtype`."""
