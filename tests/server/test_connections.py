@@ -139,9 +139,27 @@ def test_serving_threads_leave_a_core_free_unless_told(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr(cpu_threads, "physical_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # restored after the test, whatever set_serving_threads writes
+    monkeypatch.setenv(cpu_threads.CHOSEN_BY_SERVE, "")  # (so is its mark)
     assert cpu_threads.set_serving_threads() is None and calls == []
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert cpu_threads.set_serving_threads() == 1 and calls == [1]
     import os
 
     assert os.environ["OMP_NUM_THREADS"] == "1"  # an engine process spawned next starts with it
+
+
+def test_a_model_on_the_layer_kernel_serves_on_every_core_unless_the_user_chose(monkeypatch):
+    import os
+
+    threads = [4]
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.append(n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[-1])
+    monkeypatch.setattr(cpu_threads, "physical_cores", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's: left alone
+    monkeypatch.setenv(cpu_threads.CHOSEN_BY_SERVE, "")  # restored after the test, whatever serve writes
+    assert cpu_threads.use_every_core_for_layer_kernel() is None and threads == [4]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert cpu_threads.set_serving_threads() == 1  # serve's choice: one core left free ...
+    assert cpu_threads.use_every_core_for_layer_kernel() == 2  # ... until the layer kernel runs the model
+    assert threads[-1] == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+    assert cpu_threads.use_every_core_for_layer_kernel() is None  # already every core

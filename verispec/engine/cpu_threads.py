@@ -17,7 +17,11 @@ thread's own pool goes away when the worker exits after an idle spell.
 `threads_for_host()`: how many threads that pool gets when serving. A parallel region waits for
 its slowest thread; with one thread per core, any other busy thread on the host (the server's
 event loop, tokenizing, a neighbour) deschedules a helper mid-region and every region stalls
-(2 threads on a busy 2-core host decoded 10-20x slower than 1). One core is left free.
+(2 threads on a busy 2-core host decoded 10-20x slower than 1). One core is left free, until the
+model turns out to run on the CPU layer kernel (`use_every_core_for_layer_kernel`): its step is a
+few long regions whose barrier yields the core to a descheduled peer (quant/kernels/cpu_pool.h),
+so there every physical core computes (the default model served on 2 cores: 54 against 33 tok/s
+at one client, 1.46x at four clients' aggregate; docs/benchmarks.md).
 `verispec generate` computes alone and takes one thread per physical core (`set_generate_threads`).
 Both count physical cores, not SMT siblings: two threads on one core share its vector units, and
 decode's small products gain nothing from the second while every region waits for both.
@@ -33,6 +37,7 @@ from verispec.config import env
 
 OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")  # GNU, Intel, LLVM: each implements OpenMP 5's pause
 OMP_PAUSE_SOFT = 1
+CHOSEN_BY_SERVE = "VERISPEC_SERVE_CHOSE_THREADS"  # set with OMP_NUM_THREADS by set_serving_threads
 
 _lock = threading.Lock()
 _pause = None  # the runtime's omp_pause_resource_all, once looked up
@@ -132,10 +137,28 @@ def set_serving_threads() -> int | None:
     cores = physical_cores()
     num_threads = threads_for_host(cores)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    os.environ[CHOSEN_BY_SERVE] = "1"  # ours, not the user's: the model may raise it (below)
     torch.set_num_threads(num_threads)
     log.info("CPU compute threads: %d of %d physical cores (OMP_NUM_THREADS sets another count)", num_threads,
              cores)
     return num_threads
+
+
+def use_every_core_for_layer_kernel() -> int | None:
+    """A served model whose layers run the CPU layer kernel computes on every physical core, where
+    `set_serving_threads` had left one free (not where OMP_NUM_THREADS was the user's). Returns
+    the count set (None: left as it was)."""
+    import torch
+
+    if os.environ.get(CHOSEN_BY_SERVE) != "1":
+        return None
+    cores = physical_cores()
+    if torch.get_num_threads() >= cores:
+        return None
+    os.environ["OMP_NUM_THREADS"] = str(cores)
+    torch.set_num_threads(cores)
+    log.info("CPU compute threads: %d, every physical core (the layer kernel's barriers yield to a busy host)", cores)
+    return cores
 
 
 def set_generate_threads() -> int | None:

@@ -10,7 +10,7 @@ import torch
 
 from verispec import log
 from verispec.config import EngineConfig
-from verispec.engine import warmup
+from verispec.engine import cpu_threads, warmup
 from verispec.engine.proposers import build_proposer
 from verispec.errors import VerispecError
 from verispec.loading.device import parse_device, parse_dtype
@@ -68,6 +68,8 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     config = dataclasses.replace(config, numerics=numerics)
     if device.type == "cpu":
         _return_freed_memory()
+        if getattr(model, "layer_stack", None) is not None:
+            cpu_threads.use_every_core_for_layer_kernel()
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts, peers
 
