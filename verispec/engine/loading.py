@@ -2,6 +2,7 @@
 tokenizer and the proposer the configuration asks for, with the option checks that need no model."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from verispec.config import EngineConfig
 from verispec.engine import cpu_threads, warmup
 from verispec.engine.proposers import build_proposer
 from verispec.errors import VerispecError
+from verispec.loading import host_memory
 from verispec.loading.device import parse_device, parse_dtype
 from verispec.loading.model_loader import load_model, prepare_for_device, read_config, resolve_numerics
 from verispec.loading.resolve import resolve_model
@@ -31,17 +33,18 @@ def load_parts(config: EngineConfig) -> tuple:
     model_dir = resolve_model(config.model)
     t1 = time.perf_counter()
     log.startup_phase("finding the model", t1 - t0)
-    if config.tensor_parallel_size == 1:
-        model, peers = load_model(model_dir, dtype, device), None
-    else:
-        model, peers = load_sharded(config, model_dir, dtype)
-        device = next(model.parameters()).device
-    try:
-        return _finish_parts(config, model, model_dir, dtype, device, peers, t1)
-    except BaseException:
-        if peers is not None:  # a failed start leaves no worker ranks waiting on a collective
-            peers.stop()
-        raise
+    with host_memory.lean_allocations() if device.type == "cpu" else contextlib.nullcontext():
+        if config.tensor_parallel_size == 1:
+            model, peers = load_model(model_dir, dtype, device), None
+        else:
+            model, peers = load_sharded(config, model_dir, dtype)
+            device = next(model.parameters()).device
+        try:
+            return _finish_parts(config, model, model_dir, dtype, device, peers, t1)
+        except BaseException:
+            if peers is not None:  # a failed start leaves no worker ranks waiting on a collective
+                peers.stop()
+            raise
 
 
 def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, t1: float) -> tuple:
@@ -67,27 +70,10 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
         (log.warning if config.numerics == "exact" else log.debug)("numerics: fast (not exact: %s)", why_not_exact)
     config = dataclasses.replace(config, numerics=numerics)
     if device.type == "cpu":
-        _return_freed_memory()
         if getattr(model, "layer_stack", None) is not None:
             cpu_threads.use_every_core_for_layer_kernel()
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts, peers
-
-
-def _return_freed_memory() -> None:
-    """Hands the allocator's free pages back to the system (glibc): a CPU load's temporaries (the
-    checkpoint's tensors the kernels' copies replaced, the unpacking) otherwise stay resident,
-    ~130 MiB of the default model's process."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc: nothing to ask
-        trim = None
-    if trim is not None:
-        trim(0)
 
 
 def _decode_small_quantized(model, requested: str, dtype, device) -> None:

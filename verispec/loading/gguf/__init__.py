@@ -12,6 +12,7 @@ Entry points: `is_gguf(path)`, `find_gguf(dir)`, `GGUFCheckpoint(path)` with `.c
 """
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -101,9 +102,18 @@ class GGUFCheckpoint:
                 continue
             value = restore(read_tensor(t), t.name, self.architecture, self.config)
             yield name, value if keep_affine else dense(value)
+            self._drop_read_pages()
         if skipped:
             log.debug("GGUF %s: %d tensors not used by the model (e.g. %s)", self.path.name, len(skipped),
                       ", ".join(skipped[:3]))
+
+    def _drop_read_pages(self) -> None:
+        """The file's pages read so far leave this process's resident memory (the page cache keeps
+        them; a later read faults them back in): every tensor is copied out when read, and a mapped
+        file counts whole toward RSS as it is read (98 MiB of the default model's load peak)."""
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def linear_names(self, types: tuple[str, ...] = KEPT_4BIT_TYPES) -> set[str]:
         """Hugging Face names of the linear weights stored as one of `types` (not the embedding table)."""

@@ -111,15 +111,17 @@ class QuantizedLinear(nn.Module):
         every pass; None, or why the weight has no such copy (a scale or offset not a float16)."""
         packed, scales, offsets = self.packed_values(), self.group_scales(), self.group_offsets()
         step = max(1, QDOT_PACK_VALUES // self.in_features)  # rows at a time: a vocabulary's temporaries stay small
-        pieces = []
+        blocks = None
         for start in range(0, self.out_features, step):
             rows = slice(start, start + step)
             q = unpack_rows(packed[rows], self.bits, self.in_features)  # [rows, K]
             piece = cpu_qdot.pack(q, scales[rows], offsets[rows], self.bits, self.group_size, self.zero_point)
             if piece is None:
                 return "scales or offsets that are not exactly float16 (the kernel's blocks keep float16)"
-            pieces.append(piece)
-        self.qdot_blocks = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if blocks is None:
+                blocks = piece.new_empty(self.out_features, piece.shape[1])
+            blocks[rows] = piece
+        self.qdot_blocks = blocks
         self.bound = None
         return None
 
