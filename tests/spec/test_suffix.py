@@ -226,7 +226,7 @@ def test_engine_config_builds_the_asked_proposer(qwen3_dir):
 
 @pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_cli_generate_json_reports_suffix(qwen3_dir):
-    from tests.spec.test_mtp import run_cli
+    from tests.spec.mtp_checkpoints import run_cli
 
     common = ["generate", "-m", str(qwen3_dir), "--prompt", "def f", "--max-tokens", "24", "--json",
               "--dtype", "float64", "--device", "cpu", "--no-chat-template"]
