@@ -23,6 +23,15 @@ from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 QDOT_PACK_VALUES = 1 << 21  # weights converted to the integer-dot blocks at a time (use_qdot)
 
 
+def drop_tensors(module: nn.Module, names) -> None:
+    """Each named tensor of `module` becomes an empty one of its dtype and kind (a parameter stays
+    a parameter), so its memory goes once nothing else holds it."""
+    for name in names:
+        old = getattr(module, name)
+        empty = torch.empty(0, dtype=old.dtype, device=old.device)
+        setattr(module, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
+
+
 def debug_once(module: nn.Module, message: str) -> None:
     """A fallback's reason under VERISPEC_DEBUG=1, once per layer (not once per token)."""
     if not getattr(module, "_fallback_logged", False):
@@ -138,10 +147,7 @@ class QuantizedLinear(nn.Module):
         """Drops the checkpoint's tensors once a copy that serves every pass holds the weight (the
         fragment-order copy on CUDA, the integer-dot blocks on a CPU; an embedding sharing them
         keeps its own reference)."""
-        for name in self.checkpoint_tensor_names():
-            old = getattr(self, name)
-            empty = torch.empty(0, dtype=old.dtype, device=old.device)
-            setattr(self, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
+        drop_tensors(self, self.checkpoint_tensor_names())
         self.bound = None
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -404,10 +410,7 @@ class MLXAffineEmbedding(nn.Module):
         """Rows are decoded from the tied head's integer-dot blocks (cpu_qdot.unpack: the same
         values), and this table's own tensors are dropped with the head's."""
         self.qdot_blocks = blocks
-        for name in ("weight", "scales", "biases"):
-            old = getattr(self, name)
-            empty = torch.empty(0, dtype=old.dtype, device=old.device)
-            setattr(self, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
+        drop_tensors(self, ("weight", "scales", "biases"))
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole table [V, H] in `dtype`."""
