@@ -10,6 +10,8 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -109,6 +111,41 @@ def test_a_killed_worker_fails_the_open_request_and_later_ones(qwen3_dir):
         with pytest.raises(VerispecError, match="rank 1 exited"):
             engine.submit([5, 6], SamplingParams(max_tokens=4), lambda item: None)
     finally:
+        engine.close()
+
+
+def test_a_killed_worker_fails_the_request_while_the_step_is_stuck(qwen3_dir):
+    """On CUDA the engine's thread can block for good in a step waiting on the lost rank (a graph's
+    all-reduce spinning on its signal): the thread that notices the loss fails the open request
+    itself. Here a step is held until the request has its error."""
+    engine = load_engine(str(qwen3_dir), tensor_parallel_size=2, **ENGINE)
+    held, release, holding = threading.Event(), threading.Event(), threading.Event()
+    verify = engine.runner.verify
+
+    def held_verify(*args, **kwargs):
+        if holding.is_set():
+            held.set()
+            release.wait(WAIT_S)
+        return verify(*args, **kwargs)
+
+    engine.runner.verify = held_verify
+    try:
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), chunks.put)
+        assert not isinstance(chunks.get(timeout=WAIT_S), BaseException)  # decoding on both ranks
+        holding.set()
+        assert held.wait(WAIT_S)
+        engine.peers.group.workers[0].process.kill()
+        item = chunks.get(timeout=WAIT_S)
+        while not isinstance(item, BaseException):  # chunks of steps before the hold
+            assert item.finish_reason is None
+            item = chunks.get(timeout=WAIT_S)
+        assert "rank 1 exited" in str(item) and not release.is_set()  # the step is still held
+        release.set()
+        time.sleep(0.5)  # the held step ends (its collective fails): nothing more reaches the client
+        assert chunks.empty()
+    finally:
+        release.set()
         engine.close()
 
 

@@ -122,7 +122,23 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                                         rest_drafters=self._rest_drafters)
         if isinstance(self.draft_policy, AdaptiveDrafts):
             self.draft_policy.gate = ThroughputGate()
+        # every submitted request not yet ended, for failing them all from another thread
+        self._open: set[Sequence] = set()
+        self._open_lock = threading.Lock()
+        if peers is not None:
+            peers.on_lost = self._fail_open_requests
         self._release_caller_threads()
+
+    def _fail_open_requests(self, reason: str) -> None:
+        """A lost tensor-parallel rank ends every open request with the error now, from the thread
+        that noticed: this engine's own may be blocked for good in a step waiting on that rank (a
+        CUDA graph's all-reduce spinning on its signal). Whatever that step emits later is dropped
+        (Sequence's sink ends once)."""
+        with self._open_lock:
+            open_now = list(self._open)
+        for seq in open_now:
+            seq.cancel.set()  # should the step ever return: finished there, its blocks freed
+            seq.sink(TensorParallelError(reason))
 
     def _rest_drafters(self, batch: int) -> bool:
         """Whether the draft gate holds speculation off at this batch size for longer than a drafter's
@@ -238,12 +254,27 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                        seed=seed)
         if params.grammar is not None:  # one matcher per sequence (n choices each get their own)
             seq.constraint = self.grammars.constraint(params.grammar)
+        self._track(seq)
         self._release_caller_threads()
         self._inbox.put(seq)
         self._ensure_worker()
         with self._wake:
             self._wake.notify()
         return seq
+
+    def _track(self, seq: Sequence) -> None:
+        """Keeps `seq` among the open requests until its sink has ended it."""
+        sink = seq.sink
+
+        def untrack(item) -> None:
+            sink(item)
+            if sink.ended:
+                with self._open_lock:
+                    self._open.discard(seq)
+
+        with self._open_lock:
+            self._open.add(seq)
+        seq.sink = untrack
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:

@@ -27,6 +27,23 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
+class EndsOnce:
+    """A request's sink that passes on items until one ends the request (an exception, or a chunk
+    with a finish reason), and drops whatever comes after it, from any thread."""
+
+    def __init__(self, sink: Callable[[object], None]):
+        self._sink = sink
+        self._lock = threading.Lock()
+        self.ended = False
+
+    def __call__(self, item) -> None:
+        with self._lock:
+            if self.ended:
+                return
+            self.ended = isinstance(item, BaseException) or getattr(item, "finish_reason", None) is not None
+            self._sink(item)
+
+
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, out: OutputBuilder,
                  generator, method: str, sink: Callable[[object], None], cancel: threading.Event | None = None,
@@ -41,7 +58,9 @@ class Sequence:
         # the request's seed (or the server's): its samples are fixed per position (sampling/seeded.py)
         self.seed = seed
         self.stats = GenerationStats(method=method, prompt_tokens=len(prompt_ids))
-        self.sink = sink  # receives GenerationChunk objects, or an exception that ended the request
+        # receives GenerationChunk objects, or an exception that ended the request; once ended, nothing
+        # more (a lost tensor-parallel rank fails a request from another thread: engine.py)
+        self.sink = EndsOnce(sink)
         self.cancel = cancel or threading.Event()
         self.status = SequenceStatus.WAITING
         self.block_size = block_size  # the paged cache's (block hashes are per block)

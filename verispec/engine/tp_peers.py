@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -191,6 +192,9 @@ class Peers:
         self._stopping = False
         self._graphs: list[weakref.ref] = []  # rank 0's BatchGraphs, released before the group goes
         self._abort = BoundedOnce(_abort_collectives, ABORT_WAIT_S, "aborting the tensor-parallel group")
+        # told the failure once the group is lost (the engine fails its open requests: its own
+        # thread may be blocked for good in a step waiting on the lost rank)
+        self.on_lost: Callable[[str], None] | None = None
         tp_group.watch(group.workers, self._exited)
         group.hub.watch(self._disconnected)
 
@@ -213,6 +217,8 @@ class Peers:
         if not self._stopping and self._failure is None:
             self._failure = failure
             log.warning("%s; open requests fail and new ones are refused", self._failure)
+            if self.on_lost is not None:
+                self.on_lost(self._failure)
             if self.group.device.type == "cuda":
                 self._abort.run()
 
