@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from verispec.config import EngineConfig
+from verispec.engine import tp_peers
 from verispec.engine.engine import load_engine
 from verispec.engine.tp_group import check_tensor_parallel_options
 from verispec.errors import VerispecError
@@ -117,18 +118,20 @@ def test_a_killed_worker_fails_the_open_request_and_later_ones(qwen3_dir):
 def test_a_killed_worker_fails_the_request_while_the_step_is_stuck(qwen3_dir):
     """On CUDA the engine's thread can block for good in a step waiting on the lost rank (a graph's
     all-reduce spinning on its signal): the thread that notices the loss fails the open request
-    itself. Here a step is held until the request has its error."""
+    itself, and closing the engine does not wait for that step. Here a step is held inside its
+    collective until both happened."""
     engine = load_engine(str(qwen3_dir), tensor_parallel_size=2, **ENGINE)
     held, release, holding = threading.Event(), threading.Event(), threading.Event()
-    verify = engine.runner.verify
+    forward = engine.peers.forward
 
-    def held_verify(*args, **kwargs):
+    def held_forward(*args, **kwargs):
         if holding.is_set():
             held.set()
             release.wait(WAIT_S)
-        return verify(*args, **kwargs)
+        return forward(*args, **kwargs)
 
-    engine.runner.verify = held_verify
+    engine.peers.forward = held_forward
+    closed = False
     try:
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), chunks.put)
@@ -141,12 +144,17 @@ def test_a_killed_worker_fails_the_request_while_the_step_is_stuck(qwen3_dir):
             assert item.finish_reason is None
             item = chunks.get(timeout=WAIT_S)
         assert "rank 1 exited" in str(item) and not release.is_set()  # the step is still held
+        began = time.monotonic()
+        engine.close()
+        closed = True
+        assert time.monotonic() - began < tp_peers.ABORT_WAIT_S + 30 and not release.is_set()
         release.set()
         time.sleep(0.5)  # the held step ends (its collective fails): nothing more reaches the client
         assert chunks.empty()
     finally:
         release.set()
-        engine.close()
+        if not closed:
+            engine.close()
 
 
 @pytest.mark.slow

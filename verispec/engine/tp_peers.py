@@ -281,25 +281,38 @@ class Peers:
         self._graphs.append(weakref.ref(graphs))
 
     def stop(self) -> None:
-        """Tell the workers to exit and wait for them (after any step in flight)."""
-        with self._lock:
-            self._stopping = True
+        """Tell the workers to exit and wait for them (after any step in flight). After a lost rank
+        a step in flight may never end (its kernel waits on that rank): stop then waits for it at
+        most ABORT_WAIT_S, and leaves the CUDA graphs as they are (freeing them would wait on that
+        kernel; the process is to be restarted, as the loss's warning says)."""
+        locked = self._lock.acquire(timeout=-1 if self._failure is None else ABORT_WAIT_S)
+        if not locked:
+            log.warning("tensor parallel: a step is still waiting on the lost rank; stopping without it")
+        try:
+            self._stop()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _stop(self) -> None:
+        self._stopping = True
+        if self._failure is None:
             for ref in self._graphs:  # their captured collectives hold the NCCL group
                 if (graphs := ref()) is not None:
                     graphs.release()
-            told = False
-            if self._failure is None:
-                try:
-                    self.send(Stop())
-                    told = True
-                except Exception as exc:  # noqa: BLE001 - a worker already gone: nothing to tell
-                    log.debug("tensor parallel: stop not delivered (%s)", exc)
-            if dist.is_initialized():
-                if told:  # every rank leaves the group together (NCCL's teardown waits for its peers)
-                    if self.group.device.type == "cuda":
-                        torch.cuda.synchronize(self.group.device)
-                    dist.destroy_process_group()
-                else:  # a rank is gone: tearing down would wait for it
-                    self._abort.run()
-            tp_group.stop_workers(self.group.workers)
-            self.group.hub.close()
+        told = False
+        if self._failure is None:
+            try:
+                self.send(Stop())
+                told = True
+            except Exception as exc:  # noqa: BLE001 - a worker already gone: nothing to tell
+                log.debug("tensor parallel: stop not delivered (%s)", exc)
+        if dist.is_initialized():
+            if told:  # every rank leaves the group together (NCCL's teardown waits for its peers)
+                if self.group.device.type == "cuda":
+                    torch.cuda.synchronize(self.group.device)
+                dist.destroy_process_group()
+            else:  # a rank is gone: tearing down would wait for it
+                self._abort.run()
+        tp_group.stop_workers(self.group.workers)
+        self.group.hub.close()
