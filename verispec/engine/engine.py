@@ -264,17 +264,14 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
 
     def _track(self, seq: Sequence) -> None:
         """Keeps `seq` among the open requests until its sink has ended it."""
-        sink = seq.sink
 
-        def untrack(item) -> None:
-            sink(item)
-            if sink.ended:
-                with self._open_lock:
-                    self._open.discard(seq)
+        def untrack() -> None:
+            with self._open_lock:
+                self._open.discard(seq)
 
         with self._open_lock:
             self._open.add(seq)
-        seq.sink = untrack
+        seq.sink.on_end = untrack
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:

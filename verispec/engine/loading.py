@@ -69,9 +69,8 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     if why_not_exact is not None:  # a warning where exact was asked for; /v1/models and --json say it anyway
         (log.warning if config.numerics == "exact" else log.debug)("numerics: fast (not exact: %s)", why_not_exact)
     config = dataclasses.replace(config, numerics=numerics)
-    if device.type == "cpu":
-        if getattr(model, "layer_stack", None) is not None:
-            cpu_threads.use_every_core_for_layer_kernel()
+    if device.type == "cpu" and getattr(model, "layer_stack", None) is not None:
+        cpu_threads.use_every_core_for_layer_kernel()
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)
     return model, tokenizer, config, model_dir, proposer, num_drafts, peers
 

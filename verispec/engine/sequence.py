@@ -29,19 +29,24 @@ class SequenceStatus(Enum):
 
 class EndsOnce:
     """A request's sink that passes on items until one ends the request (an exception, or a chunk
-    with a finish reason), and drops whatever comes after it, from any thread."""
+    with a finish reason), and drops whatever comes after it, from any thread. `on_end` is called
+    once it has ended."""
 
     def __init__(self, sink: Callable[[object], None]):
         self._sink = sink
         self._lock = threading.Lock()
         self.ended = False
+        self.on_end: Callable[[], None] | None = None
 
     def __call__(self, item) -> None:
         with self._lock:
             if self.ended:
                 return
-            self.ended = isinstance(item, BaseException) or getattr(item, "finish_reason", None) is not None
+            ending = isinstance(item, BaseException) or getattr(item, "finish_reason", None) is not None
+            self.ended = ending
             self._sink(item)
+        if ending and self.on_end is not None:
+            self.on_end()
 
 
 class Sequence:

@@ -22,6 +22,7 @@ token's result does not depend on the other tokens in the pass, nor on which ker
 from __future__ import annotations
 
 import torch
+
 from verispec.kernels.triton_import import require_triton
 
 try:

@@ -16,6 +16,7 @@ tested against).
 from __future__ import annotations
 
 import torch
+
 from verispec.kernels.triton_import import require_triton
 
 try:

@@ -21,6 +21,7 @@ Bytes per token and layer: 2 x Hkv x (D + 1), against 2 x Hkv x 2D for bfloat16 
 from __future__ import annotations
 
 import torch
+
 from verispec.kernels.triton_import import require_triton
 
 try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+
 from verispec.kernels.triton_import import require_triton
 
 try:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.quant.packing import unpack_rows
 from verispec.kernels.triton_import import require_triton
+from verispec.quant.packing import unpack_rows
 
 try:
     require_triton()
@@ -90,8 +90,7 @@ def decode_torch(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
                  zero_point: bool, dtype: torch.dtype) -> torch.Tensor:
     """`decode`'s values in torch's form on any device (embedding lookups take it: a few rows per
     step, inside captured decode graphs where the kernel has not been measured)."""
-    rows, num_groups = scales.shape
-    return decode_values(unpack_rows(packed, bits, num_groups * group_size), scales, offsets, zero_point, dtype)
+    return decode_values(unpack_rows(packed, bits, scales.shape[1] * group_size), scales, offsets, zero_point, dtype)
 
 
 def decode_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, zero_point: bool,

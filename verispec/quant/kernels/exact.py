@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from verispec.kernels import linear as dense
-from verispec.quant.kernels import matmul
 from verispec.kernels.triton_import import require_triton
+from verispec.quant.kernels import matmul
 
 try:
     require_triton()

@@ -22,8 +22,8 @@ import functools
 
 import torch
 
-from verispec.quant.packing import unpack_rows
 from verispec.kernels.triton_import import require_triton
+from verispec.quant.packing import unpack_rows
 
 try:
     require_triton()

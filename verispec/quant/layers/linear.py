@@ -32,6 +32,13 @@ def drop_tensors(module: nn.Module, names) -> None:
         setattr(module, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
 
 
+def decode_qdot(blocks: torch.Tensor, bits: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the integer-dot kernel's blocks -> [rows, K] in `dtype`: the values the checkpoint's
+    tensors decoded to (a layer without a zero point), once the blocks alone hold the weight."""
+    q, scales, offsets = cpu_qdot.unpack(blocks, bits, in_features)
+    return dequantize.decode_values(q, scales, offsets, False, dtype)
+
+
 def debug_once(module: nn.Module, message: str) -> None:
     """A fallback's reason under VERISPEC_DEBUG=1, once per layer (not once per token)."""
     if not getattr(module, "_fallback_logged", False):
@@ -153,8 +160,7 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, decoded in float32 (float64 for a float64 model); what prefill multiplies by."""
         if self.qdot_blocks is not None and self.released():  # the same values, from the kernel's blocks
-            q, scales, offsets = cpu_qdot.unpack(self.qdot_blocks, self.bits, self.in_features)
-            return dequantize.decode_values(q, scales, offsets, False, dtype)
+            return decode_qdot(self.qdot_blocks, self.bits, self.in_features, dtype)
         if (frag := self.frag) is not None and self.released():
             if frag.words.device.type == "cuda" and frag_dequantize.tl is not None and dtype != torch.float64:
                 return frag_dequantize.dequantize_kernel(frag, dtype)
@@ -399,8 +405,7 @@ class MLXAffineEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
         if self.qdot_blocks is not None:  # the tied head's integer-dot blocks hold the table alone
-            q, scales, offsets = cpu_qdot.unpack(self.qdot_blocks[rows], self.bits, self.embedding_dim)
-            w = dequantize.decode_values(q, scales, offsets, False, self.scales.dtype)
+            w = decode_qdot(self.qdot_blocks[rows], self.bits, self.embedding_dim, self.scales.dtype)
         else:
             w = dequantize.decode_torch(self.weight[rows], self.scales[rows], self.biases[rows], self.bits,
                                         self.group_size, False, self.scales.dtype)
