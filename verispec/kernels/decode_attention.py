@@ -107,24 +107,30 @@ if triton is not None:
         return start_t, tl.minimum(start_t + chunk_t, kv_t)
 
     @triton.jit
-    def _row_sums(p, IEEE: tl.constexpr):
+    def _row_sums(p, dtype, IEEE: tl.constexpr):
         """Each row of p summed by a matrix product with a column of ones: the tensor cores' chain
         over the keys, whatever the tile's shape and the warps' layout (tl.sum's order follows the
-        layout, which changes with the rows a program holds: a prompt tile against a decode step's)."""
-        ones = tl.full([p.shape[1], 16], 1.0, p.dtype)
+        layout, which changes with the rows a program holds: a prompt tile against a decode step's).
+        16-bit tiles sum p in the 16-bit `dtype` the value product takes it in (the weights the
+        values are summed with, so they are normalised by their own sum), at the 16-bit rate: the
+        float32 (tf32) product cost a prompt pass 6-7%."""
         if IEEE:
+            ones = tl.full([p.shape[1], 16], 1.0, p.dtype)
             sums = tl.dot(p, ones, input_precision="ieee")
         else:
-            sums = tl.dot(p, ones, input_precision="tf32")
+            ones = tl.full([p.shape[1], 16], 1.0, dtype)
+            sums = tl.dot(p.to(dtype), ones)
         first = tl.arange(0, 16)[None, :] == 0
         return tl.sum(tl.where(first, sums, 0.0), 1)  # one column: adding zeros is exact
 
     @triton.jit
     def _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b, stride_kn, stride_vn,
                       stride_btb, offs_n, end, allowed, offs_d, d_valid, scale, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                      PAGE: tl.constexpr, FP8: tl.constexpr, KCB, VCB, KBITS: tl.constexpr, VBITS: tl.constexpr):
+                      PAGE: tl.constexpr, FP8: tl.constexpr, KCB, VCB, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                      MASK: tl.constexpr = True):
         """One block of keys `offs_n` added to the rows' running softmax sums (rows attend where
-        `allowed`; elsewhere their sums stay bit for bit as they were). FP8: the cache holds e4m3
+        `allowed`; elsewhere their sums stay bit for bit as they were; not MASK: every row attends
+        every key of the block, and `allowed` is not read). FP8: the cache holds e4m3
         codes with a scale exponent per (row, head) at ks_base / vs_base + row * stride_sn, decoded
         here to q's dtype, the bits the torch path's decoded copy holds (kernels/kv_fp8.py). KBITS /
         VBITS > 0: tq rows, packed codes with a float32 scale per (row, head) there, decoded through
@@ -143,12 +149,19 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(allowed, qk * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # the scores scaled and shifted by one fused multiply-add, written out: left to the compiler,
+        # the product and the subtraction were fused where no mask stood between them and not where
+        # one did, so an unmasked block's sums differed in the last bits from a masked block's
+        if MASK:
+            m_new = tl.maximum(m_i, tl.max(tl.where(allowed, qk * scale, float("-inf")), 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk * scale, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_safe[:, None])
+        p = tl.exp(tl.fma(qk, scale, -m_safe[:, None]))
+        if MASK:
+            p = tl.where(allowed, p, 0.0)
         alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + _row_sums(p, IEEE)
+        l_i = l_i * alpha + _row_sums(p, q.dtype, IEEE)
         if VBITS > 0:
             v = kv_turboquant.decode_tile(v_base, rows * stride_vn, offs_d, kv_mask,
                                      tl.load(vs_base + rows * stride_sn, mask=n_valid, other=0.0), VCB, VBITS, q.dtype)
@@ -167,17 +180,41 @@ if triton is not None:
                     end_t, pos_t, row_valid, offs_d, d_valid, scale, window, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
                     PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, KCB, VCB, KBITS: tl.constexpr,
-                    VBITS: tl.constexpr):
+                    VBITS: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr = False):
         """Each row's softmax sums over its own share [start_t, end_t): (lse, out = weighted values).
         The program walks the union of its rows' shares in blocks aligned as theirs are and masks
         each row to its own: a block outside it leaves the row's running sums bit for bit as they
-        were, so a row's result does not depend on the other rows of its tile."""
+        were, so a row's result does not depend on the other rows of its tile. UNMASKED_MIDDLE (a
+        prompt tile's many rows): the blocks inside every valid row's share skip the mask, whose
+        arithmetic is a tenth of a prompt tile's block (the kept entries are the same products)."""
         start = tl.min(tl.where(row_valid, start_t, 2147483647), 0)
         end = tl.max(tl.where(row_valid, end_t, 0), 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        full_lo = start
+        full_hi = start
+        if UNMASKED_MIDDLE and not HAS_WINDOW:
+            # shares start on whole blocks; a row without this share has end <= start, so then
+            # full_hi <= full_lo and every block stays masked
+            latest_start = tl.max(tl.where(row_valid, start_t, 0), 0)
+            earliest_end = tl.min(tl.where(row_valid, end_t, 2147483647), 0) // BLOCK_N * BLOCK_N
+            if latest_start < earliest_end:
+                full_lo = latest_start
+                full_hi = earliest_end
+        for n0 in range(start, full_lo, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            allowed = (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
+            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b,
+                                          stride_kn, stride_vn, stride_btb, offs_n, end, allowed, offs_d, d_valid,
+                                          scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
+        for n0 in range(full_lo, full_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b,
+                                          stride_kn, stride_vn, stride_btb, offs_n, end, offs_n[None, :] >= 0,
+                                          offs_d, d_valid, scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS,
+                                          MASK=False)
+        for n0 in range(full_hi, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             allowed = (offs_n[None, :] >= start_t[:, None]) & (offs_n[None, :] < end_t[:, None])
             if HAS_WINDOW:
@@ -193,19 +230,6 @@ if triton is not None:
         has = l_i > 0
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         return lse, acc / tl.where(has, l_i, 1.0)[:, None]
-
-    @triton.jit
-    def _fold_finished(m, l, o, m_i, l_i, acc, rows):
-        """For `rows`: their running share finished, folded into (m, l, o), and restarted."""
-        lse, part = _finish(m_i, l_i, acc)
-        m2, l2, o2 = _fold(m, l, o, lse, part)
-        m = tl.where(rows, m2, m)
-        l = tl.where(rows, l2, l)
-        o = tl.where(rows[:, None], o2, o)
-        m_i = tl.where(rows, float("-inf"), m_i)
-        l_i = tl.where(rows, 0.0, l_i)
-        acc = tl.where(rows[:, None], 0.0, acc)
-        return m, l, o, m_i, l_i, acc
 
     @triton.jit
     def _fold(m, l, o, lse, part):
@@ -334,8 +358,10 @@ if triton is not None:
         summed and folded as the split path does (the same helpers), so a prompt token's output is
         the bits a decode step or verify pass at its position gives it."""
         tiles = tl.cdiv(T, TQ)
-        b = tl.program_id(0) // tiles
-        tile = tl.program_id(0) % tiles
+        batch = tl.num_programs(0) // tiles
+        # the latest tiles (the most keys) first, so the pass does not end on a few long programs
+        tile = tiles - 1 - tl.program_id(0) // batch
+        b = tl.program_id(0) % batch
         h = tl.program_id(1)
         hq_total = tl.num_programs(1) * G
         offs_m = tl.arange(0, BLOCK_M)
@@ -356,38 +382,28 @@ if triton is not None:
             v_base = V + b * stride_vb + h * stride_vh
         q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-        # one pass over the keys (so the loads pipeline): a row's shares start at block boundaries,
-        # so at a block that opens a new share the row's running sums are finished, folded and
-        # restarted, exactly as its split-path program would have summed and folded them
+        # share by share, as the split path's programs sum them and its combine folds them
         kv_t = pos_t + 1
         lo_t = kv_t * 0
         if HAS_WINDOW:
             lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
         chunk_t = _share_keys(kv_t, lo_t, SHARES, BLOCK_N, MIN_KEYS)
-        start = tl.min(tl.where(row_valid, lo_t, 2147483647), 0)
-        end = tl.max(tl.where(row_valid, kv_t, 0), 0)
+        shares = tl.max(tl.where(row_valid, tl.cdiv(kv_t - lo_t, chunk_t), 0), 0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        share = tl.full([BLOCK_M], -1, tl.int32)  # the share the running sums belong to (-1: none yet)
-        for n0 in range(start, end, BLOCK_N):
-            in_row = row_valid & (n0 >= lo_t) & (n0 < kv_t)
-            share_n = ((n0 - lo_t) // chunk_t).to(tl.int32)
-            opens = in_row & (share >= 0) & (share_n != share)
-            if tl.max(opens.to(tl.int32), 0) > 0:
-                m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, opens)
-            share = tl.where(in_row, share_n, share)
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            allowed = in_row[:, None] & (offs_n[None, :] < kv_t[:, None])
-            if HAS_WINDOW:
-                allowed = allowed & (offs_n[None, :] > pos_t[:, None] - window)
-            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b,
-                                          stride_kn, stride_vn, stride_btb, offs_n, end, allowed, offs_d, d_valid,
-                                          scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
-        m, l, o, m_i, l_i, acc = _fold_finished(m, l, o, m_i, l_i, acc, share >= 0)
+        for s in range(0, shares):
+            start_t = lo_t + s * chunk_t
+            end_t = tl.minimum(start_t + chunk_t, kv_t)
+            lse, part = _share_sums(q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b, stride_kn, stride_vn,
+                                    stride_btb, start_t, end_t, pos_t, row_valid, offs_d, d_valid, scale, window,
+                                    BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS,
+                                    VBITS, UNMASKED_MIDDLE=True)
+            has = row_valid & (start_t < end_t)
+            m2, l2, o2 = _fold(m, l, o, lse, part)
+            m = tl.where(has, m2, m)
+            l = tl.where(has, l2, l)
+            o = tl.where(has[:, None], o2, o)
         out = o / tl.where(row_valid, l, 1.0)[:, None]  # padding rows: 0 (o is), stored so they are finite
         # OUT is [B, T, HQ, D], as the split path's. Padding rows are written too: left as the
         # allocation found them they carried NaNs into the next layers, and a recurrent layer's
@@ -434,14 +450,33 @@ def split_config(d: int, element_size: int, coded: bool = False) -> dict:
     if coded:
         return dict(BLOCK_D=block_d, BLOCK_N=32, num_stages=2, num_warps=4, LINE=128 // element_size,
                     LINES=triton.next_power_of_2(triton.cdiv(d, 128 // element_size)))
-    # 16-bit, head dim <= 128: 128-key blocks, 3 stages (tuned on an H200); float32 tiles and
-    # larger heads keep smaller blocks so the staged K/V tiles fit in shared memory
+    # 16-bit, head dim <= 128: 64-key blocks, 4 stages (tuned on an H200: 128-key blocks decoded a
+    # sequence 1-1.5 us a layer faster at 2K-8K keys, but the prompt kernel's 128-row tiles of them
+    # spilled, 1.3x its time); float32 tiles and larger heads keep smaller blocks so the staged K/V
+    # tiles fit in shared memory
     half = element_size <= 2
     line = 128 // element_size  # values a 128-byte cache line holds (the prefetch's unit)
     return dict(BLOCK_D=block_d,
-                BLOCK_N=(128 if half else 64) if block_d <= 128 else (32 if block_d <= 256 else 16),
-                num_stages=3 if half and block_d <= 128 else 2, num_warps=4 if block_d <= 128 else 8,
+                BLOCK_N=64 if block_d <= 128 else (32 if block_d <= 256 else 16),
+                num_stages=4 if half and block_d <= 128 else 2, num_warps=4 if block_d <= 128 else 8,
                 LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)))
+
+
+def chunk_launch_config(d: int, element_size: int, group: int, coded: bool = False,
+                        query_tile: int | None = None) -> dict:
+    """The prompt kernel's tiles for head dim d and `group` query heads a kv head (what
+    `_launch_chunk` uses, and tools/sass/offline_sass.py compiles): about 128 rows (kv head group x
+    query tokens) a program on 8 warps, the fastest of 16-128 rows on the H200 (docs/benchmarks.md);
+    the key blocks the split path's, so every row's sums are the same."""
+    config = split_config(d, element_size, coded)
+    # tq tiles decoded in registers: 64 rows on 8 warps (128 rows spilled 64-200 bytes a thread)
+    tq = query_tile or max(1, (64 if coded else 128) // group)
+    block_m = max(16, triton.next_power_of_2(group * tq))
+    # 128 rows of 128-key blocks staged 3 deep need 237,696 bytes of shared memory where an H200 has
+    # 232,448; of 64-key blocks, 3 deep were as fast as 4
+    stages = (2 if config["BLOCK_N"] >= 128 else 3) if block_m >= 128 else config["num_stages"]
+    return dict(BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], TQ=tq, BLOCK_M=block_m,
+                num_warps=8 if block_m >= 128 or coded else config["num_warps"], num_stages=stages)
 
 
 def _min_share_keys(block_n: int, num_kv_heads: int) -> int:
@@ -561,30 +596,22 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
     group = hq // hkv
     q = q.contiguous()
     splits = num_splits or shares_for(hkv, q.device)
-    # about 128 rows (kv head group x query tokens) a program on 8 warps: fastest of 16-128 rows on
-    # the H200 (docs/benchmarks.md); BLOCK_N as the split path's, so the key blocks, and every
-    # row's sums, are the same
     fp8, coded = _check_scales(k_cache, k_scale, v_scale, paged, codec)
-    # tq tiles decoded in registers: 64 rows on 8 warps (128 rows spilled 64-200 bytes a thread)
-    tq = query_tile or max(1, (64 if coded else 128) // group)
-    block_m = max(16, triton.next_power_of_2(group * tq))
-    config = split_config(d, q.element_size(), coded=coded)
+    config = chunk_launch_config(d, q.element_size(), group, coded, query_tile)
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
     strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
     scaled = fp8 or coded
-    _chunk_kernel[(b * triton.cdiv(t, tq), hkv)](
+    _chunk_kernel[(b * triton.cdiv(t, config["TQ"]), hkv)](
         q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache, positions,
         lengths if lengths is not None else positions, out, table, *_codebooks(codec, k_cache),
         q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
         k_scale.stride(0) if scaled else 0,
         scale, window or 0, t,
-        G=group, D=d, SHARES=splits, TQ=tq, BLOCK_M=block_m,
+        G=group, D=d, SHARES=splits, TQ=config["TQ"], BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
         MIN_KEYS=_min_share_keys(config["BLOCK_N"], hkv), FP8=fp8, **_code_bits(codec),
-        num_warps=num_warps or (8 if block_m >= 128 or coded else config["num_warps"]),
-        # 128 rows staged 3 deep need 237,696 bytes of shared memory where an H200 has 232,448
-        num_stages=2 if block_m >= 128 else config["num_stages"])
+        num_warps=num_warps or config["num_warps"], num_stages=config["num_stages"])
     return out.transpose(1, 2)
 
 
