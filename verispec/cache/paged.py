@@ -43,7 +43,10 @@ class BlockAllocator:
             raise ValueError(f"a paged cache needs at least 2 blocks (one is scratch), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))  # unregistered, unreferenced
+        # unregistered, unreferenced; handed out last-freed first, so a server touches only the
+        # blocks its peak load needed (first-freed first walked the whole pool, and a CPU process's
+        # resident memory grew by its never-used pages request after request)
+        self._free: deque[int] = deque(range(num_blocks - 1, 0, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; oldest first
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
@@ -83,7 +86,7 @@ class BlockAllocator:
         blocks = []
         for _ in range(count):
             if self._free:
-                block = self._free.popleft()
+                block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
                 self._forget(block)

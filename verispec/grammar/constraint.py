@@ -7,6 +7,7 @@ and (3) advance over the tokens actually committed. Masks are packed bits, 32 to
 """
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
@@ -71,11 +72,10 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
     differently from verispec's `token_bytes` (e.g. GGUF tokenizers, whose decoder chain starts with
     ByteFallback before ByteLevel), the vocabulary is given to it as those bytes instead."""
     import llguidance
-    import llguidance.hf
 
     eos = eos_token_ids or None
     if getattr(tokenizer, "hf", None) is not None:
-        ll = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=eos)
+        ll = _from_backend(llguidance, tokenizer.hf, vocab_size, eos)
         probe = tokenizer.encode(BYTES_PROBE)
         ours = b"".join(bytes(tokenizer.token_bytes(t)) for t in probe)
         if ll.decode_bytes(probe) == ours:
@@ -84,6 +84,20 @@ def build_ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
                   ll.decode_bytes(probe), ours)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesVocabulary(tokenizer, vocab_size)),
                                   n_vocab=vocab_size, eos_token=eos)
+
+
+def _from_backend(llguidance, hf_tokenizer, vocab_size: int, eos):
+    """llguidance's tokenizer from a fast tokenizer's Rust backend, as `llguidance.hf.from_tokenizer`
+    builds it, without that module's import of transformers (a SavedTokenizer has the backend too)."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("Only fast tokenizers are supported")
+    backend = copy.copy(backend)  # padding and truncation off on a copy, not on the engine's tokenizer
+    backend.no_padding()
+    backend.no_truncation()
+    if eos is None:
+        eos = hf_tokenizer.eos_token_id
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
 class _BytesVocabulary:

@@ -29,6 +29,13 @@ def _libc():
     return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
+def release_free_pages() -> None:
+    """Hands the heap's free pages back to the system now (before a step that adds a large copy)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 @contextlib.contextmanager
 def lean_allocations() -> Iterator[None]:
     """Inside: large temporaries are returned to the system when freed; after: free pages are."""

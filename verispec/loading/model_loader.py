@@ -9,6 +9,7 @@ import torch
 
 from verispec import log
 from verispec.errors import VerispecError
+from verispec.loading import host_memory
 from verispec.loading.gguf import GGUFCheckpoint, is_gguf
 from verispec.loading.parts import check_part_shape, find_part, part_modules
 from verispec.loading.weights import checkpoint_files, iter_tensors, tensor_shapes
@@ -166,6 +167,8 @@ def prepare_for_device(model: CausalLM, fuse_small_ops: bool = True, numerics: s
             log.debug("small-op fusion off: Triton is not installed")
         else:
             model.fuse_small_ops()  # compiled on first use: prewarm pays for it
+    if device.type == "cpu":  # what the merges freed, before the kernels' copies are made beside the weights
+        host_memory.release_free_pages()
     quant.prepare(model, exact_numerics=numerics == "exact" and device.type == "cuda")
     if numerics == "exact" and device.type == "cuda":
         from verispec.models.layers.exact import use_row_invariant_experts, use_row_invariant_linears

@@ -1,4 +1,5 @@
-"""Tokenizer + chat template, through transformers (the format-defining library)."""
+"""Tokenizer + chat template, through transformers (the format-defining library), or, for a tokenizer
+transformers saved, the same read back without it (loading/saved_tokenizer.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ THINK_CLOSE = "</think>"
 
 
 class Tokenizer:
-    """A thin wrapper over a Hugging Face tokenizer with what the engine and server need."""
+    """A thin wrapper over a Hugging Face tokenizer (or a SavedTokenizer) with what the engine and
+    server need."""
 
     def __init__(self, hf_tokenizer, eos_token_ids: list[int]):
         self.hf = hf_tokenizer
@@ -166,6 +168,10 @@ def _backend_decode(hf_tokenizer):
     fast tokenizer whose class keeps the stock `_decode` and does no clean-up of spaces. The
     engine decodes twice per sequence per round (engine/detok.py), and transformers' wrapper costs
     several times the decode itself (argument conversion, batching checks). None: use transformers'."""
+    from verispec.loading.saved_tokenizer import SavedTokenizer
+
+    if isinstance(hf_tokenizer, SavedTokenizer):  # its decode is the backend's already
+        return hf_tokenizer.backend_tokenizer.decode
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:  # pragma: no cover - transformers is a dependency

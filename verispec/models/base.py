@@ -137,7 +137,9 @@ def fuse_small_ops(root: nn.Module, compile: bool = True) -> None:
     GEMMs (`merge_projections()`, weights released) and, with compile=True, switches its small ops
     (norms, RoPE, residual adds, activations) to compiled single kernels (`fuse()`). Idempotent.
     Used for targets and for drafters alike."""
-    for module in list(root.modules()):
+    # only the modules that merge or fuse: a list of every module held each merged-away projection
+    # until the end, its weights beside the merged copy (a CPU load's peak)
+    for module in [m for m in root.modules() if hasattr(m, "merge_projections") or hasattr(m, "fuse")]:
         if hasattr(module, "merge_projections"):
             module.merge_projections()
         if compile and hasattr(module, "fuse"):

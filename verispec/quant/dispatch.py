@@ -287,7 +287,10 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
     one are left alone). Returns how many copies."""
     made, logged = collections.Counter(), set() if logged is None else logged
     tables = _untied_tables(root)
-    for layer in _quantized_linears(root):
+    # the largest first: a copy coexists with its checkpoint until that is released, and a CPU
+    # load's peak is the vocabulary table's two forms beside everything else (the smaller layers'
+    # freed words stay in glibc's heap, so converting them first raised the floor under it)
+    for layer in sorted(_quantized_linears(root), key=lambda m: m.checkpoint_bytes(), reverse=True):
         if layer.int4_packed is not None or layer.frag is not None or layer.qdot_blocks is not None:
             continue
         device = layer.packed_values().device

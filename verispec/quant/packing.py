@@ -8,6 +8,7 @@ int32 (torch's shifts and Triton both handle it; the bits are the checkpoint's u
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -22,6 +23,8 @@ def packed_words(num_values: int, bits: int) -> int:
 def unpack_rows(packed: torch.Tensor, bits: int, num_values: int) -> torch.Tensor:
     """packed [..., W] int32 (or uint32) -> values [..., num_values] uint8 in [0, 2**bits)."""
     packed = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
+    if bits == 8 and sys.byteorder == "little" and packed.is_contiguous():
+        return packed.view(torch.uint8)[..., :num_values]  # the words' own bytes, in order (no copy)
     mask = (1 << bits) - 1
     if bits in POWER_OF_TWO_BITS:
         # no value straddles a word: shift each word by every slot's offset at once
@@ -47,12 +50,16 @@ PACK_CHUNK_VALUES = 1 << 22  # values packed at a time: the int64 temporaries st
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """values [..., K] integers in [0, 2**bits) -> packed [..., ceil(K*bits/32)] int32. Rows are
-    packed a chunk at a time: a whole vocabulary table at once held ~27 bytes a value in int64
-    temporaries, the peak of a small model's load."""
+    """values [..., K] integers in [0, 2**bits) -> packed [..., ceil(K*bits/32)] int32. 2-, 4- and
+    8-bit rows that fill whole words are packed byte by byte (for 8 bits the words are the values'
+    own bytes, shared with `values` when it is contiguous uint8); other rows a chunk at a time
+    through int64 temporaries: a whole vocabulary table at once held ~27 bytes a value, the peak of
+    a small model's load."""
     if int(values.min()) < 0 or int(values.max()) >= (1 << bits):
         raise ValueError(f"pack_rows: values must lie in [0, {1 << bits}) for {bits} bits")
     k = values.shape[-1]
+    if bits in (2, 4, 8) and k % (32 // bits) == 0 and sys.byteorder == "little":
+        return _pack_bytes(values, bits)
     rows = values.reshape(-1, k) if values.dim() != 1 else values[None]
     step = max(1, PACK_CHUNK_VALUES // max(k, 1))
     if len(rows) > step:
@@ -61,6 +68,24 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
             out[start:start + step] = _pack(rows[start:start + step], bits)
         return out.reshape(*values.shape[:-1], -1)
     return _pack(values, bits)
+
+
+def _pack_bytes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The same words where a row fills whole words and no value crosses a byte: each byte holds
+    8 / bits values from its low bits up, and four bytes in memory order are one little-endian
+    word, so the bytes viewed as int32 are the words (one byte a value of temporaries, no int64)."""
+    v = values.to(torch.uint8)
+    per_byte = 8 // bits
+    if per_byte > 1:
+        v = v.reshape(*v.shape[:-1], -1, per_byte)
+        packed = v[..., 0].clone()
+        for i in range(1, per_byte):
+            packed |= v[..., i] << (i * bits)
+        v = packed
+    v = v.contiguous()
+    if v.storage_offset() % 4:  # a view of words must start on a word
+        v = v.clone()
+    return v.view(torch.int32)
 
 
 def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -63,11 +63,16 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
 
 
 def _read_cached(cached: Path):
-    """The saved tokenizer, read by the class its settings name (what AutoTokenizer would pick),
-    imported by name: AutoTokenizer's own module imports transformers' model and generation code,
-    dynamo with it (~140 MiB of the process's memory, seconds of start-up)."""
+    """The saved tokenizer: read with the `tokenizers` library where its class adds nothing to the
+    backend (loading/saved_tokenizer.py: transformers' classes cost the process ~50 MiB more), else
+    by the class its settings name (what AutoTokenizer would pick), imported by name: AutoTokenizer's
+    own module imports transformers' model and generation code, dynamo with it."""
     import json
 
+    from verispec.loading import saved_tokenizer
+
+    if saved_tokenizer.readable(cached):
+        return saved_tokenizer.SavedTokenizer(cached)
     import transformers
 
     try:
@@ -82,13 +87,13 @@ def _read_cached(cached: Path):
 
 
 def _cache_dir(path: Path) -> Path | None:
-    import transformers
+    from importlib.metadata import version  # importing transformers for its version alone costs 27 MiB
 
     try:
         stat = path.stat()
     except OSError:
         return None
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
     return Path(env().verispec_cache()) / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 

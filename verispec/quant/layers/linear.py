@@ -20,7 +20,7 @@ from verispec.quant.kernels import cpu_qdot, dequantize, frag as frag_kernel, fr
 from verispec.quant.kernels import mma as mma_kernel
 from verispec.quant.packing import pack_rows, packed_words, unpack_rows
 
-QDOT_PACK_VALUES = 1 << 21  # weights converted to the integer-dot blocks at a time (use_qdot)
+QDOT_PACK_VALUES = 1 << 18  # weights converted to the integer-dot blocks at a time (use_qdot): ~2 MiB of temporaries
 
 
 def drop_tensors(module: nn.Module, names) -> None:
