@@ -18,6 +18,18 @@ def test_allocator_hands_out_each_block_once_and_never_the_scratch_block():
     assert blocks.num_free == 2 and blocks.num_used == 6 and blocks.blocks_for(9) == 3
 
 
+def test_freed_blocks_are_handed_out_again_before_untouched_ones():
+    """Last-freed first: a server that serves one request after another reuses the same few blocks,
+    so a CPU process's pool pages are touched only as far as its peak load needed."""
+    alloc = BlockAllocator(num_blocks=64, block_size=4)
+    first = alloc.allocate(3)
+    assert first == [1, 2, 3]
+    alloc.free(first)
+    assert alloc.allocate(3) == first
+    more = alloc.allocate(2)
+    assert more == [4, 5]
+
+
 def test_slot_table_maps_positions_through_block_tables_and_past_the_end_to_scratch():
     tables = torch.tensor([[3, 1, 0], [2, 0, 0]])
     positions = torch.tensor([[0, 5, 9, 12], [1, 3, 4, 13]])

@@ -37,6 +37,33 @@ def test_merged_projections_same_outputs(tiny_models):
     assert other.generate_all(ids, GREEDY).token_ids == engine.generate_all(ids, GREEDY).token_ids
 
 
+def test_merging_frees_each_layers_projections_as_it_goes(tiny_models, monkeypatch):
+    """A layer's replaced projections are gone once the next layer merges: held to the end, they sat
+    beside their merged copies (a CPU load's peak)."""
+    import weakref
+
+    from verispec.loading.model_loader import load_model
+    from verispec.models.layers.mlp import GatedMLP
+
+    path = tiny_models.get("fused-qwen2", "qwen2")
+    model = load_model(path, torch.float32, torch.device("cpu"))  # not yet prepared: nothing merged
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert len(mlps) >= 2 and all(isinstance(m, GatedMLP) for m in mlps)
+    gone_before = {id(m): weakref.ref(m.gate_proj) for m in mlps[:-1]}
+    merge = GatedMLP.merge_projections
+    seen = []
+
+    def checked(self):
+        if seen:  # the MLP merged before this one let its projections go
+            assert gone_before[seen[-1]]() is None
+        seen.append(id(self))
+        merge(self)
+    monkeypatch.setattr(GatedMLP, "merge_projections", checked)
+    del mlps
+    model.fuse_small_ops(compile=False)
+    assert len(seen) >= 2
+
+
 @pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it
 def test_compiled_small_ops_match_eager(tiny_models):
     path = tiny_models.get("fused-qwen3", "qwen3")
