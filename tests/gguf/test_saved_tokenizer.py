@@ -92,6 +92,14 @@ def test_text_encodes_and_decodes_as_transformers_does(pair, text):
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
+def test_a_batch_of_texts_encodes_as_transformers_call_does(pair):
+    theirs, ours = pair
+    for add in (False, True):
+        want = theirs(TEXTS, add_special_tokens=add, verbose=False)["input_ids"]
+        assert ours(TEXTS, add_special_tokens=add, verbose=False)["input_ids"] == want
+        assert ours(TEXTS[2], add_special_tokens=add)["input_ids"] == want[2]
+
+
 def test_any_ids_decode_as_transformers_decodes_them(pair):
     theirs, ours = pair
     rng = random.Random(0)

@@ -106,6 +106,14 @@ class SavedTokenizer:
         finally:
             backend.encode_special_tokens = before
 
+    def __call__(self, texts, add_special_tokens: bool = True, verbose: bool = True) -> dict:
+        """{"input_ids": ...} of a text or a list of texts, as transformers' call gives them (the
+        drafter trainer's batches; no attention mask, which nothing here reads)."""
+        if isinstance(texts, str):
+            return {"input_ids": self.encode(texts, add_special_tokens=add_special_tokens)}
+        encoded = self.backend_tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return {"input_ids": [e.ids for e in encoded]}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
