@@ -23,8 +23,8 @@ def packed_words(num_values: int, bits: int) -> int:
 def unpack_rows(packed: torch.Tensor, bits: int, num_values: int) -> torch.Tensor:
     """packed [..., W] int32 (or uint32) -> values [..., num_values] uint8 in [0, 2**bits)."""
     packed = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
-    if bits == 8 and sys.byteorder == "little" and packed.is_contiguous():
-        return packed.view(torch.uint8)[..., :num_values]  # the words' own bytes, in order (no copy)
+    if bits == 8 and sys.byteorder == "little" and packed.is_contiguous() and packed.shape[-1] * 4 == num_values:
+        return packed.view(torch.uint8)  # the words' own bytes, in order (no copy)
     mask = (1 << bits) - 1
     if bits in POWER_OF_TWO_BITS:
         # no value straddles a word: shift each word by every slot's offset at once
