@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verispec.kernels import decode_attention as da  # noqa: E402
+from verispec.kernels import prompt_attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -55,8 +56,8 @@ def prompt(length: int) -> None:
     pos = torch.arange(length, device="cuda")[None].contiguous()
     dense = torch.randn(1, HQ, length, D, device="cuda").bfloat16()
     flash = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, dense, dense, is_causal=True))
-    whole = da.paged_chunk_attention(q, k, v, tables, PAGE, pos, SCALE)
-    ms = timed(lambda: da.paged_chunk_attention(q, k, v, tables, PAGE, pos, SCALE))
+    whole = prompt_attention.paged_chunk_attention(q, k, v, tables, PAGE, pos, SCALE)
+    ms = timed(lambda: prompt_attention.paged_chunk_attention(q, k, v, tables, PAGE, pos, SCALE))
     differ = []
     for p in (0, 63, 64, 511, 512, 513, length // 2 + 7, length - 1):
         step = da.paged_decode_attention(q[:, :, p:p + 1].contiguous(), k, v, tables, PAGE,
@@ -69,7 +70,7 @@ def prompt(length: int) -> None:
     if not torch.equal(verify, whole[:, :, first:first + 4]):
         differ.append(f"verify pass {first}")
     half = length // 2
-    second = da.paged_chunk_attention(q[:, :, half:].contiguous(), k, v, tables, PAGE, pos[:, half:].contiguous(), SCALE)
+    second = prompt_attention.paged_chunk_attention(q[:, :, half:].contiguous(), k, v, tables, PAGE, pos[:, half:].contiguous(), SCALE)
     if not torch.equal(second, whole[:, :, half:]):
         differ.append("second chunk")
     print(f"| prompt of {length:,} | {ms:.3f} ms | {flash:.3f} ms | {ms / flash:.2f}x | "

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verispec.kernels import decode_attention as attention
+from verispec.kernels import prompt_attention
 from verispec.kernels import linear as lin
 from verispec.quant import mlx_affine
 from verispec.quant.kernels import exact
@@ -50,7 +51,7 @@ def test_prompt_attention_is_the_decode_steps_bits(window):
 
     def chunk(first, n, tile=None):
         pos = torch.arange(first, first + n, device="cuda")[None]
-        return attention.chunk_attention(q[:, :, first:first + n], k, v, pos, scale, window, query_tile=tile)
+        return prompt_attention.chunk_attention(q[:, :, first:first + n], k, v, pos, scale, window, query_tile=tile)
 
     whole = chunk(0, length)
     for first, n, tile in ((0, 2048, None), (2048, 2048, 32), (1000, 37, 4), (3000, 1096, 8)):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from verispec.kernels import decode_attention as attention
+from verispec.kernels import prompt_attention
 from verispec.kernels import kv_fp8, kv_write, qk_prep
 from verispec.kernels.kv_write import KVDestination
 
@@ -160,9 +161,9 @@ def test_prompt_chunk_over_fp8_pools_equals_it_over_their_decoded_copy(window):
     q, tables, block, (kc, vc, ks, vs), (k, v) = paged_case(length, 2, hq, hkv, d, seed=4)
     splits = None if CUDA else 2
     pos = torch.arange(length, device=DEVICE)[None].expand(2, -1).contiguous()
-    got = attention.paged_chunk_attention(q, kc, vc, tables, block, pos, d ** -0.5, window, num_splits=splits,
+    got = prompt_attention.paged_chunk_attention(q, kc, vc, tables, block, pos, d ** -0.5, window, num_splits=splits,
                                           k_scale=ks, v_scale=vs)
-    assert torch.equal(got, attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window,
+    assert torch.equal(got, prompt_attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window,
                                                             num_splits=splits))
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from verispec.kernels import decode_attention as attention
+from verispec.kernels import prompt_attention
 from verispec.kernels import kv_turboquant as tq
 from verispec.kernels import kv_write, qk_prep
 from verispec.kernels.decode_attention import decode_attention_reference
@@ -242,9 +243,9 @@ def test_prompt_chunk_over_tq_pools_equals_it_over_their_decoded_copy(name, wind
     q, tables, block, (kc, vc, ks, vs), codec, (k, v) = paged_case(length, 2, hq, hkv, d, name, seed=4)
     pos = torch.arange(length, device=DEVICE)[None].expand(2, -1).contiguous()
     for splits in ((None,) if CUDA else (2,)):  # the split path covers one share and two
-        got = attention.paged_chunk_attention(q, kc, vc, tables, block, pos, d ** -0.5, window, num_splits=splits,
+        got = prompt_attention.paged_chunk_attention(q, kc, vc, tables, block, pos, d ** -0.5, window, num_splits=splits,
                                               k_scale=ks, v_scale=vs, codec=codec)
-        plain = attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window, num_splits=splits)
+        plain = prompt_attention.paged_chunk_attention(q, k, v, tables, block, pos, d ** -0.5, window, num_splits=splits)
         assert _relative(got, plain) < (1e-2 if CUDA else 1e-5)
         # exact numerics: a prompt row over tq pools is, bit for bit, the decode step at its position
         # (both kernels; a CPU's decode step runs the torch reference)

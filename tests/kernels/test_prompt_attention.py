@@ -1,4 +1,4 @@
-"""The prompt-chunk attention kernel (kernels/decode_attention.py `chunk_attention`) against the
+"""The prompt-chunk attention kernel (kernels/prompt_attention.py `chunk_attention`) against the
 torch reference, and the property exact serving rests on: a prompt token's output is the bits that
 a one-token decode step, a verify pass, or any other chunking of the prompt gives it, and the same
 beside other sequences (padded rows included). Contiguous and paged caches, with and without a
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from verispec.kernels import decode_attention as kernel
+from verispec.kernels import prompt_attention
 
 pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")
 CUDA = torch.cuda.is_available()
@@ -39,7 +40,7 @@ def tensors(length: int, batch: int = 1, seed: int = 0):
 def prompt(q, k, v, first: int, n: int, window=None, tile=None):
     """Queries first..first+n-1 of every sequence, as one chunk."""
     pos = torch.arange(first, first + n, device=DEVICE)[None].expand(q.shape[0], -1).contiguous()
-    return kernel.chunk_attention(q[:, :, first:first + n], k, v, pos, q.shape[-1] ** -0.5, window,
+    return prompt_attention.chunk_attention(q[:, :, first:first + n], k, v, pos, q.shape[-1] ** -0.5, window,
                                   num_splits=CASE[4], query_tile=tile)
 
 
@@ -73,7 +74,7 @@ def test_padded_rows_of_a_batch_leave_each_sequence_alone():
     lengths = [LENGTH - 40, LENGTH, 17]
     alone = [prompt(q[i:i + 1], k[i:i + 1], v[i:i + 1], 0, n) for i, n in enumerate(lengths)]
     pos = torch.arange(LENGTH, device=DEVICE)[None].expand(3, -1).contiguous()
-    together = kernel.chunk_attention(q, k, v, pos, q.shape[-1] ** -0.5, None,
+    together = prompt_attention.chunk_attention(q, k, v, pos, q.shape[-1] ** -0.5, None,
                                       torch.tensor(lengths, device=DEVICE), num_splits=CASE[4])
     for i, n in enumerate(lengths):
         assert torch.equal(together[i:i + 1, :, :n], alone[i]), i
@@ -95,6 +96,6 @@ def test_paged_equals_contiguous():
             pool[tables[b, s // block] * block + s % block] = cache[b].transpose(0, 1)
         pools.append(pool)
     pos = torch.arange(LENGTH, device=DEVICE)[None].expand(2, -1).contiguous()
-    paged = kernel.paged_chunk_attention(q, pools[0], pools[1], tables, block, pos, q.shape[-1] ** -0.5,
+    paged = prompt_attention.paged_chunk_attention(q, pools[0], pools[1], tables, block, pos, q.shape[-1] ** -0.5,
                                          num_splits=CASE[4])
-    assert torch.equal(paged, kernel.chunk_attention(q, k, v, pos, q.shape[-1] ** -0.5, num_splits=CASE[4]))
+    assert torch.equal(paged, prompt_attention.chunk_attention(q, k, v, pos, q.shape[-1] ** -0.5, num_splits=CASE[4]))

@@ -78,17 +78,18 @@ def compile_split_attention(tokens: int, paged: bool, pdl: bool, prefetch: bool)
 
 def compile_chunk_attention(paged: bool, block_n: int | None = None, num_stages: int | None = None,
                             num_warps: int | None = None) -> CompiledFrag:
-    """`decode_attention._chunk_kernel` as `_launch_chunk` compiles it for a Qwen3-8B prompt chunk
+    """`prompt_attention._chunk_kernel` as `_launch_chunk` compiles it for a Qwen3-8B prompt chunk
     (bfloat16, 4 query heads a kv head, head dim 128, 16 shares, 32 query tokens a program);
     block_n / num_stages / num_warps override the launcher's (to compare tilings)."""
     from verispec.kernels import decode_attention as da
-    fn = da._chunk_kernel
+    from verispec.kernels import prompt_attention
+    fn = prompt_attention._chunk_kernel
     signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "POS": "*i32",
                  "LEN": "*i32", "OUT": "*bf16", "BT": "*i32", "KCB": "*bf16", "VCB": "*bf16", "scale": "fp32",
                  "window": "i32", "T": "i32"}
     strides = [name for name in fn.arg_names if name.startswith("stride_")]
     signature.update({name: "i32" for name in strides})
-    launch = da.chunk_launch_config(128, 2, group=4)
+    launch = prompt_attention.chunk_launch_config(128, 2, group=4)
     block_n = block_n or launch["BLOCK_N"]
     constexprs = dict(G=4, D=128, SHARES=16, TQ=launch["TQ"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=block_n,
                       BLOCK_D=launch["BLOCK_D"], HAS_WINDOW=False, IEEE=False, PAGED=paged, PAGE=16, HAS_LEN=False,

@@ -361,7 +361,7 @@ class BatchCache:
         self.use_kernel = use_kernel
         self.row_starts = row_starts
         self.row_lengths = row_lengths
-        # exact numerics: prompt chunks attend as decode steps do (kernels/decode_attention.py
+        # exact numerics: prompt chunks attend as decode steps do (kernels/prompt_attention.py
         # `paged_chunk_attention` on CUDA, row by row on a CPU: models/layers/attention.py)
         self.prompt_kernel = prompt_kernel
         self._valid_rows: torch.Tensor | None = None

@@ -341,77 +341,6 @@ if triton is not None:
         dst = ((bh // HQ) * T + t) * HQ + bh % HQ
         tl.store(OUT + dst.to(tl.int64) * D + offs_d, out.to(OUT.dtype.element_ty), mask=d_valid)
 
-    @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window", "T"],
-                do_not_specialize_on_alignment=["POS", "BT", "LEN"])
-    def _chunk_kernel(Q, K, V, KS, VS, POS, LEN, OUT, BT, KCB, VCB,
-                      stride_qb, stride_qh, stride_qt,
-                      stride_kb, stride_kh, stride_kn,
-                      stride_vb, stride_vh, stride_vn,
-                      stride_pb, stride_btb, stride_sn,
-                      scale, window, T,
-                      G: tl.constexpr, D: tl.constexpr, SHARES: tl.constexpr, TQ: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                      HAS_LEN: tl.constexpr, MIN_KEYS: tl.constexpr = 512, FP8: tl.constexpr = False,
-                      KBITS: tl.constexpr = 0, VBITS: tl.constexpr = 0):
-        """A prompt chunk: TQ query tokens of one sequence and kv head a program, each row's shares
-        summed and folded as the split path does (the same helpers), so a prompt token's output is
-        the bits a decode step or verify pass at its position gives it."""
-        tiles = tl.cdiv(T, TQ)
-        batch = tl.num_programs(0) // tiles
-        # the latest tiles (the most keys) first, so the pass does not end on a few long programs
-        tile = tiles - 1 - tl.program_id(0) // batch
-        b = tl.program_id(0) % batch
-        h = tl.program_id(1)
-        hq_total = tl.num_programs(1) * G
-        offs_m = tl.arange(0, BLOCK_M)
-        g = offs_m // TQ
-        t = tile * TQ + offs_m % TQ
-        in_pass = (offs_m < G * TQ) & (t < T)
-        row_valid = in_pass
-        if HAS_LEN:  # rows padded at their ends (a batched prompt pass): the padding is not attended
-            row_valid = row_valid & (t < tl.load(LEN + b))
-        offs_d = tl.arange(0, BLOCK_D)
-        d_valid = offs_d < D
-        pos_t = tl.load(POS + b * stride_pb + t, mask=row_valid, other=0)
-        if PAGED:
-            k_base = K + h * stride_kh
-            v_base = V + h * stride_vh
-        else:
-            k_base = K + b * stride_kb + h * stride_kh
-            v_base = V + b * stride_vb + h * stride_vh
-        q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :],
-                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-        # share by share, as the split path's programs sum them and its combine folds them
-        kv_t = pos_t + 1
-        lo_t = kv_t * 0
-        if HAS_WINDOW:
-            lo_t = (tl.maximum(pos_t - window + 1, 0) // BLOCK_N) * BLOCK_N
-        chunk_t = _share_keys(kv_t, lo_t, SHARES, BLOCK_N, MIN_KEYS)
-        shares = tl.max(tl.where(row_valid, tl.cdiv(kv_t - lo_t, chunk_t), 0), 0)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s in range(0, shares):
-            start_t = lo_t + s * chunk_t
-            end_t = tl.minimum(start_t + chunk_t, kv_t)
-            lse, part = _share_sums(q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b, stride_kn, stride_vn,
-                                    stride_btb, start_t, end_t, pos_t, row_valid, offs_d, d_valid, scale, window,
-                                    BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS,
-                                    VBITS, UNMASKED_MIDDLE=True)
-            has = row_valid & (start_t < end_t)
-            m2, l2, o2 = _fold(m, l, o, lse, part)
-            m = tl.where(has, m2, m)
-            l = tl.where(has, l2, l)
-            o = tl.where(has[:, None], o2, o)
-        out = o / tl.where(row_valid, l, 1.0)[:, None]  # padding rows: 0 (o is), stored so they are finite
-        # OUT is [B, T, HQ, D], as the split path's. Padding rows are written too: left as the
-        # allocation found them they carried NaNs into the next layers, and a recurrent layer's
-        # state masks padding by multiplying its gates by 0 (NaN * 0 is NaN)
-        dst = (b * T + t).to(tl.int64) * hq_total + h * G + g
-        tl.store(OUT + dst[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=in_pass[:, None] & d_valid[None, :])
-
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int | None = None, num_splits: int | None = None,
@@ -444,8 +373,8 @@ def split_config(d: int, element_size: int, coded: bool = False) -> dict:
     """The split kernel's tiles and launch options for head dim d in elements of `element_size`
     bytes (what `_launch` uses unless told otherwise, and tools/sass/offline_sass.py compiles).
     `coded`: K/V in tq pools, decoded in registers, which needs 32-key blocks to fit
-    sm_90's registers (128-key blocks spilled 96-232 bytes a thread). The chunk kernel takes the
-    same blocks, so a prompt row's sums stay a decode step's."""
+    sm_90's registers (128-key blocks spilled 96-232 bytes a thread). The prompt kernel
+    (prompt_attention.py) takes the same blocks, so a prompt row's sums stay a decode step's."""
     block_d = max(16, triton.next_power_of_2(d))
     if coded:
         return dict(BLOCK_D=block_d, BLOCK_N=32, num_stages=2, num_warps=4, LINE=128 // element_size,
@@ -460,23 +389,6 @@ def split_config(d: int, element_size: int, coded: bool = False) -> dict:
                 BLOCK_N=64 if block_d <= 128 else (32 if block_d <= 256 else 16),
                 num_stages=4 if half and block_d <= 128 else 2, num_warps=4 if block_d <= 128 else 8,
                 LINE=line, LINES=triton.next_power_of_2(triton.cdiv(d, line)))
-
-
-def chunk_launch_config(d: int, element_size: int, group: int, coded: bool = False,
-                        query_tile: int | None = None) -> dict:
-    """The prompt kernel's tiles for head dim d and `group` query heads a kv head (what
-    `_launch_chunk` uses, and tools/sass/offline_sass.py compiles): about 128 rows (kv head group x
-    query tokens) a program on 8 warps, the fastest of 16-128 rows on the H200 (docs/benchmarks.md);
-    the key blocks the split path's, so every row's sums are the same."""
-    config = split_config(d, element_size, coded)
-    # tq tiles decoded in registers: 64 rows on 8 warps (128 rows spilled 64-200 bytes a thread)
-    tq = query_tile or max(1, (64 if coded else 128) // group)
-    block_m = max(16, triton.next_power_of_2(group * tq))
-    # 128 rows of 128-key blocks staged 3 deep need 237,696 bytes of shared memory where an H200 has
-    # 232,448; of 64-key blocks, 3 deep were as fast as 4
-    stages = (2 if config["BLOCK_N"] >= 128 else 3) if block_m >= 128 else config["num_stages"]
-    return dict(BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], TQ=tq, BLOCK_M=block_m,
-                num_warps=8 if block_m >= 128 or coded else config["num_warps"], num_stages=stages)
 
 
 def _min_share_keys(block_n: int, num_kv_heads: int) -> int:
@@ -539,30 +451,6 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
     return out.transpose(1, 2)
 
 
-def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                    scale: float, window: int | None = None, lengths: torch.Tensor | None = None,
-                    num_splits: int | None = None, query_tile: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
-    """A prompt chunk of any length over the contiguous cache (its own keys already written): the
-    contract of `decode_attention_reference`, with each row's bits those a decode step or verify
-    pass at its position gives. `lengths` [B]: rows past a sequence's length are padding."""
-    return _launch_chunk(q, k_cache, v_cache, positions, scale, window, None, 0, lengths, num_splits, query_tile,
-                         num_warps)
-
-
-def paged_chunk_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                          block_size: int, positions: torch.Tensor, scale: float, window: int | None = None,
-                          lengths: torch.Tensor | None = None, num_splits: int | None = None,
-                          query_tile: int | None = None, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None,
-                          codec: kv_turboquant.LayerCodec | None = None) -> torch.Tensor:
-    """`chunk_attention` over the paged pools, through the block tables (fp8 pools with their
-    k_scale / v_scale [slots, Hkv]; tq pools with them and their `codec`, q and the result in the
-    rotated basis)."""
-    return _launch_chunk(q, k_pool, v_pool, positions, scale, window, block_tables, block_size, lengths, num_splits,
-                         query_tile, k_scale=k_scale, v_scale=v_scale, codec=codec)
-
-
 def _check_scales(k_cache, k_scale, v_scale, paged, codec=None) -> tuple[bool, bool]:
     """(fp8, tq): whether the cache holds fp8 codes with [slots, Hkv] scale exponents, or tq codes
     with [slots, Hkv] float32 scales, checking what the kernels assume."""
@@ -588,37 +476,9 @@ def _code_bits(codec) -> dict:
     return dict(KBITS=codec.key.bits, VBITS=codec.value.bits) if codec is not None else {}
 
 
-def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, block_size, lengths, num_splits,
-                  query_tile, num_warps=None, k_scale=None, v_scale=None, codec=None) -> torch.Tensor:
-    b, hq, t, d = q.shape
-    paged = block_tables is not None
-    hkv = k_cache.shape[1]
-    group = hq // hkv
-    q = q.contiguous()
-    splits = num_splits or shares_for(hkv, q.device)
-    fp8, coded = _check_scales(k_cache, k_scale, v_scale, paged, codec)
-    config = chunk_launch_config(d, q.element_size(), group, coded, query_tile)
-    out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device)
-    strides_k, strides_v, table, table_stride = _cache_layout(k_cache, v_cache, block_tables, positions)
-    scaled = fp8 or coded
-    _chunk_kernel[(b * triton.cdiv(t, config["TQ"]), hkv)](
-        q, k_cache, v_cache, k_scale if scaled else k_cache, v_scale if scaled else v_cache, positions,
-        lengths if lengths is not None else positions, out, table, *_codebooks(codec, k_cache),
-        q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
-        k_scale.stride(0) if scaled else 0,
-        scale, window or 0, t,
-        G=group, D=d, SHARES=splits, TQ=config["TQ"], BLOCK_M=config["BLOCK_M"],
-        BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
-        IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
-        MIN_KEYS=_min_share_keys(config["BLOCK_N"], hkv), FP8=fp8, **_code_bits(codec),
-        num_warps=num_warps or config["num_warps"], num_stages=config["num_stages"])
-    return out.transpose(1, 2)
-
-
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
 __all__ = ["decode_attention", "decode_attention_reference", "paged_decode_attention",
-           "paged_decode_attention_reference", "chunk_attention", "paged_chunk_attention", "available",
-           "MAX_QUERY_TOKENS"]
+           "paged_decode_attention_reference", "available", "MAX_QUERY_TOKENS"]

@@ -8,6 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from verispec.cache.kv import KVCache
 from verispec.cache.paged import BatchCache
 from verispec.kernels import decode_attention as split_k
+from verispec.kernels import prompt_attention
 from verispec.kernels.kv_write import KVDestination
 
 
@@ -177,7 +178,7 @@ def _paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, windo
     exact_prompt = cache.row_lengths is not None and cache.prompt_kernel
     if exact_prompt and q.is_cuda:
         # exact numerics: each prompt token's rows are the bits its decode step gives it
-        return split_k.paged_chunk_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
+        return prompt_attention.paged_chunk_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                              pools.block_size, inputs.positions, scale, window,
                                              cache.padded_row_lengths(), **scales)
     k, v = cache.gather(layer)
