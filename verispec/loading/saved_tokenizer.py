@@ -4,13 +4,13 @@ read back with the `tokenizers` library and rendered with jinja2, without import
 transformers' tokenizer classes import most of the library: +88 MiB of a process's memory where
 the `tokenizers` backend and jinja2 take 36 (on a CPU the default model's whole process is ~400).
 This class answers what loading/tokenizer.py and its callers ask of a transformers fast tokenizer
-whose class adds nothing to the backend (`TokenizersBackend`, `PreTrainedTokenizerFast`): the
-same ids, text, special tokens and rendered chat (tests/loading/test_saved_tokenizer.py holds it to
-transformers' on the same files). The chat template is rendered as transformers renders it: the
+whose class adds nothing to the backend (`PLAIN_CLASSES`): the same ids, text, special tokens and
+rendered chat (tests/gguf/test_saved_tokenizer.py holds it to transformers' on the same files). The chat template is rendered as transformers renders it: the
 same sandboxed jinja2 environment, filters and globals, with the named special tokens as variables.
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -137,16 +137,11 @@ class SavedTokenizer:
         return self._compiled[1]
 
 
-_ENVIRONMENT = None
-
-
+@functools.cache
 def _environment():
     """transformers' chat-template environment: sandboxed, blocks trimmed, loop controls, its
     `tojson` (no HTML escaping), `raise_exception` and `strftime_now`; `{% generation %}` blocks
     (which mark assistant text for training masks) render their body."""
-    global _ENVIRONMENT
-    if _ENVIRONMENT is not None:
-        return _ENVIRONMENT
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -173,5 +168,4 @@ def _environment():
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    _ENVIRONMENT = env
     return env
