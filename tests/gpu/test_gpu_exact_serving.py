@@ -1,6 +1,7 @@
 """Exact numerics on CUDA in bfloat16: a request's tokens and logprobs are bit for bit the same
 alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 others, with 64-token
-prompt chunks, without the prefix cache, under preemption, eagerly, and speculating with replays of
+prompt chunks, without the prefix cache, under preemption, eagerly (prompt chunks and decode steps
+without CUDA graphs), and speculating with replays of
 its own output that are always right and always wrong. Llama, Qwen3 (q/k norms), Gemma 3 (sliding
 windows, soft-capped logits), Qwen3 in MLX 4- and 8-bit (their exact kernels, and decoded to bf16 as
 `auto` runs a small quantized model), the Qwen3.5 hybrid and Qwen3-MoE (routed experts), tiny
@@ -63,6 +64,8 @@ def load(root, family: str, **fields) -> Engine:
     assert dense.has_decodable_layers(engine.model) == ("mlx" in family and not decoded)
     if engine.config.cuda_graphs:
         engine.capture_graphs()
+        # one sequence's prompt chunks replay graphs wherever rows are independent of their pass
+        assert (engine.runner.prompt_graphs is None) == (family == "qwen3_5")
     return engine
 
 
@@ -142,3 +145,15 @@ def test_speculation_does_not_change_a_request(reference, family, replay):
     engine.capture_graphs()
     check([record(r) for r in engine.generate_batch(prompts, params())], alone, f"replay {replay}, together")
     check([record(engine.generate_all(p, params())) for p in prompts[:3]], alone[:3], f"replay {replay}, alone")
+
+
+def test_prompt_chunks_replayed_from_graphs_are_the_eager_passes_bits(root):
+    """Chunks at, under and over the graphs' buckets (engine/prompt_graphs.py), up to the longest
+    prompt the engine's 1,024-token context takes, against an engine without CUDA graphs."""
+    graphed, eager = load(root, "llama"), load(root, "llama", cuda_graphs=False)
+    lengths = [1, 15, 16, 17, 255, 256, 257, 700, 768, 1024 - NEW_TOKENS]
+    assert graphed.runner.prompt_graphs.get(lengths[-1]) is not None
+    prompts = corpus_prompts(graphed.tokenizer, lengths)
+    assert [len(p) for p in prompts] == lengths
+    check([record(graphed.generate_all(p, params())) for p in prompts],
+          [record(eager.generate_all(p, params())) for p in prompts], "prompt passes from graphs")

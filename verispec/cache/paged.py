@@ -343,7 +343,9 @@ class BatchCache:
     gives each row's first position and real token count (host ints); rows are padded to T at
     their end. Attention then runs per sequence, the call it would make alone, and `valid_rows`
     marks the real tokens, so that recurrent layers make the padding a no-op (no decay, no write)
-    and a row's final state is the one after its own tokens.
+    and a row's final state is the one after its own tokens. row_lengths_on_device: a captured prompt
+    pass's real row count, a static device buffer [B] (its host counts change at every replay:
+    engine/prompt_graphs.py); the pass then has no host row_starts / row_lengths.
     """
 
     paged = True
@@ -352,7 +354,7 @@ class BatchCache:
     def __init__(self, pools: PagedPools, block_tables: torch.Tensor, positions: torch.Tensor,
                  state_slots: torch.Tensor | None, num_keys: int, use_kernel: bool = False,
                  row_starts: list[int] | None = None, row_lengths: list[int] | None = None,
-                 prompt_kernel: bool = False):
+                 prompt_kernel: bool = False, row_lengths_on_device: torch.Tensor | None = None):
         self.pools = pools
         self.block_tables = block_tables
         self.positions = positions
@@ -365,7 +367,7 @@ class BatchCache:
         # `paged_chunk_attention` on CUDA, row by row on a CPU: models/layers/attention.py)
         self.prompt_kernel = prompt_kernel
         self._valid_rows: torch.Tensor | None = None
-        self._row_lengths_tensor: torch.Tensor | None = None
+        self._row_lengths_tensor = row_lengths_on_device
         self.block_size = pools.block_size
         self.write_slots = slot_table(block_tables, positions, self.block_size).reshape(-1)  # [B * T]
         self._read_slots: torch.Tensor | None = None
@@ -380,6 +382,11 @@ class BatchCache:
             lengths = torch.tensor(self.row_lengths, device=self.positions.device)
             self._valid_rows = torch.arange(t, device=self.positions.device)[None] < lengths[:, None]
         return self._valid_rows
+
+    @property
+    def prompt_pass(self) -> bool:
+        """A prompt chunk's pass (rows padded at their ends), not a decode step or verify pass."""
+        return self.row_lengths is not None or self._row_lengths_tensor is not None
 
     def padded_row_lengths(self) -> torch.Tensor | None:
         """row_lengths on the device when some row is padded (None: every row is real)."""

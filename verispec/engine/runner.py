@@ -48,6 +48,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.device = p.device
         self.graphs = None  # BatchGraphs (CUDA), set by the engine at prewarm
+        self.prompt_graphs = None  # PromptGraphs (CUDA, exact numerics), set with them
         self.proposer = proposer
         # rows of sequences that drafted nothing, observed when they next draft (engine/deferred_rows.py)
         self.deferred = DeferredRows(proposer is not None and proposer.needs_target_features)
@@ -149,6 +150,9 @@ class ModelRunner:
         (their prompt logprobs are wanted)."""
         t = max(counts)
         starts = [s.num_cached for s in seqs]
+        graphed = self.prompt_graphs.get(t) if self.prompt_graphs is not None and len(seqs) == 1 else None
+        if graphed is not None and not every_row:
+            return self._graphed_prefill(graphed, seqs[0], starts[0], counts[0], keep_all_rows)
         ids, positions = [], []
         for seq, start, n in zip(seqs, starts, counts):
             row = seq.token_ids[start:start + n]
@@ -173,6 +177,14 @@ class ModelRunner:
             pre_norm = last_rows(out.pre_norm) if out.pre_norm is not None else None
         all_rows = {b: out.hidden[b, :counts[b]] for b in every_row} if every_row else None
         return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache, all_rows)
+
+    def _graphed_prefill(self, graphed, seq: Sequence, start: int, count: int, keep_all_rows: bool) -> PassOutput:
+        """`prefill` of one sequence's chunk by a captured graph (engine/prompt_graphs.py): the same
+        bits, in tensors of its own (the graph's buffers are rewritten by the next replay)."""
+        hidden, aux, pre_norm, logits = graphed(seq, start, count)
+        rows = slice(0, count) if keep_all_rows else slice(count - 1, count)
+        return PassOutput(hidden[:, rows].clone(), [a[:, rows].clone() for a in aux],
+                          pre_norm[:, rows].clone() if pre_norm is not None else None, logits.clone(), graphed.cache)
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], inputs: list[list[int]] | torch.Tensor, capture: tuple[int, ...],

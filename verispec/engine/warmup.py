@@ -82,6 +82,7 @@ def capture_graphs(engine) -> float:
     if not engine.use_graphs or engine.runner.graphs is not None:
         return 0.0
     from verispec.engine.cuda_graphs import BatchGraphs
+    from verispec.engine.prompt_graphs import capture_prompt_graphs
 
     t0 = time.perf_counter()
     capture = engine.proposer.capture_layers if engine.proposer else ()
@@ -96,9 +97,14 @@ def capture_graphs(engine) -> float:
             engine.peers.keep_graphs(engine.runner.graphs)
     if engine.proposer is not None:
         engine.proposer.capture_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
+    graphs = engine.runner.graphs
+    engine.runner.prompt_graphs = capture_prompt_graphs(engine.runner, engine.config.prefill_step_size, table_width,
+                                                        capture, next(iter(graphs.passes.values())).call.pool())
     seconds = time.perf_counter() - t0
-    log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens in %.2fs",
-              engine.runner.graphs.batch_sizes, engine.num_drafts + 1, seconds)
+    prompts = engine.runner.prompt_graphs
+    log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens%s in %.2fs",
+              graphs.batch_sizes, engine.num_drafts + 1,
+              f", and one sequence's prompt chunks of up to {prompts.buckets[-1]} tokens" if prompts else "", seconds)
     return seconds
 
 

@@ -175,7 +175,7 @@ def _paged_attention(q: torch.Tensor, inputs: AttentionInputs, layer: int, windo
     if inputs.use_kernel:
         return split_k.paged_decode_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
                                               pools.block_size, inputs.positions, scale, window, **scales)
-    exact_prompt = cache.row_lengths is not None and cache.prompt_kernel
+    exact_prompt = cache.prompt_pass and cache.prompt_kernel
     if exact_prompt and q.is_cuda:
         # exact numerics: each prompt token's rows are the bits its decode step gives it
         return prompt_attention.paged_chunk_attention(q, pools.keys[layer], pools.values[layer], cache.block_tables,
