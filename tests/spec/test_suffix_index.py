@@ -207,3 +207,26 @@ def test_a_long_prompt_is_indexed_in_sorted_arrays_not_one_dict_entry_per_anchor
     index.extend(0, tokens[:3])  # a round's tokens: the dict
     found = find_matches([index], index.docs[0], 1, 32, 32)
     assert [(m.end, m.length) for m in found][:1] == [(3, 3)]
+
+
+def test_many_bulk_documents_keep_few_sorted_runs_and_the_same_lookups():
+    """Each cached output is a bulk append; runs merge as they come (each at least twice the next
+    newer one's size), so a lookup searches a few of them, not one per output, and finds what the
+    token-by-token index finds, in its order, also after removals rebuild the index."""
+    rng = random.Random(2)
+    bulk, small = SuffixIndex(), SuffixIndex()
+    docs = {d: [rng.randrange(50) for _ in range(rng.randrange(64, 200))] for d in range(1, 301)}
+    for doc, tokens in docs.items():
+        bulk.extend(doc, tokens)
+        for i in range(0, len(tokens), 7):
+            small.extend(doc, tokens[i:i + 7])
+    assert all(len(runs) <= 12 for runs in bulk._runs.values()), {a: len(r) for a, r in bulk._runs.items()}
+    for doc in range(1, 301, 2):  # half removed: the dead outnumber the live, a rebuild follows
+        bulk.remove(doc)
+        small.remove(doc)
+    assert all(len(runs) <= 12 for runs in bulk._runs.values())
+    for trial in range(40):
+        tokens = docs[rng.randrange(2, 301, 2)]
+        tail = tokens[:rng.randrange(1, len(tokens) + 1)]
+        want = [(m.doc, m.end, m.length) for m in find_matches([small], tail, 1, 32, 64)]
+        assert [(m.doc, m.end, m.length) for m in find_matches([bulk], tail, 1, 32, 64)] == want, trial

@@ -134,9 +134,19 @@ class SuffixIndex:
             first = max(lead, length - 1)  # new positions whose window lies in the document
             if first >= len(keys):
                 continue
-            k, e = keys[first:], entries[first:]
-            order = np.lexsort((e, k))
-            self._runs[length].append(_SortedRun(k[order], e[order]))
+            self._add_run(length, keys[first:], entries[first:])
+
+    def _add_run(self, length: int, keys: np.ndarray, entries: np.ndarray) -> None:
+        """A sorted run of these anchors, merged with the newest runs while they are at most twice
+        its size: the runs' sizes then at least double from newest to oldest, so a lookup searches
+        O(log N) of them however many documents came in (one run per cached output had made a
+        lookup cost ~6 ms at 100 cached outputs and ~50 ms at 1,000)."""
+        runs = self._runs[length]
+        while runs and len(runs[-1].keys) <= 2 * len(keys):
+            older = runs.pop()
+            keys, entries = np.concatenate([older.keys, keys]), np.concatenate([older.entries, entries])
+        order = np.lexsort((entries, keys))
+        runs.append(_SortedRun(keys[order], entries[order]))
 
     def remove(self, doc: int) -> None:
         tokens = self.docs.pop(doc, None)
