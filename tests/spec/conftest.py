@@ -40,6 +40,21 @@ def greedy(max_tokens: int = 64, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
+def assert_greedy_identity(engines, cases, new_tokens: int, method: str | None = None) -> tuple[int, int]:
+    """Each (label, speculative engine) of `engines` gives every (prompt ids, plain greedy tokens)
+    case its plain tokens (and reports `method`, when given). Returns (accepted, drafted) drafts
+    over them all, for the caller to check that verification took both branches."""
+    accepted = drafted = 0
+    for label, spec in engines:
+        for i, (ids, expected) in enumerate(cases):
+            result = spec.generate_all(ids, greedy(new_tokens))
+            assert result.token_ids == expected, f"{label} case {i}"
+            assert method is None or result.stats.method == method
+            accepted += result.stats.accepted
+            drafted += result.stats.drafted
+    return accepted, drafted
+
+
 @pytest.fixture(scope="session")
 def targets(tiny_models) -> dict[str, Engine]:
     dirs = {

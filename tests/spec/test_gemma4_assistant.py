@@ -31,8 +31,9 @@ from verispec.spec.gemma4_assistant import AssistantProposer, find_assistant, lo
 from verispec.bench.steps import prefilled_sequence
 from verispec.spec.proposer import TargetStep
 
-from tests.spec.conftest import PROMPTS, ReplayProposer, greedy, spec_engine
+from tests.spec.conftest import PROMPTS, ReplayProposer, assert_greedy_identity, greedy, spec_engine
 from tests.spec.test_sampling import chi_square
+from tests.spec.second_token import CHI2_CRIT_3DF_P001, samples_after, second_token_counts, second_token_target
 
 NEW_TOKENS = 48
 VOCAB = 520  # past the tokenizer's 514: padding rows the drafter must never propose; 8 centroids of 65
@@ -270,15 +271,9 @@ def test_loading_refuses_what_does_not_fit(plain, dirs, tmp_path):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_identity_trained_assistant(plain, trained, k):
     engine, prompts, outputs = plain
-    drafted = accepted = 0
-    for window in (None, 4):  # 4: shorter than two of the prompts
-        spec = spec_engine(engine, proposer_for(engine, trained, window), k)
-        for i, ids in enumerate(prompts):
-            result = spec.generate_all(ids, greedy(NEW_TOKENS))
-            assert result.token_ids == outputs[i], f"k={k} window={window} prompt {i}"
-            assert result.stats.method == "assistant"
-            drafted += result.stats.drafted
-            accepted += result.stats.accepted
+    # window 4: shorter than two of the prompts
+    engines = ((f"k={k} window={w}", spec_engine(engine, proposer_for(engine, trained, w), k)) for w in (None, 4))
+    accepted, drafted = assert_greedy_identity(engines, list(zip(prompts, outputs)), NEW_TOKENS, method="assistant")
     assert 0 < accepted < drafted  # a real drafter: right part of the time
 
 
@@ -378,13 +373,7 @@ def test_sampling_through_the_assistant_keeps_the_target_distribution(plain, tra
     is accepted part of the time."""
     engine, prompts, _ = plain
     ids = prompts[0]
-    first = engine.generate_all(ids, SamplingParams(temperature=0.0, max_tokens=1)).token_ids[0]
-    with torch.no_grad():
-        seq = torch.tensor([ids + [first]])
-        hidden = engine.model(seq, torch.arange(seq.shape[1])[None], engine.model.make_cache(seq.shape[1])).hidden
-        logits = engine.model.logits(hidden[0, -1]).double()
-    top = torch.topk(logits, 4)
-    target = torch.softmax(top.values, -1)
+    first, top, target = second_token_target(engine, ids)
     proposer = proposer_for(engine, trained)
     q_rows = []
     propose = proposer.propose
@@ -395,23 +384,11 @@ def test_sampling_through_the_assistant_keeps_the_target_distribution(plain, tra
         return [draft]
 
     proposer.propose = recording
-    spec = spec_engine(engine, proposer, 1)
-    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
-    counts: Counter = Counter()
-    n = accepted = 0
-    for seed in range(2500):
-        result = spec.generate_all(ids, SamplingParams(seed=seed, **params))
-        if result.token_ids[0] != first:
-            continue
-        n += 1
-        accepted += result.stats.accepted
-        counts[top.indices.tolist().index(result.token_ids[1])] += 1
-        if n >= 600:
-            break
-    assert n >= 300 and 0 < accepted < n
+    results = samples_after(spec_engine(engine, proposer, 1), ids, first)
+    assert 0 < sum(r.stats.accepted for r in results) < len(results)
     assert all(q is not None and q.shape == (1, engine.model.vocab_size) for q in q_rows)
     assert all(abs(float(q.sum()) - 1) < 1e-5 and float(q[0, engine.num_real_tokens:].sum()) == 0 for q in q_rows)
-    assert chi_square(counts, target, n) < 16.27  # 3 degrees of freedom, p = 0.001
+    assert chi_square(second_token_counts(results, top), target, len(results)) < CHI2_CRIT_3DF_P001
 
 
 @pytest.mark.slow  # kept out of `make test` for time; `make test-slow` (and CI) runs it

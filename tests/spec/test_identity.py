@@ -5,7 +5,8 @@ import pytest
 
 from tools.tiny import corpus_text
 
-from tests.spec.conftest import (ReplayProposer, eagle3_proposer, greedy, spec_engine, train_drafter)
+from tests.spec.conftest import (ReplayProposer, assert_greedy_identity, eagle3_proposer, greedy, spec_engine,
+                                 train_drafter)
 
 NEW_TOKENS = 64
 
@@ -43,14 +44,8 @@ def test_eagle3_trained_drafter_identity_with_acceptance(targets, eagle3_dirs, p
     # two training prompts (partly memorised: partial acceptance) and the unseen test prompts
     cases = [(ids, plain[(target, i)]) for i, ids in enumerate(prompt_ids)]
     cases += [(ids, engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids) for ids in held_out[:2]]
-    accepted = drafted = 0
-    for k in (1, 2, 3, 4, 5):
-        spec = spec_engine(engine, proposer, k)
-        for i, (ids, expected) in enumerate(cases):
-            result = spec.generate_all(ids, greedy(NEW_TOKENS))
-            assert result.token_ids == expected, f"k={k} case {i}"
-            accepted += result.stats.accepted
-            drafted += result.stats.drafted
+    engines = ((f"k={k}", spec_engine(engine, proposer, k)) for k in (1, 2, 3, 4, 5))
+    accepted, drafted = assert_greedy_identity(engines, cases, NEW_TOKENS)
     # both branches of verification must have run for this test to mean anything
     assert 0 < accepted < drafted, (accepted, drafted)
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.spec.conftest import greedy, spec_engine
+from tests.spec.conftest import assert_greedy_identity, greedy, spec_engine
 from tests.spec.mtp_checkpoints import (NEW_TOKENS, PREFILL_STEP, PROMPTS, SOURCES,  # noqa: F401 (fixtures)
                                         head_for, mtp_dirs, plain)
 from tests.spec.test_sampling import chi_square
@@ -222,15 +222,9 @@ def test_identity_trained_head_with_partial_acceptance(plain, trained):
     head, held_out = trained
     cases = list(zip(prompts, outputs))
     cases += [(ids, engine.generate_all(ids, greedy(NEW_TOKENS)).token_ids) for ids in held_out[:2]]
-    accepted = drafted = 0
-    for depth in (1, 2, 3):
-        spec = spec_engine(engine, MtpProposer(head), depth)
-        for i, (ids, expected) in enumerate(cases):
-            result = spec.generate_all(ids, greedy(NEW_TOKENS))
-            assert result.token_ids == expected, f"depth={depth} case {i}"
-            accepted += result.stats.accepted
-            drafted += result.stats.drafted
-    # both branches of verification ran, at every depth
+    engines = ((f"depth={depth}", spec_engine(engine, MtpProposer(head), depth)) for depth in (1, 2, 3))
+    accepted, drafted = assert_greedy_identity(engines, cases, NEW_TOKENS)
+    # both branches of verification ran
     assert 0 < accepted < drafted, (accepted, drafted)
 
 

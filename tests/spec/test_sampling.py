@@ -9,6 +9,7 @@ import torch
 from tests.doubles import PerSequence
 
 from tests.spec.conftest import eagle3_proposer, spec_engine
+from tests.spec.second_token import CHI2_CRIT_3DF_P001, samples_after, second_token_counts, second_token_target
 from verispec.sampling.params import SamplingParams
 from verispec.spec.verify import verify_sampling
 
@@ -144,27 +145,9 @@ class FixedDistributionProposer(PerSequence):
 def test_engine_rejection_sampling_with_overlapping_draft_distribution(targets, prompt_ids):
     engine = targets["qwen2"]
     ids = prompt_ids[0]
-    first = engine.generate_all(ids, SamplingParams(temperature=0.0, max_tokens=1)).token_ids[0]
-    with torch.no_grad():
-        seq = torch.tensor([ids + [first]])
-        hidden = engine.model(seq, torch.arange(seq.shape[1])[None], engine.model.make_cache(seq.shape[1])).hidden
-        logits = engine.model.logits(hidden[0, -1]).double()
-    top = torch.topk(logits, 4)
-    target = torch.softmax(top.values, -1)
+    first, top, target = second_token_target(engine, ids)
     q_full = torch.zeros(engine.model.vocab_size, dtype=torch.float64)
-    q_full[top.indices] = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)  # ranks reversed-ish
-    spec = spec_engine(engine, FixedDistributionProposer(q_full), 1)
-    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
-    counts: Counter = Counter()
-    n = accepted = 0
-    for seed in range(2500):
-        result = spec.generate_all(ids, SamplingParams(seed=seed, **params))
-        if result.token_ids[0] != first:
-            continue
-        n += 1
-        accepted += result.stats.accepted
-        counts[top.indices.tolist().index(result.token_ids[1])] += 1
-        if n >= 600:
-            break
-    assert n >= 300 and 0 < accepted < n
-    assert chi_square(counts, target, n) < 16.27  # 3 degrees of freedom, p = 0.001
+    q_full[top] = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)  # ranks reversed-ish
+    results = samples_after(spec_engine(engine, FixedDistributionProposer(q_full), 1), ids, first)
+    assert 0 < sum(r.stats.accepted for r in results) < len(results)
+    assert chi_square(second_token_counts(results, top), target, len(results)) < CHI2_CRIT_3DF_P001

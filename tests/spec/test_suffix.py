@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.spec.conftest import eagle3_proposer, greedy, spec_engine
+from tests.spec.second_token import CHI2_CRIT_3DF_P001, samples_after, second_token_counts, second_token_target
 from tests.spec.test_constrained_identity import check_valid, constrained
 from tests.spec.test_sampling import chi_square
 from verispec.sampling.params import SamplingParams
@@ -163,31 +164,14 @@ def test_suffix_sampling_keeps_the_target_distribution(targets, prompt_ids):
     draft: accepted with probability p, else resampled from p without it)."""
     engine = targets["qwen2"]
     ids = prompt_ids[0]
-    first = engine.generate_all(ids, SamplingParams(temperature=0.0, max_tokens=1)).token_ids[0]
-    with torch.no_grad():
-        seq = torch.tensor([ids + [first]])
-        hidden = engine.model(seq, torch.arange(seq.shape[1])[None], engine.model.make_cache(seq.shape[1])).hidden
-        logits = engine.model.logits(hidden[0, -1]).double()
-    top = torch.topk(logits, 4)
-    target = torch.softmax(top.values, -1)
-    drafted_token = int(top.indices[1])
+    first, top, target = second_token_target(engine, ids)
+    drafted_token = int(top[1])
     proposer = SuffixProposer(SuffixOptions(cache_tokens=1 << 12))
     proposer.remember(ids + [first, drafted_token])
-    spec = spec_engine(engine, proposer, 1)
-    params = dict(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)  # token 2 is verified
-    counts: Counter = Counter()
-    n = accepted = 0
-    for seed in range(2500):
-        result = spec.generate_all(ids, SamplingParams(seed=seed, **params))
-        if result.token_ids[0] != first:
-            continue
-        n += 1
-        accepted += result.stats.accepted > 0 and result.token_ids[1] == drafted_token
-        counts[top.indices.tolist().index(result.token_ids[1])] += 1
-        if n >= 600:
-            break
-    assert n >= 300 and 0 < accepted < n
-    assert chi_square(counts, target, n) < 16.27  # 3 degrees of freedom, p = 0.001
+    results = samples_after(spec_engine(engine, proposer, 1), ids, first)
+    accepted = sum(r.stats.accepted > 0 and r.token_ids[1] == drafted_token for r in results)
+    assert 0 < accepted < len(results)
+    assert chi_square(second_token_counts(results, top), target, len(results)) < CHI2_CRIT_3DF_P001
 
 
 # ---- configuration and CLI -------------------------------------------------------------------------
