@@ -49,8 +49,13 @@ class EnvSettings:
 
 
 def env() -> EnvSettings:
-    """Read the environment now (cheap; tests change it with monkeypatch)."""
+    """Read the environment now (tests change it with monkeypatch): every variable, so not once a round."""
     return EnvSettings.from_environ()
+
+
+def debug_flag() -> bool:
+    """VERISPEC_DEBUG alone, read now: what log.debug asks on hot paths (one variable, not all of them)."""
+    return _env_flag("VERISPEC_DEBUG")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from verispec.config import env
+from verispec.config import debug_flag, env
 
 _logger = logging.getLogger("verispec")
 
@@ -22,12 +22,12 @@ def setup_logging() -> None:
 
 
 def debug_enabled() -> bool:
-    return env().debug
+    return debug_flag()
 
 
 def debug(msg: str, *args) -> None:
     """Log under VERISPEC_DEBUG=1 only (fallbacks, per-request stats)."""
-    if env().debug:
+    if debug_flag():
         setup_logging()
         _logger.debug(msg, *args)
 

@@ -115,6 +115,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self._worker_lock = threading.Lock()
         # per round: (sequences, tokens per sequence, draft+inputs ms, launch ms, device wait ms, host after ms)
         self.round_timings: collections.deque = collections.deque(maxlen=4096)
+        self.profile_rounds = env().eagle3_profile  # VERISPEC_EAGLE3_PROFILE, read once: rounds are hot
         self.update = StepUpdate(self.scheduler, self.runner, self.grammars)
         overlap = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         self.overlap = OverlappedDecode(self.scheduler, self.runner, self.update, overlap,
@@ -520,7 +521,7 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         """One speculative round over every decoding sequence (num_drafts[b] drafts for seqs[b]):
         drafts, one target pass, then per sequence verification, commit of the accepted rows, and
         output."""
-        profile = any(num_drafts) and env().eagle3_profile
+        profile = any(num_drafts) and self.profile_rounds
         t0 = time.perf_counter()
         counts = [min(k, s.remaining_tokens - 1) if s.drafting else 0 for s, k in zip(seqs, num_drafts)]
         drafts = self.runner.propose(seqs, counts)
