@@ -221,12 +221,16 @@ def test_many_bulk_documents_keep_few_sorted_runs_and_the_same_lookups():
         for i in range(0, len(tokens), 7):
             small.extend(doc, tokens[i:i + 7])
     assert all(len(runs) <= 12 for runs in bulk._runs.values()), {a: len(r) for a, r in bulk._runs.items()}
-    for doc in range(1, 301, 2):  # half removed: the dead outnumber the live, a rebuild follows
-        bulk.remove(doc)
-        small.remove(doc)
+    rebuilds, rebuild = [], bulk._rebuild
+    bulk._rebuild = lambda: (rebuilds.append(bulk._num_dead), rebuild())
+    for doc in range(1, 301):  # two in three removed: the dead outnumber the live, a rebuild follows
+        if doc % 3:
+            bulk.remove(doc)
+            small.remove(doc)
+    assert rebuilds and bulk._num_dead < rebuilds[-1]
     assert all(len(runs) <= 12 for runs in bulk._runs.values())
     for trial in range(40):
-        tokens = docs[rng.randrange(2, 301, 2)]
+        tokens = docs[rng.randrange(3, 301, 3)]
         tail = tokens[:rng.randrange(1, len(tokens) + 1)]
         want = [(m.doc, m.end, m.length) for m in find_matches([small], tail, 1, 32, 64)]
         assert [(m.doc, m.end, m.length) for m in find_matches([bulk], tail, 1, 32, 64)] == want, trial

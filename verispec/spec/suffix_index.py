@@ -80,6 +80,19 @@ class _SortedRun:
         return reversed(self.entries[lo:hi].tolist()) if hi > lo else iter(())
 
 
+def _merge(older: _SortedRun, keys: np.ndarray, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two sorted runs as one, by (key, entry). A newer run's entries all follow an older one's
+    (documents are numbered as they start, and a document's ends grow), so a stable sort of the
+    keys keeps each key's entries ascending; timsort finds the two sorted halves and merges them."""
+    all_keys = np.concatenate([older.keys, keys])
+    all_entries = np.concatenate([older.entries, entries])
+    if len(entries) and len(older.entries) and entries.min() < older.entries.max():
+        order = np.lexsort((all_entries, all_keys))  # not the case above (kept correct regardless)
+    else:
+        order = np.argsort(all_keys, kind="stable")
+    return all_keys[order], all_entries[order]
+
+
 class SuffixIndex:
     """Documents (token lists) indexed by the anchors ending at each of their positions. Tokens only
     append to a document; a removed document's entries are skipped, and dropped by a rebuild once
@@ -141,12 +154,15 @@ class SuffixIndex:
         its size: the runs' sizes then at least double from newest to oldest, so a lookup searches
         O(log N) of them however many documents came in (one run per cached output had made a
         lookup cost ~6 ms at 100 cached outputs and ~50 ms at 1,000)."""
+        order = np.lexsort((entries, keys))
+        self._add_sorted(length, keys[order], entries[order])
+
+    def _add_sorted(self, length: int, keys: np.ndarray, entries: np.ndarray) -> None:
         runs = self._runs[length]
         while runs and len(runs[-1].keys) <= 2 * len(keys):
             older = runs.pop()
-            keys, entries = np.concatenate([older.keys, keys]), np.concatenate([older.entries, entries])
-        order = np.lexsort((entries, keys))
-        runs.append(_SortedRun(keys[order], entries[order]))
+            keys, entries = _merge(older, keys, entries)
+        runs.append(_SortedRun(keys, entries))
 
     def remove(self, doc: int) -> None:
         tokens = self.docs.pop(doc, None)
@@ -158,10 +174,23 @@ class SuffixIndex:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        docs = self.docs
-        self.__init__()
-        for doc, tokens in docs.items():
-            self.extend(doc, tokens)
+        """Drop the removed documents' entries: filtered out of the sorted runs with numpy (their
+        order kept) and out of the dict; the runs then merge again as they are added back."""
+        live = np.fromiter(self.docs, dtype=np.int64, count=len(self.docs))
+        for length, runs in self._runs.items():
+            self._runs[length] = []
+            for run in runs:  # oldest first, as they were added
+                keep = np.isin(run.entries >> _DOC_SHIFT, live)
+                if keep.any():
+                    self._add_sorted(length, run.keys[keep], run.entries[keep])
+        for length, entries in self._entries.items():
+            kept = {}
+            for key, known in entries.items():
+                alive = [e for e in ((known,) if type(known) is int else known) if (e >> _DOC_SHIFT) in self.docs]
+                if alive:
+                    kept[key] = alive[0] if len(alive) == 1 else alive
+            self._entries[length] = kept
+        self._num_dead = 0
 
     def _newest_first(self, key: int, anchor: int) -> Iterator[int]:
         """Every entry indexed under (anchor, key), by (document, end) descending."""
