@@ -75,9 +75,11 @@ class _SortedRun:
     entries: np.ndarray  # [M] int64
 
     def newest_first(self, key: int) -> Iterator[int]:
-        k = np.uint64(key)
-        lo, hi = np.searchsorted(self.keys, k, "left"), np.searchsorted(self.keys, k, "right")
-        return reversed(self.entries[lo:hi].tolist()) if hi > lo else iter(())
+        keys, k = self.keys, np.uint64(key)
+        lo = keys.searchsorted(k, "left")
+        if lo == len(keys) or keys[lo] != k:  # most anchors looked up are not here: one search
+            return iter(())
+        return reversed(self.entries[lo:keys.searchsorted(k, "right")].tolist())
 
 
 def _merge(older: _SortedRun, keys: np.ndarray, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
