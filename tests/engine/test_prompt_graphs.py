@@ -20,10 +20,11 @@ def runner(prompt_kernel=True, recurrent=(), peers=None):
 
 
 def test_only_passes_whose_rows_are_independent_replay_graphs():
-    assert prompt_graph_reason(runner()) is None
-    assert "fast numerics" in prompt_graph_reason(runner(prompt_kernel=False))
-    assert "recurrent" in prompt_graph_reason(runner(recurrent=[0]))
-    assert "tensor parallelism" in prompt_graph_reason(runner(peers=object()))
+    assert prompt_graph_reason(runner(), 2048) is None
+    assert "fast numerics" in prompt_graph_reason(runner(prompt_kernel=False), 2048)
+    assert "recurrent" in prompt_graph_reason(runner(recurrent=[0]), 2048)
+    assert "tensor parallelism" in prompt_graph_reason(runner(peers=object()), 2048)
+    assert "the smallest graph is 16" in prompt_graph_reason(runner(), PROMPT_BUCKETS[0] - 1)
 
 
 def test_no_graphs_where_they_cannot_run_or_no_bucket_fits_the_step():

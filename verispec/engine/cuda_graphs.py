@@ -142,6 +142,7 @@ class BatchGraphs:
                 graph = _CapturedBatchPass(target, b, t, table_width, capture, pool)
                 pool = graph.call.pool()
                 self.passes[(b, t)] = graph
+        self.pool = pool  # the memory pool the graphs share (later captures may share it too)
 
     def release(self) -> None:
         """Free every graph now: a tensor-parallel group cannot be torn down while graphs holding

@@ -18,21 +18,23 @@ import torch
 
 from verispec import log
 from verispec.cache.paged import BatchCache, block_table_rows
-from verispec.kernels.cuda_graph import GraphedCall
+from verispec.kernels.cuda_graph import GraphedCall, failure_line
 
 # chunk lengths captured; a chunk runs in the smallest that holds it (at most twice its work below
 # 256 tokens, where the pass costs its launches, not its arithmetic)
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 
-def prompt_graph_reason(runner) -> str | None:
-    """Why this runner's prompt passes cannot replay graphs (None: they can)."""
+def prompt_graph_reason(runner, max_tokens: int) -> str | None:
+    """Why this runner's prompt chunks of up to max_tokens tokens cannot replay graphs (None: they can)."""
     if not runner.prompt_kernel:
         return "prompt rows depend on their pass (fast numerics)"
     if runner.pools.recurrent_layers:
         return "recurrent layers update their state per chunk"
     if runner.peers is not None:
         return "tensor parallelism"
+    if max_tokens < PROMPT_BUCKETS[0]:
+        return f"prompt chunks of at most {max_tokens} tokens (the smallest graph is {PROMPT_BUCKETS[0]})"
     return None
 
 
@@ -98,15 +100,12 @@ def capture_prompt_graphs(runner, max_tokens: int, table_width: int, capture: tu
                           pool=None) -> PromptGraphs | None:
     """The runner's prompt graphs, or None (logged with the reason) where its passes cannot replay
     them or a capture fails; prompt passes then run eagerly, with the same bits."""
-    reason = prompt_graph_reason(runner)
-    if reason is None and max_tokens < PROMPT_BUCKETS[0]:
-        reason = f"prompt chunks of at most {max_tokens} tokens (the smallest graph is {PROMPT_BUCKETS[0]})"
-    if reason is None:
-        try:
-            return PromptGraphs(runner, max_tokens, table_width, capture, pool)
-        except RuntimeError as exc:
-            reason = f"capture failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            log.warning("prompt passes run eagerly (%s)", reason)
-            return None
-    log.debug("prompt passes run eagerly: %s", reason)
-    return None
+    reason = prompt_graph_reason(runner, max_tokens)
+    if reason is not None:
+        log.debug("prompt passes run eagerly: %s", reason)
+        return None
+    try:
+        return PromptGraphs(runner, max_tokens, table_width, capture, pool)
+    except RuntimeError as exc:
+        log.warning("prompt passes run eagerly (capture failed: %s)", failure_line(exc))
+        return None

@@ -99,7 +99,7 @@ def capture_graphs(engine) -> float:
         engine.proposer.capture_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
     graphs = engine.runner.graphs
     engine.runner.prompt_graphs = capture_prompt_graphs(engine.runner, engine.config.prefill_step_size, table_width,
-                                                        capture, next(iter(graphs.passes.values())).call.pool())
+                                                        capture, graphs.pool)
     seconds = time.perf_counter() - t0
     prompts = engine.runner.prompt_graphs
     log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens%s in %.2fs",

@@ -58,6 +58,12 @@ def _stop_recording_to_pool(graph: torch.cuda.CUDAGraph) -> None:
         log.debug("after a failed capture, the pool's recording was already closed (%s)", exc)
 
 
+def failure_line(exc: BaseException) -> str:
+    """A failed capture's error in one line, for the log (torch's CUDA errors run to many)."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:
     """`fn(*inputs)` captured as a CUDA graph -> (graph, its outputs). A capture that fails is made
     once more, into a memory pool of its own (the shared one may still be marked as recording) and
@@ -66,7 +72,7 @@ def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAG
         return _capture_once(fn, inputs, pool)
     except RuntimeError as exc:
         log.warning("CUDA graph capture failed (%s); capturing once more, into a pool of its own and without "
-                    "programmatic dependent launch", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    "programmatic dependent launch", failure_line(exc))
     with launch.launches_without_pdl():
         return _capture_once(fn, inputs, None)
 

@@ -154,8 +154,8 @@ class SuffixIndex:
     def _add_run(self, length: int, keys: np.ndarray, entries: np.ndarray) -> None:
         """A sorted run of these anchors, merged with the newest runs while they are at most twice
         its size: the runs' sizes then at least double from newest to oldest, so a lookup searches
-        O(log N) of them however many documents came in (one run per cached output had made a
-        lookup cost ~6 ms at 100 cached outputs and ~50 ms at 1,000)."""
+        O(log N) of them however many documents came in, not one per cached output
+        (docs/benchmarks.md: scripts/suffix_index_bench.py)."""
         order = np.lexsort((entries, keys))
         self._add_sorted(length, keys[order], entries[order])
 
