@@ -60,7 +60,9 @@ class _CapturedPrompt:
         example = [torch.zeros((1, num_tokens), dtype=torch.long, device=device),
                    torch.arange(num_tokens, device=device)[None],
                    torch.zeros((1, table_width), dtype=torch.long, device=device),
-                   torch.full((1,), num_tokens, dtype=torch.long, device=device)]
+                   # one real row: the others' positions may lie past the table (a bucket longer
+                   # than the context), and a real row reads its keys' block ids from it
+                   torch.ones((1,), dtype=torch.long, device=device)]
         self.call = GraphedCall(step, example, pool)
         self.cache = cache_box[0]  # the captured pass's cache (its commit has nothing to keep)
 
