@@ -124,3 +124,13 @@ def test_smollm2_on_a_cpu_answers_the_readme_prompts_as_its_float16_weights_do(m
     dense = load_engine("smollm2", dtype="float16", device="cpu")
     assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
     assert four_bit == answers(dense)
+
+
+@pytest.mark.slow
+@needs_wheel
+def test_smollm2_tokenizer_is_converted_as_autotokenizer_builds_it(tmp_path):
+    """The 49,152-token vocabulary (past the reader's large-array threshold) converted from our
+    reader's arrays: AutoTokenizer's saved files and ids (its build reads the file for ~10 s)."""
+    from tests.gguf.test_gguf_tokenizer import assert_converted_is_autotokenizers
+
+    assert_converted_is_autotokenizers(resolve_model("smollm2"), tmp_path)

@@ -5,7 +5,8 @@ not unpack ourselves; quants.py unpacks Q8_0 / Q4_0 / Q4_1 into an affine descri
 biases, unsigned q, group 32) that dequantizes bit-identically to the library; config.py turns the
 metadata into a Hugging Face config; names.py maps tensor names and undoes the converter's q/k
 permutation (llama) and 1 + w norms (gemma3); transformers builds the tokenizer from the metadata
-(`gguf_file=`), and the chat template comes from `tokenizer.chat_template`.
+(its converter over the vocabulary reader.py reads for llama-family files, `gguf_file=` for the
+others: tokenizer.py), and the chat template comes from `tokenizer.chat_template`.
 
 Entry points: `is_gguf(path)`, `find_gguf(dir)`, `GGUFCheckpoint(path)` with `.config`,
 `.tensors(keep_affine=False)` and `.tokenizer()`.

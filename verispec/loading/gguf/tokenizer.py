@@ -5,9 +5,9 @@ tokenizer whatever transformers did with it) and the ids that end generation. tr
 converter swaps bos and eos on the tokenizer it builds, so its eos_token is not used; the ids are
 eos / eot / eom from the metadata plus, as llama.cpp does, the vocabulary's end-of-turn markers.
 
-transformers builds it in Python from the vocabulary and merges: 15-21 s for SmolLM2's 49,152 tokens,
-paid by the server and again by its engine process at every start. So the built tokenizer is saved
-once (tokenizer.json and its settings) under the verispec cache (VERISPEC_CACHE_DIR, by default
+transformers builds it (for llama-family files, its converter over the vocabulary our reader
+reads: `converted`), and its class costs the process memory and imports. So the built tokenizer is
+saved once (tokenizer.json and its settings) under the verispec cache (VERISPEC_CACHE_DIR, by default
 ~/.cache/verispec), keyed by the file's path, size and modification time and the transformers
 version, and read from there in 0.3 s after that.
 """
@@ -24,6 +24,9 @@ from verispec.config import env
 from verispec.errors import VerispecError
 from verispec.loading.tokenizer import Tokenizer
 
+# GGUF architectures whose tokenizer `converted` builds (the converter transformers picks for them),
+# AutoTokenizer's class for them being TokenizersBackend; the others go through AutoTokenizer
+BUILT_HERE = {"llama": "llama"}
 END_OF_TURN_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
 
 
@@ -36,10 +39,10 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     if cached is not None and (cached / "tokenizer.json").is_file():
         hf = _read_cached(cached)
     else:
-        from transformers import AutoTokenizer
-
         try:
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            hf = converted(checkpoint) if checkpoint.architecture in BUILT_HERE else _auto_tokenizer(path)
+        except VerispecError:
+            raise
         except Exception as exc:  # transformers raises many types; the user needs the path + cause
             raise VerispecError(f"could not build a tokenizer from GGUF file {path}: {exc}") from exc
         if cached is not None:
@@ -60,6 +63,35 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     if not eos:
         log.debug("GGUF %s names no eos token; ending generation on %s only", path.name, markers or "max_tokens")
     return Tokenizer(hf, eos + markers)
+
+
+def converted(checkpoint):
+    """What AutoTokenizer builds from a llama-family GGUF (`gguf_file=`): transformers' own converter
+    and class, over the vocabulary our reader reads. AutoTokenizer reads the file twice (the config,
+    then the tokenizer) with the gguf library's reader, an item at a time: 10-14 s of a first start
+    for SmolLM2's 49,152 tokens, where the conversion itself takes 0.1 s. Held to AutoTokenizer's
+    saved files by tests/gguf/test_gguf_tokenizer.py."""
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from verispec.loading.gguf import VOCABULARY_ARRAYS
+
+    values = {name: checkpoint.reader.array(name) if name in VOCABULARY_ARRAYS else checkpoint.meta.values.get(name)
+              for name in checkpoint.reader.fields if name.startswith("tokenizer.")}
+    sections = {section: {key: values[f"tokenizer.{gguf_key}"] for gguf_key, key in renames.items()
+                          if f"tokenizer.{gguf_key}" in values}
+                for section, renames in GGUF_TOKENIZER_MAPPING.items()}
+    backend, settings = convert_gguf_tokenizer(BUILT_HERE[checkpoint.architecture], sections["tokenizer"])
+    settings = {**sections["tokenizer_config"], **settings}
+    # where the converter leaves it unset, AutoTokenizer's load records False
+    settings["add_prefix_space"] = settings.get("add_prefix_space") or False
+    return TokenizersBackend(tokenizer_object=backend, **settings)
+
+
+def _auto_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _read_cached(cached: Path):
