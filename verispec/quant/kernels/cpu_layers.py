@@ -99,12 +99,14 @@ class Layers:
         self.shape, self.layers, self.dtype = shape, layers, dtype
         self.dims = Dims(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,
                          DTYPE_CODES[dtype], shape.eps, shape.scale)
-        self._bound: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self._bound: tuple[list, list, ctypes.Array] | None = None
 
     def _structs(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> ctypes.Array:
-        """The layers' structs with these pools (built once per set of pools)."""
-        addresses = tuple(t.data_ptr() for t in (*keys, *values))
-        if self._bound is None or self._bound[0] != addresses:
+        """The layers' structs with these pools (built once per set of pools). The pools' lists are
+        known by identity (held here, so neither can be freed and another take its id): a PagedPools
+        keeps its tensors for its life, and reading 60 addresses at each of a step's calls cost more
+        than the rest of the call's Python."""
+        if self._bound is None or self._bound[0] is not keys or self._bound[1] is not values:
             array = (Layer * len(self.layers))()
             for i, w in enumerate(self.layers):
                 array[i] = Layer(w.qkv.struct(), w.o.struct(), w.gate_up.struct(), w.down.struct(),
@@ -112,8 +114,8 @@ class Layers:
                                  w.q_norm.data_ptr() if w.q_norm is not None else None,
                                  w.k_norm.data_ptr() if w.k_norm is not None else None,
                                  keys[i].data_ptr(), values[i].data_ptr(), w.window or 0)
-            self._bound = (addresses, array)
-        return self._bound[1]
+            self._bound = (keys, values, array)
+        return self._bound[2]
 
     def run(self, start: int, stop: int, x: torch.Tensor, update: torch.Tensor | None, cos: torch.Tensor,
             sin: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, block_tables: torch.Tensor,
