@@ -23,6 +23,7 @@ from verispec.errors import VerispecError
 from verispec.loading.weights import iter_tensors
 from verispec.models.base import CausalLM
 from verispec.models.layers.attention import AttentionInputs, attend
+from verispec.models.layers.meta import materialize, on_meta
 from verispec.models.layers.mlp import GatedMLP
 from verispec.models.layers.norm import RMSNorm
 from verispec.models.layers.rotary import RotaryEmbedding
@@ -174,7 +175,10 @@ def load_eagle3(drafter_dir: str | Path, target: CausalLM,
             name = "layers.0." + name[len("midlayer."):]
         tensors[name] = t
     param = next(target.parameters())
-    drafter = Eagle3Drafter(c, has_embedding="embed_tokens.weight" in tensors, fc_bias="fc.bias" in tensors)
+    with on_meta():  # made once, in the target's dtype: not a float32 copy first (a CPU start's peak)
+        drafter = Eagle3Drafter(c, has_embedding="embed_tokens.weight" in tensors, fc_bias="fc.bias" in tensors)
+        drafter.to(dtype=param.dtype)
+    materialize(drafter, param.device)
     if drafter.embed_tokens is None:
         if c.hidden_size != target.hidden_size:
             raise VerispecError(f"EAGLE3 drafter at {where} has no embed_tokens and hidden size {c.hidden_size}; "
