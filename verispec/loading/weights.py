@@ -35,10 +35,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iter_tensors(files: list[Path], device: str | torch.device = "cpu",
                  part_of: Callable[[str], ShardSpec | None] | None = None,
-                 only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 only: Callable[[str], bool] | None = None, reopen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint (those `only` accepts, when given); with `part_of` (a
     tensor-parallel rank's load), a tensor it names a part of is read as that part alone
-    (safetensors reads only those bytes), padded to the rank's size."""
+    (safetensors reads only those bytes), padded to the rank's size. reopen: each tensor read from
+    the file opened anew, so one tensor's pages of the mapped file are resident at a time, not the
+    whole file's by the end (a CPU load's peak; for files of a few large tensors)."""
+    if reopen and part_of is None:
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                names = [name for name in sf.keys() if only is None or only(name)]
+            for name in names:
+                with safe_open(str(f), framework="pt", device=str(device)) as sf:
+                    yield name, sf.get_tensor(name)
+        return
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as sf:
             for name in sf.keys():

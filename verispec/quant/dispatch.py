@@ -295,7 +295,10 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
             continue
         device = layer.packed_values().device
         kernel, reasons = choose(layer, device, dtype)
-        if kernel is Kernel.QDOT and (reason := layer.use_qdot()) is not None:
+        # a vocabulary tied to a table: its words go as its blocks are made (release_for_qdot drops
+        # them after; the table then looks its rows up in the blocks)
+        tied = not layer.zero_point and any(t.weight.data_ptr() == layer.packed_values().data_ptr() for t in tables)
+        if kernel is Kernel.QDOT and (reason := layer.use_qdot(discard_checkpoint=tied)) is not None:
             reasons.append(f"not {Kernel.QDOT.value}: {reason}")
             kernel = Kernel.TINYGEMM if tinygemm_reason(layer, device, dtype) is None else Kernel.DEQUANTIZE
         elif kernel is Kernel.QDOT:

@@ -20,7 +20,7 @@ from torch import nn
 from verispec.cache.kv import KVCache, LayerCacheSpec
 from verispec.sampling.params import SamplingParams
 from verispec.errors import VerispecError
-from verispec.loading.weights import iter_tensors
+from verispec.loading.weights import iter_tensors, tensor_shapes
 from verispec.models.base import CausalLM
 from verispec.models.layers.attention import AttentionInputs, attend
 from verispec.models.layers.meta import materialize, on_meta
@@ -168,15 +168,12 @@ def load_eagle3(drafter_dir: str | Path, target: CausalLM,
     files = sorted(where.glob("*.safetensors"))
     if not files:
         raise VerispecError(f"--eagle3 {where}: no .safetensors weights")
-    tensors = {}
-    for name, t in iter_tensors(files):
-        name = name.removeprefix("model.")
-        if name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
-        tensors[name] = t
+    # checked against the files' headers, then read a tensor at a time into the parameters: neither
+    # a float32 module nor the whole checkpoint beside the drafter (a CPU start's peak)
+    shapes = {_our_name(name): shape for name, shape in tensor_shapes(files).items()}
     param = next(target.parameters())
-    with on_meta():  # made once, in the target's dtype: not a float32 copy first (a CPU start's peak)
-        drafter = Eagle3Drafter(c, has_embedding="embed_tokens.weight" in tensors, fc_bias="fc.bias" in tensors)
+    with on_meta():
+        drafter = Eagle3Drafter(c, has_embedding="embed_tokens.weight" in shapes, fc_bias="fc.bias" in shapes)
         drafter.to(dtype=param.dtype)
     materialize(drafter, param.device)
     if drafter.embed_tokens is None:
@@ -187,24 +184,29 @@ def load_eagle3(drafter_dir: str | Path, target: CausalLM,
     expected = dict(drafter.named_parameters())
     expected["d2t"] = drafter.d2t
     for name, p in expected.items():
-        if name not in tensors:
+        if name not in shapes:
             raise VerispecError(f"EAGLE3 drafter at {where} is missing tensor '{name}'")
-        if tuple(tensors[name].shape) != tuple(p.shape):
-            raise VerispecError(f"EAGLE3 tensor '{name}' has shape {tuple(tensors[name].shape)}; the drafter "
+        if tuple(shapes[name]) != tuple(p.shape):
+            raise VerispecError(f"EAGLE3 tensor '{name}' has shape {tuple(shapes[name])}; the drafter "
                                 f"config and target (hidden {target.hidden_size}, vocab {target.vocab_size}) "
                                 f"imply {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensors[name])
-    if "t2d" in tensors and tensors["t2d"].shape[0] != target.vocab_size:
-        raise VerispecError(f"EAGLE3 t2d covers {tensors['t2d'].shape[0]} target ids, the target vocabulary "
+    if "t2d" in shapes and shapes["t2d"][0] != target.vocab_size:
+        raise VerispecError(f"EAGLE3 t2d covers {shapes['t2d'][0]} target ids, the target vocabulary "
                             f"has {target.vocab_size}")
-    target_ids = torch.arange(c.draft_vocab_size) + drafter.d2t
+    with torch.no_grad():
+        for name, t in iter_tensors(files, only=lambda name: _our_name(name) in expected, reopen=True):
+            expected[_our_name(name)].copy_(t)
+    target_ids = torch.arange(c.draft_vocab_size, device=drafter.d2t.device) + drafter.d2t
     if int(target_ids.max()) >= target.vocab_size or int(target_ids.min()) < 0:
         raise VerispecError(f"EAGLE3 d2t maps draft ids outside the target vocabulary of {target.vocab_size}")
-    drafter.to(device=param.device, dtype=param.dtype)
-    drafter.d2t.data = drafter.d2t.data.to(device=param.device, dtype=torch.long)
     drafter.eval().requires_grad_(False)
     return drafter
+
+
+def _our_name(name: str) -> str:
+    """A speculators checkpoint's tensor name as the drafter module names it."""
+    name = name.removeprefix("model.")
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
 class Eagle3Proposer(ChainedDrafter):

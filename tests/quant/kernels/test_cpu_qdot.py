@@ -138,3 +138,49 @@ def test_without_a_compiler_the_kernel_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
     library = Library(cpu_qdot._library.source, lambda lib: None)
     assert library.get() is None and "no-such-cc" in library.failure()
+
+
+def tied_table(rows: int, seed: int = 3) -> torch.nn.Module:
+    """An 8-bit table and the lm_head tied to it (as a GGUF's tied vocabulary loads)."""
+    from verispec.quant.layers.linear import MLXAffineEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    table = MLXAffineEmbedding(rows, K, 8, 32)
+    table.weight.copy_(pack_rows(torch.randint(0, 256, (rows, K), generator=gen), 8))
+    table.scales.data = (torch.rand(rows, K // 32, generator=gen) * 0.01 + 0.001).half().to(torch.bfloat16)
+    table.biases.data = (-128 * table.scales.data.float()).to(torch.bfloat16)
+    model = torch.nn.Module()
+    model.embed, model.head = table, table.as_linear()
+    return model
+
+
+def test_a_tied_vocabularys_words_go_back_as_its_blocks_are_made():
+    """The head's words are handed back row by row as the blocks are made (a CPU load's peak holds the
+    vocabulary once): the blocks, the table's lookups and the head's product are those of the words."""
+    import verispec.quant.layers.linear as linear_module
+
+    model = tied_table(rows=4096)  # 8 MiB of words: whole pages to hand back
+    words = model.head.packed_values()
+    ids = torch.tensor([0, 7, 4095])
+    weight, looked_up = model.head.dequantized_weight(torch.float64), model.embed(ids)
+    handed = []
+    original = linear_module.release_converted_rows
+    linear_module.release_converted_rows = lambda w, rows: handed.append(original(w, rows)) or handed[-1]
+    try:
+        dispatch.make_copies(model, torch.bfloat16)
+    finally:
+        linear_module.release_converted_rows = original
+    assert sum(handed) >= words.numel() * words.element_size() - 2 * 4096  # all but the edge pages
+    assert int((words != 0).sum()) * 4 <= 2 * 4096  # handed back, the pages read as zeros (the edge pages stay)
+    assert model.head.released() and model.embed.qdot_blocks is model.head.qdot_blocks
+    assert torch.equal(model.embed(ids), looked_up)
+    assert torch.equal(model.head.dequantized_weight(torch.float64), weight)
+
+
+def test_only_a_whole_storage_is_handed_back():
+    from verispec.quant.layers.linear import release_converted_rows
+
+    words = torch.ones(64, 1024, dtype=torch.int32)
+    assert release_converted_rows(words[8:], 16) == 0  # a view into another tensor's memory
+    assert release_converted_rows(words.t(), 16) == 0
+    assert torch.equal(words, torch.ones_like(words))

@@ -49,6 +49,17 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, grou
     return None
 
 
+def packable(scales: torch.Tensor, offsets: torch.Tensor, bits: int, zero_point: bool) -> bool:
+    """Whether `pack` takes a layer with these scales and offsets (every block's scale and offset,
+    as the layout keeps them, exactly a float16)."""
+    s, o = scales.double(), offsets.double()
+    if zero_point:
+        o = -o * s
+    if bits == 8:
+        o = o + 128 * s
+    return torch.equal(s.to(torch.float16).double(), s) and torch.equal(o.to(torch.float16).double(), o)
+
+
 def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int,
          zero_point: bool) -> torch.Tensor | None:
     """q [N, K] unsigned codes, scales / offsets [N, K/group_size] (w = q*s + o, or (q - o)*s with a

@@ -10,6 +10,12 @@ weight_packed / weight_scale / weight_zero_point).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import mmap
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +36,37 @@ def drop_tensors(module: nn.Module, names) -> None:
         old = getattr(module, name)
         empty = torch.empty(0, dtype=old.dtype, device=old.device)
         setattr(module, name, nn.Parameter(empty, requires_grad=False) if isinstance(old, nn.Parameter) else empty)
+
+
+def release_converted_rows(words: torch.Tensor, rows: int) -> int:
+    """Hands the pages of words[:rows] back to the system (madvise DONTNEED: they read as zeros
+    after), where words is the whole of its own contiguous storage on a CPU under Linux; its
+    caller never reads those rows again. Returns the bytes handed back."""
+    if (words.device.type != "cpu" or not words.is_contiguous() or words.storage_offset()
+            or words.untyped_storage().nbytes() != words.numel() * words.element_size()):
+        return 0
+    libc = _libc()
+    if libc is None:
+        return 0
+    page = mmap.PAGESIZE
+    start = -(-words.data_ptr() // page) * page
+    end = (words.data_ptr() + rows * words.stride(0) * words.element_size()) // page * page
+    if end <= start:
+        return 0
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+    return end - start
+
+
+MADV_DONTNEED = 4  # Linux's
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
 
 
 def decode_qdot(blocks: torch.Tensor, bits: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -122,10 +159,15 @@ class QuantizedLinear(nn.Module):
                                                              self.zero_point)
         self.bound = None
 
-    def use_qdot(self) -> str | None:
+    def use_qdot(self, discard_checkpoint: bool = False) -> str | None:
         """Keeps a copy of the weight in the CPU integer-dot kernel's blocks (kernels/cpu_qdot.py) for
-        every pass; None, or why the weight has no such copy (a scale or offset not a float16)."""
+        every pass; None, or why the weight has no such copy (a scale or offset not a float16).
+        discard_checkpoint: the caller releases the checkpoint's words once the blocks are made, so
+        their pages go back to the system as the rows are converted (release_converted_rows): a
+        vocabulary's two forms are not held whole side by side."""
         packed, scales, offsets = self.packed_values(), self.group_scales(), self.group_offsets()
+        if not cpu_qdot.packable(scales, offsets, self.bits, self.zero_point):
+            return "scales or offsets that are not exactly float16 (the kernel's blocks keep float16)"
         step = max(1, QDOT_PACK_VALUES // self.in_features)  # rows at a time: a vocabulary's temporaries stay small
         blocks = None
         for start in range(0, self.out_features, step):
@@ -137,6 +179,8 @@ class QuantizedLinear(nn.Module):
             if blocks is None:
                 blocks = piece.new_empty(self.out_features, piece.shape[1])
             blocks[rows] = piece
+            if discard_checkpoint:
+                release_converted_rows(packed, min(start + step, self.out_features))
         self.qdot_blocks = blocks
         self.bound = None
         return None
