@@ -200,3 +200,36 @@ def test_a_round_timed_across_a_forget_is_not_recorded():
     assert gate.buckets == {}
     gate.record(1, True, tokens=3, seconds=0.01, epoch=gate.epoch)
     assert gate.buckets[bucket(1)].spec_rounds == 1
+
+
+def recheck_starts(choices: list[bool]) -> list[int]:
+    """The rounds where a run of speculative rounds began after plain steps."""
+    return [i for i in range(1, len(choices)) if choices[i] and not choices[i - 1]]
+
+
+def test_rechecks_that_change_nothing_come_ever_less_often():
+    """A settled gate's trials of the losing kind cost it a few percent each: each trial that finds
+    the same winner doubles the interval to the next, up to MAX_RECHECK."""
+    gate = ThroughputGate()
+    start = draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS
+    measure(gate, 2, spec_rate=100.0, plain_rate=200.0, rounds=start)
+    choices = measure(gate, 2, spec_rate=100.0, plain_rate=200.0, rounds=3 * draft_gate.MAX_RECHECK)
+    starts = recheck_starts([False] + choices)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    expected = [2 * draft_gate.RECHECK, 4 * draft_gate.RECHECK, 8 * draft_gate.RECHECK] + [draft_gate.MAX_RECHECK] * 2
+    assert len(gaps) >= len(expected)
+    for gap, interval in zip(gaps, expected):  # (the recheck's own rounds and its first step counting)
+        assert abs(gap - interval) <= draft_gate.TRIAL_ROUNDS, gaps
+    assert sum(choices) <= draft_gate.TRIAL_ROUNDS * (len(starts) + 1)
+
+
+def test_a_trial_that_changes_the_choice_sets_the_interval_back():
+    gate = ThroughputGate()
+    measure(gate, 2, spec_rate=100.0, plain_rate=200.0, rounds=draft_gate.MIN_SPEC + draft_gate.TRIAL_STEPS)
+    measure(gate, 2, spec_rate=100.0, plain_rate=200.0, rounds=8 * draft_gate.RECHECK)  # backed off
+    assert gate.buckets[bucket(2)].recheck > draft_gate.RECHECK
+    choices = measure(gate, 2, spec_rate=400.0, plain_rate=200.0, rounds=draft_gate.MAX_RECHECK + 100)
+    flipped = choices.index(True)  # the next recheck found speculation faster: it speculates from there
+    assert all(choices[flipped:flipped + 100])
+    first_plain_trial = choices.index(False, flipped)
+    assert abs(first_plain_trial - flipped - draft_gate.RECHECK) <= draft_gate.TRIAL_ROUNDS

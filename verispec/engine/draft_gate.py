@@ -16,7 +16,11 @@ is noticed:
   where plain steps won starts shut instead, until its first recheck (the gain per sequence only
   shrinks as the batch grows);
 - speculation measured slower: plain steps, with TRIAL_ROUNDS speculative rounds every RECHECK steps;
-- plain measured slower: speculation, with a plain trial every RECHECK rounds.
+- plain measured slower: speculation, with a plain trial every RECHECK rounds;
+- a trial that changes nothing doubles the interval to the next (up to MAX_RECHECK), one that
+  changes the choice sets it back to RECHECK: the losing kind's trials cost a settled server (a
+  shut gate's recheck is TRIAL_ROUNDS losing rounds plus the drafter's catch-up over every row it
+  did not see) a few percent at every RECHECK steps, a fraction of that once the choice holds.
 
 A kind's rate is its latest WINDOW measurements' tokens over their time (a ratio of sums: a
 speculative round makes 1 to k+1 tokens a sequence, and the median of per-round rates, mostly
@@ -43,7 +47,8 @@ MIN_SPEC = 8  # speculative rounds in a bucket before plain steps are tried ther
 TRIAL_STEPS = 16  # plain steps a trial runs (overlapped: several steps make one measurement)
 TRIAL_ROUNDS = 8  # speculative rounds a recheck runs
 MIN_MEASURED = 4  # speculative rounds before that kind counts as measured (plain steps: one run)
-RECHECK = 256  # rounds or steps of the winning kind between trials of the other
+RECHECK = 256  # rounds or steps of the winning kind between trials of the other (at first)
+MAX_RECHECK = 4096  # ... after trials that kept finding the same winner
 WINDOW = 32  # measurements a kind's rate is computed over
 STALL = 4.0  # a measurement slower a step than this many times the window's median is left out
 
@@ -75,6 +80,8 @@ class _Bucket:
     plain_trial: int = 0  # plain steps still to run in a trial
     spec_trial: int = 0  # speculative rounds still to run in a recheck
     after_plain: bool = False  # the last round was plain: the next speculative one catches up
+    recheck: int = RECHECK  # the current interval between trials of the losing kind
+    checking: bool | None = None  # speculation_wins when the trial under way began (None: none is)
 
     @property
     def spec(self) -> float | None:
@@ -144,17 +151,17 @@ class ThroughputGate:
                 return False
             return True
         if b.speculation_wins:
-            if b.since >= RECHECK:
+            if b.since >= b.recheck:
                 log.debug("draft gate, batch %d: plain trial (speculative %.0f vs plain %.0f tok/s a sequence)",
                           batch, b.spec or 0.0, b.plain or 0.0)
-                b.since, b.plain_trial = 0, TRIAL_STEPS
+                b.since, b.plain_trial, b.checking = 0, TRIAL_STEPS, True
                 b.plain_rates.clear()  # the trial measures plain steps afresh
                 return False
             return True
-        if b.since >= RECHECK:
+        if b.since >= b.recheck:
             log.debug("draft gate, batch %d: speculative recheck (speculative %.0f vs plain %.0f tok/s a sequence)",
                       batch, b.spec or 0.0, b.plain or 0.0)
-            b.since, b.spec_trial, b.shut_until_recheck = 0, TRIAL_ROUNDS, False
+            b.since, b.spec_trial, b.shut_until_recheck, b.checking = 0, TRIAL_ROUNDS, False, False
             b.stale_spec = list(b.spec_rates)
             b.spec_rates.clear()
             return True
@@ -175,7 +182,7 @@ class ThroughputGate:
         if b.plain_trial > 0:
             return b.plain_trial
         if not b.speculation_wins and b.spec_trial == 0:
-            return max(1, RECHECK - b.since)
+            return max(1, b.recheck - b.since)
         return None
 
     def record(self, batch: int, drafted: bool, tokens: int, seconds: float, steps: int = 1,
@@ -205,6 +212,9 @@ class ThroughputGate:
             b.plain_trial = max(0, b.plain_trial - steps)
             if not winning_before:
                 b.since += steps
+        if b.checking is not None and b.plain_trial == 0 and b.spec_trial == 0:  # a trial ended
+            b.recheck = min(2 * b.recheck, MAX_RECHECK) if b.speculation_wins == b.checking else RECHECK
+            b.checking = None
         if b.speculation_wins != winning_before:
             log.debug("draft gate, batch %d: %s (speculative %.0f vs plain %.0f tok/s a sequence)", batch,
                       "speculates" if b.speculation_wins else "plain steps", b.spec or 0.0, b.plain or 0.0)
