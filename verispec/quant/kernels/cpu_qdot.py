@@ -49,14 +49,22 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, bits: int, grou
     return None
 
 
-def packable(scales: torch.Tensor, offsets: torch.Tensor, bits: int, zero_point: bool) -> bool:
-    """Whether `pack` takes a layer with these scales and offsets (every block's scale and offset,
-    as the layout keeps them, exactly a float16)."""
+def _block_scales(scales: torch.Tensor, offsets: torch.Tensor, bits: int, zero_point: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset) a group, float64, as the blocks keep them: a zero point folded into the offset,
+    (q - z) * s = q * s - z * s; 8-bit codes signed, the offset re-centred: q*s + o = (q - 128)*s + (o + 128 s)."""
     s, o = scales.double(), offsets.double()
     if zero_point:
         o = -o * s
     if bits == 8:
         o = o + 128 * s
+    return s, o
+
+
+def packable(scales: torch.Tensor, offsets: torch.Tensor, bits: int, zero_point: bool) -> bool:
+    """Whether `pack` takes a layer with these scales and offsets (every block's scale and offset,
+    as the layout keeps them, exactly a float16)."""
+    s, o = _block_scales(scales, offsets, bits, zero_point)
     return torch.equal(s.to(torch.float16).double(), s) and torch.equal(o.to(torch.float16).double(), o)
 
 
@@ -67,13 +75,10 @@ def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
     scale or offset is not exactly a float16 (the layout keeps them as float16)."""
     n, k = q.shape
     repeat = group_size // BLOCK
-    s = scales.double().repeat_interleave(repeat, dim=1)
-    o = offsets.double().repeat_interleave(repeat, dim=1)
-    if zero_point:
-        o = -o * s  # (q - z) * s = q * s - z * s
+    s, o = (t.repeat_interleave(repeat, dim=1) for t in _block_scales(scales, offsets, bits, zero_point))
     codes = q.to(torch.int16)
-    if bits == 8:  # signed codes, the offset re-centred: q*s + o = (q - 128)*s + (o + 128 s)
-        codes, o = codes - 128, o + 128 * s
+    if bits == 8:  # signed codes (the offset re-centred in _block_scales)
+        codes = codes - 128
     s16, o16 = s.to(torch.float16), o.to(torch.float16)
     if not (torch.equal(s16.double(), s) and torch.equal(o16.double(), o)):
         return None
