@@ -297,7 +297,7 @@ def make_copies(root: nn.Module, dtype: torch.dtype, logged: set[str] | None = N
         kernel, reasons = choose(layer, device, dtype)
         # a vocabulary tied to a table: its words go as its blocks are made (release_for_qdot drops
         # them after; the table then looks its rows up in the blocks)
-        tied = not layer.zero_point and any(t.weight.data_ptr() == layer.packed_values().data_ptr() for t in tables)
+        tied = not layer.zero_point and bool(_sharing(layer, tables))
         if kernel is Kernel.QDOT and (reason := layer.use_qdot(discard_checkpoint=tied)) is not None:
             reasons.append(f"not {Kernel.QDOT.value}: {reason}")
             kernel = Kernel.TINYGEMM if tinygemm_reason(layer, device, dtype) is None else Kernel.DEQUANTIZE
@@ -331,11 +331,15 @@ def release_for_qdot(layer: QuantizedLinear, tables: list[MLXAffineEmbedding]) -
     the offset, which decodes in another order)."""
     if layer.zero_point or layer.released():
         return
-    words = layer.packed_values().data_ptr()
-    for table in tables:
-        if table.qdot_blocks is None and table.weight.numel() and table.weight.data_ptr() == words:
-            table.look_up_in(layer.qdot_blocks)
+    for table in _sharing(layer, tables):
+        table.look_up_in(layer.qdot_blocks)
     layer.release_checkpoint()
+
+
+def _sharing(layer: QuantizedLinear, tables: list[MLXAffineEmbedding]) -> list[MLXAffineEmbedding]:
+    """The tables (of `tables`) that hold `layer`'s words as their own (a tied vocabulary)."""
+    words = layer.packed_values().data_ptr()
+    return [t for t in tables if t.qdot_blocks is None and t.weight.numel() and t.weight.data_ptr() == words]
 
 
 def release_converted_checkpoints(root: nn.Module) -> int:

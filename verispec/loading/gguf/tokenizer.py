@@ -41,8 +41,6 @@ def gguf_tokenizer(checkpoint) -> Tokenizer:
     else:
         try:
             hf = converted(checkpoint) if checkpoint.architecture in BUILT_HERE else _auto_tokenizer(path)
-        except VerispecError:
-            raise
         except Exception as exc:  # transformers raises many types; the user needs the path + cause
             raise VerispecError(f"could not build a tokenizer from GGUF file {path}: {exc}") from exc
         if cached is not None:
