@@ -1,5 +1,5 @@
 """One Triton disk cache per process from the first compile (engine/warmup.py pin_triton_cache_dir):
-inductor's own directory unless the user named one, and nothing set off CUDA."""
+Triton's own directory unless the user named one (inductor keeps it too), and nothing set off CUDA."""
 from __future__ import annotations
 
 import os
@@ -16,11 +16,14 @@ def unset(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_CACHE_DIR")
 
 
-def test_cuda_pins_inductors_directory(monkeypatch):
+def test_cuda_pins_tritons_own_directory_which_inductor_then_keeps(monkeypatch):
+    from triton import knobs
+
     unset(monkeypatch)
-    expected = triton_cache_dir(1)  # computed while unset: inductor's choice for device 1
+    expected = knobs.cache.dir  # computed while unset: Triton's default
     assert warmup.pin_triton_cache_dir(torch.device("cuda", 1)) == expected
     assert os.environ["TRITON_CACHE_DIR"] == expected
+    assert triton_cache_dir(1) == expected  # where inductor's kernels go once it is set
 
 
 def test_a_users_directory_is_kept(monkeypatch, tmp_path):

@@ -16,25 +16,26 @@ PREWARM_PROMPT_TOKENS = 100
 
 
 def pin_triton_cache_dir(device: torch.device) -> str | None:
-    """Give Triton one on-disk cache for the whole process, from its first compile on: the
-    directory torch's inductor would choose (respecting a TRITON_CACHE_DIR the user set).
+    """Give Triton one on-disk cache for the whole process, from its first compile on: Triton's own
+    directory (~/.triton/cache, or the TRITON_CACHE_DIR the user set), set in TRITON_CACHE_DIR.
 
-    Why: inductor sets TRITON_CACHE_DIR to its own directory the first time it builds a kernel
-    launcher, and Triton reads the variable at every compile. Kernels compiled before that moment
+    Why: unless the variable is set, inductor sets it to its own directory the first time it builds
+    a kernel launcher, and Triton reads it at every compile. Kernels compiled before that moment
     (fla's, ours) land in ~/.triton/cache; after it, in inductor's directory. Which comes first
     differs between a first start (inductor compiles early) and a later one (its graphs come from
     its cache): on the H200 a second start recompiled 109 kernels the first had compiled, because
-    it looked in the other directory. Returns the directory
-    (None off CUDA or without inductor). Also where Triton's compiles start being logged under
-    VERISPEC_DEBUG=1 (`log_compiles`): before anything compiles, like the directory."""
+    it looked in the other directory. (Asking inductor for its directory imports dynamo: 1.7 s of a
+    start that may compile nothing with it.) Returns the directory (None off CUDA or without
+    Triton). Also where Triton's compiles start being logged under VERISPEC_DEBUG=1
+    (`log_compiles`): before anything compiles, like the directory."""
     if device.type != "cuda":
         return None
     try:
-        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
-    except ImportError:  # pragma: no cover - inductor ships with torch
+        from triton import knobs
+    except ImportError:  # pragma: no cover - Triton ships with CUDA torch
         return None
     # a library's variable, set for the libraries (not one of ours: config.EnvSettings reads those)
-    os.environ.setdefault("TRITON_CACHE_DIR", triton_cache_dir(device.index or 0))
+    os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
     log_compiles()
     return os.environ["TRITON_CACHE_DIR"]
 

@@ -59,10 +59,7 @@ def fast_prepare_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     reason = qk_prep.unsupported_reason(q, k, cos)
     if reason is None:
         return qk_prep.prepare_qk(q, k, cos, sin, q_weight, k_weight, eps, unit_offset, v, cache_rows)
-    if reason not in _logged_fallbacks:
-        _logged_fallbacks.add(reason)
-        from verispec import log
-        log.debug("queries and keys prepared by the compiled torch function, not kernels/qk_prep.py: %s", reason)
+    _log_fallback("queries and keys prepared by the compiled torch function, not kernels/qk_prep.py", reason)
     q, k = compiled(prepare_qk)(q, k, cos, sin, q_weight, k_weight, eps, unit_offset)
     if cache_rows is not None:
         cache_rows.write(k, v)
@@ -79,14 +76,42 @@ def fast_add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tenso
     reason = kernel.unsupported_reason(x, weight)
     if reason is None:
         return kernel.add_rms_norm(x, update, weight, eps, unit_offset)
-    if reason not in _logged_fallbacks:
-        _logged_fallbacks.add(reason)
-        from verispec import log
-        log.debug("residual add + RMSNorm by the compiled torch function, not kernels/rms_norm.py: %s", reason)
+    _log_fallback("residual add + RMSNorm by the compiled torch function, not kernels/rms_norm.py", reason)
     return compiled(add_rms_norm)(x, update, weight, eps, unit_offset)
 
 
-_logged_fallbacks: set[str] = set()
+def fast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """`rms_norm` as the fused models run it: the norm alone of kernels/rms_norm.py (a program per
+    row) where it takes the inputs, else the compiled function (why: logged once under VERISPEC_DEBUG=1)."""
+    from verispec.kernels import rms_norm as kernel
+
+    reason = kernel.unsupported_reason(x, weight)
+    if reason is None:
+        return kernel.add_rms_norm(x, None, weight, eps, unit_offset)[1]
+    _log_fallback("RMSNorm by the compiled torch function, not kernels/rms_norm.py", reason)
+    return compiled_rows(rms_norm)(x, weight, eps, unit_offset)
+
+
+def fast_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul` as the fused models run it: kernels/silu_mul.py where it takes the inputs, else
+    the compiled function (why: logged once under VERISPEC_DEBUG=1)."""
+    from verispec.kernels import silu_mul as kernel
+
+    reason = kernel.unsupported_reason(gate, up)
+    if reason is None:
+        return kernel.silu_mul(gate, up)
+    _log_fallback("silu(gate) * up by the compiled torch function, not kernels/silu_mul.py", reason)
+    return compiled_rows(silu_mul)(gate, up)
+
+
+def _log_fallback(what: str, reason: str) -> None:
+    if (what, reason) not in _logged_fallbacks:
+        _logged_fallbacks.add((what, reason))
+        from verispec import log
+        log.debug("%s: %s", what, reason)
+
+
+_logged_fallbacks: set[tuple[str, str]] = set()  # (what, why): each logged once
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
