@@ -59,7 +59,9 @@ def tiles_for(rows: int, out_features: int, element_size: int, tma: bool = False
 
 if triton is not None:
 
-    @triton.jit
+    # M at run time, as in the persistent kernel below: specialised (M == 1, M % 16 == 0, other) each
+    # tile compiled up to three times, 10 variants of an empty cache's 48 kernels for the default model
+    @triton.jit(do_not_specialize=["M"])
     def _linear_kernel(X, W, BIAS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
