@@ -23,6 +23,7 @@ class EnvSettings:
     p2p_all_reduce: bool = True  # VERISPEC_P2P_ALL_REDUCE=0: a split model's small all-reduces use NCCL too
     omp_num_threads: str | None = None  # OMP_NUM_THREADS: set, `serve` and `generate` leave the thread count
     cache_dir: str | None = None  # VERISPEC_CACHE_DIR: what verispec derives once and reuses (GGUF tokenizers)
+    compile_ahead: bool = True  # VERISPEC_COMPILE_AHEAD=0: prewarm compiles Triton kernels inside the captures, one by one
 
     @classmethod
     def from_environ(cls) -> "EnvSettings":
@@ -39,6 +40,7 @@ class EnvSettings:
             p2p_all_reduce=_env_flag("VERISPEC_P2P_ALL_REDUCE", default=True),
             omp_num_threads=env.get("OMP_NUM_THREADS") or None,
             cache_dir=env.get("VERISPEC_CACHE_DIR") or None,
+            compile_ahead=_env_flag("VERISPEC_COMPILE_AHEAD", default=True),
         )
 
     def verispec_cache(self) -> str:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from verispec import log
+from verispec import config, log
 from verispec.cache.paged import BatchCache
 from verispec.sampling.params import SamplingParams
 from verispec.kernels import decode_attention as split_k
@@ -82,10 +82,22 @@ def graphs_possible(device: torch.device, enabled: bool, split_hybrid: bool = Fa
 def capture_graphs(engine) -> float:
     if not engine.use_graphs or engine.runner.graphs is not None:
         return 0.0
+    t0 = time.perf_counter()
+    compile_ahead(engine)
+    _capture(engine)
+    seconds = time.perf_counter() - t0
+    graphs, prompts = engine.runner.graphs, engine.runner.prompt_graphs
+    log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens%s in %.2fs",
+              graphs.batch_sizes, engine.num_drafts + 1,
+              f", and one sequence's prompt chunks of up to {prompts.buckets[-1]} tokens" if prompts else "", seconds)
+    return seconds
+
+
+def _capture(engine) -> None:
+    """The target's verify passes, the drafter's passes and the prompt graphs, captured."""
     from verispec.engine.cuda_graphs import BatchGraphs
     from verispec.engine.prompt_graphs import capture_prompt_graphs
 
-    t0 = time.perf_counter()
     capture = engine.proposer.capture_layers if engine.proposer else ()
     table_width = engine.blocks.blocks_for(engine.max_model_len + engine.num_drafts + 1)
     args = (engine.num_drafts + 1, engine.config.max_num_seqs, capture, table_width)
@@ -98,15 +110,39 @@ def capture_graphs(engine) -> float:
             engine.peers.keep_graphs(engine.runner.graphs)
     if engine.proposer is not None:
         engine.proposer.capture_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
-    graphs = engine.runner.graphs
     engine.runner.prompt_graphs = capture_prompt_graphs(engine.runner, engine.config.prefill_step_size, table_width,
-                                                        capture, graphs.pool)
-    seconds = time.perf_counter() - t0
-    prompts = engine.runner.prompt_graphs
-    log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens%s in %.2fs",
-              graphs.batch_sizes, engine.num_drafts + 1,
-              f", and one sequence's prompt chunks of up to {prompts.buckets[-1]} tokens" if prompts else "", seconds)
-    return seconds
+                                                        capture, engine.runner.graphs.pool)
+
+
+def compile_ahead(engine) -> dict | None:
+    """Every pass the captures will make, run once dry first (kernels/compile_ahead.py): the Triton
+    kernels they meet compile from a pool of threads instead of one by one inside the captures.
+    On a warm Triton cache the dry passes find them all built from disk. Tensor-parallel ranks
+    capture in lockstep and compile as they capture. Returns the dry run's summary (None: not run)."""
+    from verispec.kernels import compile_ahead as ahead
+
+    reason = None
+    if not config.env().compile_ahead:
+        reason = "VERISPEC_COMPILE_AHEAD=0"
+    elif not ahead.available():
+        reason = "Triton is not installed"
+    elif engine.peers is not None:
+        reason = "tensor-parallel ranks capture in lockstep"
+    if reason:
+        log.debug("Triton kernels compile inside the captures (%s)", reason)
+        return None
+    t0 = time.perf_counter()
+    with ahead.dry_run() as summary:
+        _capture(engine)
+    # what the dry run built is garbage: the captures start again from nothing
+    engine.runner.graphs = engine.runner.prompt_graphs = None
+    if engine.proposer is not None:
+        engine.proposer.drop_graphs()
+    log.debug("compiled %d Triton kernels ahead in %.1fs (the last %.1fs waiting for the threads)%s%s",
+              summary["built"], time.perf_counter() - t0, summary["wait_s"],
+              f"; {summary['failed']} failed and compile where met" if summary["failed"] else "",
+              f"; {summary['skipped_tuners']} autotuned launches left to the captures" if summary["skipped_tuners"] else "")
+    return summary
 
 
 def prewarm_prompt(tokenizer) -> list[int]:

@@ -11,7 +11,7 @@ import gc
 import torch
 
 from verispec import log
-from verispec.kernels import launch
+from verispec.kernels import compile_ahead, launch
 
 
 def _capture_once(fn, inputs: list[torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
@@ -86,6 +86,11 @@ class GraphedCall:
     def __init__(self, fn, example_inputs: list[torch.Tensor], pool=None):
         device = example_inputs[0].device
         self.inputs = [x.clone() for x in example_inputs]
+        if compile_ahead.active():  # a dry run: the pass once, for its kernels; nothing captured
+            with torch.inference_mode():
+                self.outputs = fn(*self.inputs)
+            self.graph = None
+            return
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -95,7 +100,7 @@ class GraphedCall:
         self.graph, self.outputs = capture(fn, self.inputs, pool)
 
     def pool(self):
-        return self.graph.pool()
+        return self.graph.pool() if self.graph is not None else None
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
         for buffer, x in zip(self.inputs, inputs):

@@ -76,6 +76,9 @@ class ChainedDrafter(Proposer):
         fuse_small_ops(self.drafter)
         self._graphs = DrafterGraphs(self, batch_sizes, max_tokens, table_width, self.feature_size)
 
+    def drop_graphs(self) -> None:
+        self._graphs = None
+
     def start(self, seq) -> None:
         self._states.pop(seq.id, None)
 

@@ -49,6 +49,10 @@ class LongestDraft(Proposer):
         for m in self.members:
             m.proposer.capture_graphs(batch_sizes, max_tokens, table_width)
 
+    def drop_graphs(self) -> None:
+        for m in self.members:
+            m.proposer.drop_graphs()
+
     def start(self, seq) -> None:
         for m in self.members:
             m.proposer.start(seq)

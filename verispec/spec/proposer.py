@@ -121,6 +121,9 @@ class Proposer(ABC):
         """CUDA only, once at prewarm after the target's graphs: capture the drafter's passes (batch
         buckets x 1..max_tokens tokens) so a round's drafting costs kernels, not Python."""
 
+    def drop_graphs(self) -> None:
+        """Forget captured passes (prewarm's dry run builds them once to compile their kernels ahead)."""
+
     def start(self, seq: DraftingSequence) -> None:
         """A sequence starts (or restarts after a preemption): no state from before."""
 
