@@ -86,13 +86,13 @@ def compile_chunk_attention(paged: bool, block_n: int | None = None, num_stages:
     fn = prompt_attention._chunk_kernel
     signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KS": "*bf16", "VS": "*bf16", "POS": "*i32",
                  "LEN": "*i32", "OUT": "*bf16", "BT": "*i32", "KCB": "*bf16", "VCB": "*bf16", "scale": "fp32",
-                 "window": "i32", "T": "i32"}
+                 "window": "i32", "T": "i32", "has_len": "i32"}
     strides = [name for name in fn.arg_names if name.startswith("stride_")]
     signature.update({name: "i32" for name in strides})
     launch = prompt_attention.chunk_launch_config(128, 2, group=4)
     block_n = block_n or launch["BLOCK_N"]
     constexprs = dict(G=4, D=128, SHARES=16, TQ=launch["TQ"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=block_n,
-                      BLOCK_D=launch["BLOCK_D"], HAS_WINDOW=False, IEEE=False, PAGED=paged, PAGE=16, HAS_LEN=False,
+                      BLOCK_D=launch["BLOCK_D"], HAS_WINDOW=False, IEEE=False, PAGED=paged, PAGE=16,
                       MIN_KEYS=da._min_share_keys(block_n, 8), FP8=False, KBITS=0, VBITS=0)
     divisible = ("Q", "K", "V", "KS", "VS", "OUT", "KCB", "VCB", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
     return compile_gluon(fn, signature, constexprs, divisible, num_warps or launch["num_warps"],

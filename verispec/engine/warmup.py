@@ -53,12 +53,19 @@ def log_compiles() -> None:
         return
 
     def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
-        total_ms = times.total / 1000
-        attrs = getattr(src, "attrs", None)
-        log.debug("triton: %s %s in %.0f ms%s", getattr(src, "name", "?"), "read" if cache_hit else "compiled",
-                  total_ms, f" ({str(attrs)[:160]})" if attrs else "")
+        log.debug("triton: %s %s in %.0f ms (%s)", getattr(src, "name", "?"), "read" if cache_hit else "compiled",
+                  times.total / 1000, _specialisation(src))
 
     knobs.compilation.listener = listener
+
+
+def _specialisation(src) -> str:
+    """A compiled kernel's constants by argument name, and how many arguments it takes as aligned:
+    what tells two compiles of one kernel apart."""
+    names = getattr(getattr(src, "fn", None), "arg_names", None) or []
+    constants = getattr(src, "constants", None) or {}
+    parts = [f"{names[k[0]] if len(k) == 1 and k[0] < len(names) else k}={v}" for k, v in constants.items()]
+    return f"{' '.join(parts)[:240]}; {len(getattr(src, 'attrs', None) or {})} arguments aligned"
 
 
 def graphs_possible(device: torch.device, enabled: bool, split_hybrid: bool = False) -> bool:

@@ -3,7 +3,8 @@
 On an empty Triton cache a start-up compiles each kernel specialisation where a pass first meets
 it, one after another, inside the CUDA-graph captures. Triton's compiler (its MLIR passes, LLVM,
 ptxas in a subprocess) spends most of its time outside Python's interpreter lock, so the
-specialisations compile several at a time from threads (docs/benchmarks.md). What they are is only
+specialisations compile several at a time from threads (docs/benchmarks.md), each with the C
+launcher Triton builds for its signature and its binary loaded. What they are is only
 known by running the passes, so the passes run once dry: inside `dry_run()`, every launch of a
 `@triton.jit` kernel on this thread binds its arguments (which fixes the specialisation), hands a
 specialisation not yet built to the pool, and returns without launching. Nothing a kernel would
@@ -22,6 +23,8 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from verispec import log
 from verispec.kernels.triton_import import require_triton
@@ -56,9 +59,9 @@ class _DryRun:
         self.submitted: dict[tuple[int, str], object] = {}
         self.skipped_tuners = 0
 
-    def submit(self, compile_now, kernel, key: str, args: tuple) -> None:
+    def submit(self, build, kernel, key: str, args: tuple) -> None:
         if (id(kernel), key) not in self.submitted:
-            self.submitted[(id(kernel), key)] = (kernel, self.pool.submit(compile_now, kernel, key, *args))
+            self.submitted[(id(kernel), key)] = (kernel, self.pool.submit(build, kernel, key, *args))
 
     def drain(self) -> tuple[int, int]:
         """Wait for every compile; (built, failed). A failure is logged and left to the real pass,
@@ -87,8 +90,19 @@ def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup
     dry = getattr(_state, "run", None)
     if dry is None:  # not this thread's dry run: the pool's threads, or anyone else
         return _originals[1](self, key, signature, device, constexprs, options, attrs, warmup)
-    dry.submit(_originals[1], self, key, (signature, device, constexprs, options, attrs, True))
+    dry.submit(_build, self, key, (_originals[1], signature, device, constexprs, options, attrs))
     return None  # run() returns without launching
+
+
+def _build(fn, key, compile_fn, signature, device, constexprs, options, attrs):
+    """One specialisation compiled, on a pool thread, and made ready to launch: Triton builds a
+    kernel's launcher (a C stub, compiled by the host's C compiler on an empty cache) and loads its
+    binary at its first launch, which would otherwise be inside a capture, one kernel at a time."""
+    with torch.cuda.device(device):
+        kernel = compile_fn(fn, key, signature, device, constexprs, options, attrs, True)
+        if kernel is not None:
+            kernel.run  # the property builds the launcher and loads the binary
+    return kernel
 
 
 def _tune(self, *args, **kwargs):

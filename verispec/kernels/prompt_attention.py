@@ -23,18 +23,18 @@ if triton is not None:
     # the split path's helpers, called by the kernel below (Triton resolves them as this module's names)
     from verispec.kernels.decode_attention import _fold, _share_keys, _share_sums
 
-    @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window", "T"],
+    @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window", "T", "has_len"],
                 do_not_specialize_on_alignment=["POS", "BT", "LEN"])
     def _chunk_kernel(Q, K, V, KS, VS, POS, LEN, OUT, BT, KCB, VCB,
                       stride_qb, stride_qh, stride_qt,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
                       stride_pb, stride_btb, stride_sn,
-                      scale, window, T,
+                      scale, window, T, has_len,
                       G: tl.constexpr, D: tl.constexpr, SHARES: tl.constexpr, TQ: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                      HAS_LEN: tl.constexpr, MIN_KEYS: tl.constexpr = 512, FP8: tl.constexpr = False,
+                      MIN_KEYS: tl.constexpr = 512, FP8: tl.constexpr = False,
                       KBITS: tl.constexpr = 0, VBITS: tl.constexpr = 0):
         """A prompt chunk: TQ query tokens of one sequence and kv head a program, each row's shares
         summed and folded as the split path does (the same helpers), so a prompt token's output is
@@ -51,7 +51,9 @@ if triton is not None:
         t = tile * TQ + offs_m % TQ
         in_pass = (offs_m < G * TQ) & (t < T)
         row_valid = in_pass
-        if HAS_LEN:  # rows padded at their ends (a batched prompt pass): the padding is not attended
+        # rows padded at their ends (a batched prompt pass, a graph's bucket): the padding is not
+        # attended. A run-time flag, not a constexpr: one compiled kernel serves both kinds of pass
+        if has_len != 0:
             row_valid = row_valid & (t < tl.load(LEN + b))
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
@@ -154,10 +156,10 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         lengths if lengths is not None else positions, out, table, *split_k._codebooks(codec, k_cache),
         q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
         k_scale.stride(0) if scaled else 0,
-        scale, window or 0, t,
+        scale, window or 0, t, int(lengths is not None),
         G=group, D=d, SHARES=splits, TQ=config["TQ"], BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
-        IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1), HAS_LEN=lengths is not None,
+        IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         MIN_KEYS=split_k._min_share_keys(config["BLOCK_N"], hkv), FP8=fp8, **split_k._code_bits(codec),
         num_warps=num_warps or config["num_warps"], num_stages=config["num_stages"])
     return out.transpose(1, 2)
