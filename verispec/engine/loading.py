@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ def load_parts(config: EngineConfig) -> tuple:
     model_dir = resolve_model(config.model)
     t1 = time.perf_counter()
     log.startup_phase("finding the model", t1 - t0)
+    tokenizer = _tokenizer_beside_the_weights(model_dir, device)
     with host_memory.lean_allocations() if device.type == "cpu" else contextlib.nullcontext():
         if config.tensor_parallel_size == 1:
             model, peers = load_model(model_dir, dtype, device), None
@@ -40,23 +43,50 @@ def load_parts(config: EngineConfig) -> tuple:
             model, peers = load_sharded(config, model_dir, dtype)
             device = next(model.parameters()).device
         try:
-            return _finish_parts(config, model, model_dir, dtype, device, peers, t1)
+            return _finish_parts(config, model, model_dir, dtype, device, peers, t1, tokenizer)
         except BaseException:
             if peers is not None:  # a failed start leaves no worker ranks waiting on a collective
                 peers.stop()
             raise
 
 
-def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, t1: float) -> tuple:
+def _tokenizer_beside_the_weights(model_dir, device) -> Future | None:
+    """The tokenizer, built on a thread while the weights load (on CUDA: the host is mostly waiting
+    for copies then; a first GGUF start builds its tokenizer from the file's vocabulary for ~2 s).
+    On a CPU the cores are loading the weights and the load's peak memory counts: built after them
+    (None)."""
+    if device.type != "cuda":
+        return None
+    future: Future = Future()
+    thread = threading.Thread(target=_build_tokenizer, args=(model_dir, future), name="verispec-tokenizer",
+                              daemon=True)
+    thread.start()
+    return future
+
+
+def _build_tokenizer(model_dir, future: Future) -> None:
+    try:
+        future.set_result(Tokenizer.from_dir(model_dir))
+    except BaseException as exc:  # raised where the tokenizer is wanted
+        future.set_exception(exc)
+
+
+def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, t1: float,
+                  building_tokenizer: Future | None) -> tuple:
     """load_parts after the weights: the tokenizer, the proposer, the numerics and the device's rewrites."""
     t2 = time.perf_counter()
     log.startup_phase(f"loading the weights ({type(model).__name__}, {str(dtype).removeprefix('torch.')}, "
                       f"{device})", t2 - t1)
     if peers is None:
         _decode_small_quantized(model, config.numerics, dtype, device)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    if building_tokenizer is not None:
+        tokenizer = building_tokenizer.result()
+        phase = "the tokenizer (the rest of its build, begun with the weights)"
+    else:
+        tokenizer = Tokenizer.from_dir(model_dir)
+        phase = "the tokenizer"
     t3 = time.perf_counter()
-    log.startup_phase("the tokenizer", t3 - t2)
+    log.startup_phase(phase, t3 - t2)
     proposer, num_drafts = build_proposer(config, model, model_dir, tokenizer)
     t4 = time.perf_counter()
     if proposer is not None:

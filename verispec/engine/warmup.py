@@ -2,6 +2,7 @@
 generation so that the first request pays no compilation."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -89,9 +90,12 @@ def graphs_possible(device: torch.device, enabled: bool, split_hybrid: bool = Fa
 def capture_graphs(engine) -> float:
     if not engine.use_graphs or engine.runner.graphs is not None:
         return 0.0
+    from verispec.kernels.cuda_graph import warm_up_once
+
     t0 = time.perf_counter()
-    compile_ahead(engine)
-    _capture(engine)
+    summary = compile_ahead(engine)
+    with warm_up_once() if summary is not None else contextlib.nullcontext():
+        _capture(engine)
     seconds = time.perf_counter() - t0
     graphs, prompts = engine.runner.graphs, engine.runner.prompt_graphs
     log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens%s in %.2fs",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 
 import torch
 
@@ -77,6 +78,23 @@ def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAG
         return _capture_once(fn, inputs, None)
 
 
+_warmups = threading.local()
+
+
+@contextlib.contextmanager
+def warm_up_once():
+    """Captures made on this thread run their pass once before capturing, not twice: for passes
+    that have just run dry (kernels/compile_ahead.py), which did what the first run would have
+    (Triton and torch.compile's kernels built, torch's lazy state set up); the one run left
+    autotunes what the dry run could not."""
+    previous = getattr(_warmups, "count", 2)
+    _warmups.count = 1
+    try:
+        yield
+    finally:
+        _warmups.count = previous
+
+
 class GraphedCall:
     """`fn(*inputs)` (tensors in, a tuple of tensors out) captured once with static input buffers
     shaped like `example_inputs`; calling it copies the new inputs in (host tensors: without a
@@ -94,7 +112,7 @@ class GraphedCall:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):  # warm-up runs compile/autotune kernels outside the capture
+            for _ in range(getattr(_warmups, "count", 2)):  # compile/autotune kernels outside the capture
                 fn(*self.inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph, self.outputs = capture(fn, self.inputs, pool)
