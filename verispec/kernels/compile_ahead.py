@@ -33,9 +33,13 @@ try:
     require_triton()
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
+    # Triton's own methods, which the dry run's stand-ins call (kept for good: another thread may
+    # be inside a stand-in while the last dry run puts Triton's back)
+    _TRITON = (JITFunction.run, JITFunction._do_compile, Autotuner.run)
 except ImportError:  # CPU-only installs
     JITFunction = None
     Autotuner = None
+    _TRITON = None
 
 # the pool's size: Triton's compile threads wait on ptxas and LLVM, not on Python (8 threads
 # compiled eight GEMM variants 4x faster than one on the H200's host)
@@ -72,25 +76,24 @@ class _DryRun:
             if error is not None:
                 failed += 1
                 log.debug("compiling %s ahead failed (%s: %s); it compiles where the pass meets it",
-                          getattr(kernel, "__name__", kernel), type(error).__name__, str(error).splitlines()[:1])
+                          getattr(kernel, "__name__", kernel), type(error).__name__, (str(error).splitlines() or [""])[0])
         self.pool.shutdown()
         return len(self.submitted) - failed, failed
 
 
 _patch_lock = threading.Lock()
-_originals: tuple | None = None  # (JITFunction.run, JITFunction._do_compile, Autotuner.run) while patched
-_users = 0
+_users = 0  # dry runs in progress, on any thread: the stand-ins are installed while there are some
 
 
 def _run(self, *args, grid, warmup, **kwargs):
-    return _originals[0](self, *args, grid=grid, warmup=warmup or active(), **kwargs)
+    return _TRITON[0](self, *args, grid=grid, warmup=warmup or active(), **kwargs)
 
 
 def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
     dry = getattr(_state, "run", None)
     if dry is None:  # not this thread's dry run: the pool's threads, or anyone else
-        return _originals[1](self, key, signature, device, constexprs, options, attrs, warmup)
-    dry.submit(_build, self, key, (_originals[1], signature, device, constexprs, options, attrs))
+        return _TRITON[1](self, key, signature, device, constexprs, options, attrs, warmup)
+    dry.submit(_build, self, key, (_TRITON[1], signature, device, constexprs, options, attrs))
     return None  # run() returns without launching
 
 
@@ -108,7 +111,7 @@ def _build(fn, key, compile_fn, signature, device, constexprs, options, attrs):
 def _tune(self, *args, **kwargs):
     dry = getattr(_state, "run", None)
     if dry is None:
-        return _originals[2](self, *args, **kwargs)
+        return _TRITON[2](self, *args, **kwargs)
     dry.skipped_tuners += 1
     return None
 
@@ -116,21 +119,19 @@ def _tune(self, *args, **kwargs):
 def _install() -> None:
     """Route JITFunction.run, its compile and Autotuner.run through the dry run where the calling
     thread is in one; every other thread goes straight through. Installed while a dry run lasts."""
-    global _originals, _users
+    global _users
     with _patch_lock:
         _users += 1
-        if _originals is None:
-            _originals = (JITFunction.run, JITFunction._do_compile, Autotuner.run)
+        if _users == 1:
             JITFunction.run, JITFunction._do_compile, Autotuner.run = _run, _do_compile, _tune
 
 
 def _uninstall() -> None:
-    global _originals, _users
+    global _users
     with _patch_lock:
         _users -= 1
         if _users == 0:
-            JITFunction.run, JITFunction._do_compile, Autotuner.run = _originals
-            _originals = None
+            JITFunction.run, JITFunction._do_compile, Autotuner.run = _TRITON
 
 
 @contextlib.contextmanager
