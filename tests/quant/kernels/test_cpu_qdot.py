@@ -184,3 +184,19 @@ def test_only_a_whole_storage_is_handed_back():
     assert release_converted_rows(words[8:], 16) == 0  # a view into another tensor's memory
     assert release_converted_rows(words.t(), 16) == 0
     assert torch.equal(words, torch.ones_like(words))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_rows_decoded_in_c_are_the_unpacked_values(qtype, dtype):
+    """A tied table's embedding lookup (decode_rows, one C call) gives the bits of the blocks unpacked
+    and decoded by torch (unpack + dequantize.decode_values), which are the checkpoint's values; an
+    id past the table is refused before anything is read."""
+    from verispec.quant.layers.linear import decode_qdot
+
+    layer, _ = layer_for(qtype, torch.float16 if dtype == torch.float32 else dtype)
+    blocks, bits = layer.qdot_blocks, QTYPES[qtype]
+    ids = torch.tensor([3, 0, N - 1, 3])
+    assert torch.equal(cpu_qdot.decode_rows(blocks, ids, bits, K, dtype), decode_qdot(blocks[ids], bits, K, dtype))
+    with pytest.raises(IndexError, match=f"row ids must lie in \\[0, {N}\\)"):
+        cpu_qdot.decode_rows(blocks, torch.tensor([0, N]), bits, K, dtype)

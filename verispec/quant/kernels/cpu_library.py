@@ -20,6 +20,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decoder_layers.restype = ctypes.c_int
     library.decoder_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    library.qdot_decode_rows.restype = ctypes.c_int
+    library.qdot_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     library.qdot_isa.restype = ctypes.c_char_p
     log.debug("CPU integer-dot kernel: %s", library.qdot_isa().decode())
 

@@ -108,6 +108,18 @@ def unpack(blocks: torch.Tensor, bits: int, in_features: int) -> tuple[torch.Ten
     return q.reshape(n, in_features), s.contiguous(), o.contiguous()
 
 
+def decode_rows(packed: torch.Tensor, rows: torch.Tensor, bits: int, in_features: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` [n] (int64) of the kernel's blocks as values [n, K] in `dtype`: the bits
+    `unpack` and dequantize.decode_values give them (a tied table's embedding lookup)."""
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), in_features, dtype=dtype)
+    if _library.get().qdot_decode_rows(packed.data_ptr(), bits, in_features, packed.shape[0], rows.data_ptr(),
+                                       rows.numel(), out.data_ptr(), DTYPE_CODES[dtype]):
+        raise IndexError(f"row ids must lie in [0, {packed.shape[0]}): got {rows.tolist()[:8]}")
+    return out
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
     """x [M, K] (float16, bfloat16 or float32) -> [M, N] in x's dtype."""
     x = x.contiguous()

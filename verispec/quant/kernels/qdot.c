@@ -293,6 +293,38 @@ int qdot_linear(const void *x, int x_dtype, int M, int K, const void *w, int bit
     return failed ? -1 : 0;
 }
 
+/* Rows ids[0..n-1] of a packed weight [N, K] as values: out [n, K] (dtype out_dtype), each value
+ * w = q * d + o in float32 as cpu_qdot.unpack and dequantize.decode_values give it (q * d is exact, so
+ * one rounding for the add and one for the store, fused or not); 8-bit codes and their re-centred
+ * offset back to unsigned codes and the checkpoint's offset (o - 128 d, exact: pack checked it).
+ * A tied table's embedding lookup, one call instead of a dozen torch ops a step. Returns 0, or -1
+ * (nothing written) when an id is not a row of the weight's N. */
+int qdot_decode_rows(const void *w, int bits, int K, int N, const int64_t *ids, int n, void *out, int out_dtype) {
+    const int nblocks = K / QK;
+    const size_t row_bytes = weight_row_bytes(bits, nblocks);
+    for (int r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return -1;
+    for (int r = 0; r < n; r++) {
+        const char *wrow = (const char *)w + (size_t)ids[r] * row_bytes;
+        for (int b = 0; b < nblocks; b++) {
+            const size_t at = (size_t)r * K + (size_t)b * QK;
+            if (bits == 4) {
+                const block4 *blk = (const block4 *)wrow + b;
+                const float d = HALF(blk->d), o = HALF(blk->o);
+                for (int j = 0; j < 16; j++) {
+                    store_y(out, out_dtype, at + j, (float)(blk->q[j] & 0x0f) * d + o);
+                    store_y(out, out_dtype, at + j + 16, (float)(blk->q[j] >> 4) * d + o);
+                }
+            } else {
+                const block8 *blk = (const block8 *)wrow + b;
+                const float d = HALF(blk->d), o = HALF(blk->o) - 128.0f * d;
+                for (int j = 0; j < QK; j++) store_y(out, out_dtype, at + j, (float)(blk->q[j] + 128) * d + o);
+            }
+        }
+    }
+    return 0;
+}
+
 /* Which instruction set this build sums with (for the log). */
 const char *qdot_isa(void) {
 #ifdef __AVX2__

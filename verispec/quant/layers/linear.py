@@ -447,7 +447,7 @@ class MLXAffineEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         rows = input_ids.reshape(-1)
         if self.qdot_blocks is not None:  # the tied head's integer-dot blocks hold the table alone
-            w = decode_qdot(self.qdot_blocks[rows], self.bits, self.embedding_dim, self.scales.dtype)
+            w = cpu_qdot.decode_rows(self.qdot_blocks, rows, self.bits, self.embedding_dim, self.scales.dtype)
         else:
             w = dequantize.decode_torch(self.weight[rows], self.scales[rows], self.biases[rows], self.bits,
                                         self.group_size, False, self.scales.dtype)
