@@ -11,9 +11,9 @@ back (`malloc_trim`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 from typing import Iterator
+
+from verispec import host_libc
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 LOADING_THRESHOLD = 256 << 10
@@ -21,11 +21,7 @@ RUNNING_THRESHOLD = 32 << 20
 
 
 def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
+    libc = host_libc.library()
     return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 

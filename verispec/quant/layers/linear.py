@@ -11,8 +11,6 @@ weight_packed / weight_scale / weight_zero_point).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import mmap
 import sys
 
@@ -20,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec import log
+from verispec import host_libc, log
 from verispec.errors import UnsupportedModelError
 from verispec.quant.kernels import cpu_qdot, dequantize, frag as frag_kernel, frag_dequantize, int4_builtin
 from verispec.quant.kernels import mma as mma_kernel
@@ -45,8 +43,8 @@ def release_converted_rows(words: torch.Tensor, rows: int) -> int:
     if (words.device.type != "cpu" or not words.is_contiguous() or words.storage_offset()
             or words.untyped_storage().nbytes() != words.numel() * words.element_size()):
         return 0
-    libc = _libc()
-    if libc is None:
+    libc = host_libc.library() if sys.platform.startswith("linux") else None  # pages read as zeros: Linux's madvise
+    if libc is None or not hasattr(libc, "madvise"):
         return 0
     page = mmap.PAGESIZE
     start = -(-words.data_ptr() // page) * page
@@ -59,14 +57,6 @@ def release_converted_rows(words: torch.Tensor, rows: int) -> int:
 
 MADV_DONTNEED = 4  # Linux's
 
-
-@functools.cache
-def _libc():
-    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
 
 
 def decode_qdot(blocks: torch.Tensor, bits: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
