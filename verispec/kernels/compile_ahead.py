@@ -139,13 +139,12 @@ def dry_run(threads: int | None = None):
     """Run passes dry on this thread: Triton launches skipped, their specialisations compiled by a
     pool of threads; on leaving, waits for the pool. Yields a dict filled on exit with `built`,
     `failed`, `skipped_tuners` and `wait_s` (the time spent waiting for the pool after the passes)."""
-    summary: dict = {}
     if not available():
-        yield summary
-        return
+        raise RuntimeError("dry_run() needs Triton (compile_ahead.available())")
     if active():
         raise RuntimeError("dry_run() is already active on this thread")
     dry = _DryRun(threads or min(MAX_THREADS, os.cpu_count() or 1))
+    summary: dict = {}
     _install()
     _state.run = dry
     try:

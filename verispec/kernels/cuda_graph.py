@@ -78,7 +78,8 @@ def capture(fn, inputs: list[torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAG
         return _capture_once(fn, inputs, None)
 
 
-_warmups = threading.local()
+WARM_UP_RUNS = 2  # a pass's runs before its capture: compiles and autotuning happen outside it
+_warmups = threading.local()  # count: this thread's, inside warm_up_once()
 
 
 @contextlib.contextmanager
@@ -87,7 +88,7 @@ def warm_up_once():
     that have just run dry (kernels/compile_ahead.py), which did what the first run would have
     (Triton and torch.compile's kernels built, torch's lazy state set up); the one run left
     autotunes what the dry run could not."""
-    previous = getattr(_warmups, "count", 2)
+    previous = getattr(_warmups, "count", WARM_UP_RUNS)
     _warmups.count = 1
     try:
         yield
@@ -112,7 +113,7 @@ class GraphedCall:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(getattr(_warmups, "count", 2)):  # compile/autotune kernels outside the capture
+            for _ in range(getattr(_warmups, "count", WARM_UP_RUNS)):
                 fn(*self.inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph, self.outputs = capture(fn, self.inputs, pool)
