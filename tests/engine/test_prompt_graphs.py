@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from verispec.engine import prompt_graphs
 from verispec.engine.prompt_graphs import PROMPT_BUCKETS, bucket_for, capture_prompt_graphs, prompt_graph_reason
 
 
@@ -28,5 +29,27 @@ def test_only_passes_whose_rows_are_independent_replay_graphs():
 
 
 def test_no_graphs_where_they_cannot_run_or_no_bucket_fits_the_step():
-    assert capture_prompt_graphs(runner(prompt_kernel=False), 2048, 64, ()) is None
-    assert capture_prompt_graphs(runner(), PROMPT_BUCKETS[0] - 1, 64, ()) is None
+    assert capture_prompt_graphs(runner(prompt_kernel=False), 2048, 8, 64, ()) is None
+    assert capture_prompt_graphs(runner(), PROMPT_BUCKETS[0] - 1, 8, 64, ()) is None
+
+
+class FakeCapture:
+    def __init__(self, runner, num_seqs, num_tokens, table_width, capture, pool):
+        self.num_seqs, self.num_tokens = num_seqs, num_tokens
+        self.call = SimpleNamespace(pool=lambda: pool)
+
+
+def test_passes_of_several_sequences_replay_graphs_up_to_the_batched_limits(monkeypatch):
+    """Shapes captured: every chunk bucket for one sequence; for 2, 4, 8 sequences the buckets up
+    to MAX_BATCHED_CHUNK within MAX_BATCHED_ROWS rows; a pass takes the smallest shape that holds it."""
+    monkeypatch.setattr(prompt_graphs, "_CapturedPrompt", FakeCapture)
+    graphs = prompt_graphs.PromptGraphs(runner(), 1024, 6, 64, ())
+    assert graphs.batch_sizes == [1, 2, 4]  # up to the engine's max_num_seqs
+    assert graphs.get(1, 1000).num_tokens == 1024
+    assert (graphs.get(3, 100).num_seqs, graphs.get(3, 100).num_tokens) == (4, 128)
+    assert graphs.get(2, prompt_graphs.MAX_BATCHED_CHUNK + 1) is None  # long chunks: eager
+    assert graphs.get(5, 16) is None  # more sequences than any bucket
+    assert graphs.longest_batched == prompt_graphs.MAX_BATCHED_CHUNK
+    assert all(b * t <= prompt_graphs.MAX_BATCHED_ROWS for b, t in graphs.passes if b > 1)
+    eight = prompt_graphs.PromptGraphs(runner(), 1024, 64, 64, ())
+    assert eight.batch_sizes[-1] == 8 and eight.get(8, 512) is not None and eight.get(9, 16) is None

@@ -64,7 +64,7 @@ def load(root, family: str, **fields) -> Engine:
     assert dense.has_decodable_layers(engine.model) == ("mlx" in family and not decoded)
     if engine.config.cuda_graphs:
         engine.capture_graphs()
-        # one sequence's prompt chunks replay graphs wherever rows are independent of their pass
+        # prompt chunks replay graphs wherever rows are independent of their pass
         assert (engine.runner.prompt_graphs is None) == (family == "qwen3_5")
     return engine
 
@@ -152,8 +152,29 @@ def test_prompt_chunks_replayed_from_graphs_are_the_eager_passes_bits(root):
     prompt the engine's 1,024-token context takes, against an engine without CUDA graphs."""
     graphed, eager = load(root, "llama"), load(root, "llama", cuda_graphs=False)
     lengths = [1, 15, 16, 17, 255, 256, 257, 700, 768, 1024 - NEW_TOKENS]
-    assert graphed.runner.prompt_graphs.get(lengths[-1]) is not None
+    assert graphed.runner.prompt_graphs.get(1, lengths[-1]) is not None
     prompts = corpus_prompts(graphed.tokenizer, lengths)
     assert [len(p) for p in prompts] == lengths
     check([record(graphed.generate_all(p, params())) for p in prompts],
           [record(eager.generate_all(p, params())) for p in prompts], "prompt passes from graphs")
+
+
+def test_several_sequences_prompt_chunks_replayed_from_graphs_are_the_eager_passes_bits(root):
+    """Eight prompts of different lengths arriving together (engine/prompt_graphs.py: one pass of
+    several sequences, each padded to the chunk bucket and the batch bucket) against each prompt
+    alone on an engine without CUDA graphs; and the passes did replay graphs of several sequences."""
+    graphed, eager = load(root, "llama"), load(root, "llama", cuda_graphs=False)
+    lengths = [3, 17, 40, 64, 100, 130, 200, 250]
+    prompts = corpus_prompts(graphed.tokenizer, lengths)
+    passes = []
+    replay = graphed.runner._graphed_prefill
+
+    def counted(graphed_pass, seqs, *args):
+        passes.append((graphed_pass.num_seqs, len(seqs)))
+        return replay(graphed_pass, seqs, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphed.runner, "_graphed_prefill", counted)
+        together = [record(r) for r in graphed.generate_batch(prompts, params())]
+    assert any(n > 1 for _, n in passes), passes
+    check(together, [record(eager.generate_all(p, params())) for p in prompts], "several prompts from graphs")

@@ -150,9 +150,9 @@ class ModelRunner:
         (their prompt logprobs are wanted)."""
         t = max(counts)
         starts = [s.num_cached for s in seqs]
-        graphed = self.prompt_graphs.get(t) if self.prompt_graphs is not None and len(seqs) == 1 else None
-        if graphed is not None and not every_row:
-            return self._graphed_prefill(graphed, seqs[0], starts[0], counts[0], keep_all_rows)
+        graphed = self.prompt_graphs.get(len(seqs), t) if self.prompt_graphs is not None and not every_row else None
+        if graphed is not None:
+            return self._graphed_prefill(graphed, seqs, starts, counts, keep_all_rows)
         ids, positions = [], []
         for seq, start, n in zip(seqs, starts, counts):
             row = seq.token_ids[start:start + n]
@@ -178,13 +178,22 @@ class ModelRunner:
         all_rows = {b: out.hidden[b, :counts[b]] for b in every_row} if every_row else None
         return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache, all_rows)
 
-    def _graphed_prefill(self, graphed, seq: Sequence, start: int, count: int, keep_all_rows: bool) -> PassOutput:
-        """`prefill` of one sequence's chunk by a captured graph (engine/prompt_graphs.py): the same
-        bits, in tensors of its own (the graph's buffers are rewritten by the next replay)."""
-        hidden, aux, pre_norm, logits = graphed(seq, start, count)
-        rows = slice(0, count) if keep_all_rows else slice(count - 1, count)
-        return PassOutput(hidden[:, rows].clone(), [a[:, rows].clone() for a in aux],
-                          pre_norm[:, rows].clone() if pre_norm is not None else None, logits.clone(), graphed.cache)
+    def _graphed_prefill(self, graphed, seqs: list[Sequence], starts: list[int], counts: list[int],
+                         keep_all_rows: bool) -> PassOutput:
+        """`prefill` of the sequences' chunks by a captured graph (engine/prompt_graphs.py): the
+        same bits, in tensors of its own (the graph's buffers are rewritten by the next replay)."""
+        hidden, aux, pre_norm, logits = graphed(seqs, starts, counts)
+        b, t = len(seqs), max(counts)
+        if keep_all_rows:  # [B, T, H] as the eager pass gives them (row b's are [:counts[b]])
+            def keep(x: torch.Tensor) -> torch.Tensor:
+                return x[:b, :t].clone()
+        else:  # each sequence's last row
+            last = torch.tensor(counts, device=self.device)[:, None, None] - 1
+
+            def keep(x: torch.Tensor) -> torch.Tensor:
+                return x[:b].gather(1, last.expand(-1, -1, x.shape[-1]))
+        return PassOutput(keep(hidden), [keep(a) for a in aux], keep(pre_norm) if pre_norm is not None else None,
+                          logits[:b].clone(), graphed.cache)
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], inputs: list[list[int]] | torch.Tensor, capture: tuple[int, ...],

@@ -100,7 +100,8 @@ def capture_graphs(engine) -> float:
     graphs, prompts = engine.runner.graphs, engine.runner.prompt_graphs
     log.debug("captured CUDA graphs for batch sizes %s x steps of 1..%d tokens%s in %.2fs",
               graphs.batch_sizes, engine.num_drafts + 1,
-              f", and one sequence's prompt chunks of up to {prompts.buckets[-1]} tokens" if prompts else "", seconds)
+              f", prompt chunks of up to {prompts.buckets[-1]} tokens (passes of up to {prompts.batch_sizes[-1]} "
+              f"sequences' to {prompts.longest_batched})" if prompts else "", seconds)
     return seconds
 
 
@@ -121,8 +122,9 @@ def _capture(engine) -> None:
             engine.peers.keep_graphs(engine.runner.graphs)
     if engine.proposer is not None:
         engine.proposer.capture_graphs(engine.runner.graphs.batch_sizes, engine.num_drafts + 1, table_width)
-    engine.runner.prompt_graphs = capture_prompt_graphs(engine.runner, engine.config.prefill_step_size, table_width,
-                                                        capture, engine.runner.graphs.pool)
+    engine.runner.prompt_graphs = capture_prompt_graphs(engine.runner, engine.config.prefill_step_size,
+                                                        engine.config.max_num_seqs, table_width, capture,
+                                                        engine.runner.graphs.pool)
 
 
 def compile_ahead(engine) -> dict | None:
