@@ -188,3 +188,28 @@ def test_logprob_bytes_rebuild_the_text(client):
     out = client.chat.completions.create(max_tokens=24, logprobs=True, **GREEDY)
     joined = b"".join(bytes(e.bytes) for e in out.choices[0].logprobs.content)
     assert joined.decode("utf-8", errors="replace") == out.choices[0].message.content
+
+
+def test_debug_log_splits_a_streamed_requests_first_token_time(client, monkeypatch):
+    """Under VERISPEC_DEBUG=1 each request's first token logs where its time went on the server's
+    side: reading it, preparing it, then the engine's queue to the event loop; the parts add up."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("verispec")
+    logger.addHandler(handler)
+    monkeypatch.setenv("VERISPEC_DEBUG", "1")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        stream_text(client, max_tokens=2, **GREEDY)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [r for r in records if r.startswith("first token")]
+    assert len(lines) == 1, records
+    total, reading, preparing, engine = map(float, re.findall(r"([0-9.]+) ms", lines[0]))
+    assert 0 < reading < total and 0 < preparing < total and 0 < engine < total
+    assert abs(reading + preparing + engine - total) < 0.2

@@ -10,6 +10,7 @@ regex search per string.
 """
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from dataclasses import dataclass
@@ -25,13 +26,19 @@ def control_spellings(hf_tokenizer) -> list[str]:
     return sorted(spellings, key=len, reverse=True)
 
 
+@functools.lru_cache(maxsize=8)
+def _spellings_pattern(spellings: tuple[str, ...]) -> re.Pattern:
+    """Compiled once per tokenizer (a request's compile cost more than its search)."""
+    return re.compile("|".join(map(re.escape, spellings)))
+
+
 class ControlTextMask:
     """One prompt's client strings with every control-token spelling swapped for a sentinel."""
 
     def __init__(self, spellings: list[str]):
-        self._pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
-        self._nonce = secrets.token_hex(8)
-        self._sentinel = re.compile(f"{SENTINEL_OPEN}{self._nonce}:(\\d+){SENTINEL_CLOSE}")
+        self._pattern = _spellings_pattern(tuple(spellings)) if spellings else None
+        # sentinel i is OPEN nonce ":" i CLOSE; found with str.split, not a regex compiled per nonce
+        self._opening = f"{SENTINEL_OPEN}{secrets.token_hex(8)}:"
         self.originals: list[str] = []  # the spelling behind sentinel i
 
     @property
@@ -53,23 +60,32 @@ class ControlTextMask:
 
     def _swap(self, match: re.Match) -> str:
         self.originals.append(match.group(0))
-        return f"{SENTINEL_OPEN}{self._nonce}:{len(self.originals) - 1}{SENTINEL_CLOSE}"
+        return f"{self._opening}{len(self.originals) - 1}{SENTINEL_CLOSE}"
+
+    def _pieces(self, rendered: str) -> list:
+        """The rendered text split at the sentinels: text, index, text, index, ..., text."""
+        first, *rest = rendered.split(self._opening)
+        pieces: list = [first]
+        for part in rest:
+            index, _, text = part.partition(SENTINEL_CLOSE)
+            pieces += [int(index), text]
+        return pieces
 
     def unmask(self, rendered: str) -> str:
         """The rendered prompt as the client's text reads (sentinels back to their spellings)."""
-        return self._sentinel.sub(lambda m: self.originals[int(m.group(1))], rendered)
+        return "".join(piece if i % 2 == 0 else self.originals[piece]
+                       for i, piece in enumerate(self._pieces(rendered)))
 
     def encode(self, rendered: str, hf_tokenizer) -> list[int]:
         """Token ids of the rendered prompt: template pieces with special tokens on, the client's control
         spellings with them off (as plain characters)."""
         ids: list[int] = []
-        pieces = self._sentinel.split(rendered)  # text, index, text, index, ..., text
-        for i, piece in enumerate(pieces):
+        for i, piece in enumerate(self._pieces(rendered)):
             if i % 2 == 0:
                 if piece:
                     ids += hf_tokenizer.encode(piece, add_special_tokens=False)
             else:
-                ids += hf_tokenizer.encode(self.originals[int(piece)], add_special_tokens=False,
+                ids += hf_tokenizer.encode(self.originals[piece], add_special_tokens=False,
                                            split_special_tokens=True)
         return ids
 

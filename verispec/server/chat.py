@@ -8,10 +8,10 @@ from fastapi.responses import JSONResponse, Response
 from verispec.engine.types import GenerationChunk
 from verispec.server.cache_scope import cache_salt
 from verispec.server.errors import client_gone
+from verispec.server.metrics import note_parsed
 from verispec.server.generation import CollectedGeneration, all_finished, collect, first_chunk, observed_generation
-from verispec.server.input_checks import reject_unpaired_surrogates_in
 from verispec.server.logprobs import chat_logprobs
-from verispec.server.prepare import PreparedRequest, check_model, prepare_chat
+from verispec.server.prepare import PreparedRequest, prepare_chat, prepare_checked
 from verispec.server.reasoning import ReasoningParser, split_reasoning
 from verispec.server.schema import ChatCompletionRequest
 from verispec.server.speculation import SpeculationTally
@@ -22,13 +22,11 @@ from verispec.server.tools.streaming import ToolStreamParser
 
 
 async def chat_completion(state: ServerState, request: Request, body: ChatCompletionRequest) -> Response:
-    # A walk over every string of the body: long for a multi-megabyte prompt, so off the event loop.
+    note_parsed(request)
     body_bytes = len(await request.body())  # already read (and kept) to parse `body`
-    await state.bridge.run_blocking(body_bytes, reject_unpaired_surrogates_in, body)
-    check_model(body.model, state.served_model_name)
     tokenizer = state.engine.tokenizer
-    prepared = await state.bridge.run_blocking(body_bytes, prepare_chat, body, state.engine,
-                                              state.prompt_budget)
+    prepared = await state.bridge.run_blocking(body_bytes, prepare_checked, prepare_chat, body, state.engine,
+                                              state.served_model_name, state.prompt_budget)
     prepared.params.cache_salt = cache_salt(request.scope, body.cache_salt)
     # Only thinking models get their output split; for others "<think>" is just text.
     parses_reasoning = tokenizer.supports_thinking

@@ -7,23 +7,21 @@ from fastapi.responses import JSONResponse, Response
 from verispec.engine.types import GenerationChunk
 from verispec.server.cache_scope import cache_salt
 from verispec.server.errors import client_gone
+from verispec.server.metrics import note_parsed
 from verispec.server.generation import all_finished, collect, first_chunk, observed_generation
-from verispec.server.input_checks import reject_unpaired_surrogates_in
 from verispec.server.logprobs import CompletionLogprobs, joined
-from verispec.server.prepare import check_model, prepare_completion
+from verispec.server.prepare import prepare_checked, prepare_completion
 from verispec.server.schema import CompletionRequest
 from verispec.server.state import ServerState, usage
 from verispec.server.streaming import event_stream, sse_response
 
 
 async def completion(state: ServerState, request: Request, body: CompletionRequest) -> Response:
-    # A walk over every string of the body: long for a multi-megabyte prompt, so off the event loop.
+    note_parsed(request)
     body_bytes = len(await request.body())  # already read (and kept) to parse `body`
-    await state.bridge.run_blocking(body_bytes, reject_unpaired_surrogates_in, body)
-    check_model(body.model, state.served_model_name)
     tokenizer = state.engine.tokenizer
-    prepared = await state.bridge.run_blocking(body_bytes, prepare_completion, body, state.engine,
-                                              state.prompt_budget)
+    prepared = await state.bridge.run_blocking(body_bytes, prepare_checked, prepare_completion, body, state.engine,
+                                              state.served_model_name, state.prompt_budget)
     prepared.params.cache_salt = cache_salt(request.scope, body.cache_salt)
     echo_text = prepared.prompt_text if body.echo else ""
     # echo with logprobs: the prompt's tokens lead the logprobs (SamplingParams.prompt_logprobs)

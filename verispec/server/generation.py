@@ -10,8 +10,10 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from verispec import log
 from verispec.engine.types import FinishReason, GenerationChunk, TokenLogprob
 from verispec.server.bridge import cancel_on_disconnect
+from verispec.server.metrics import ARRIVED_AT, PARSED_AT
 from verispec.server.prepare import PreparedRequest
 from verispec.server.state import ServerState
 
@@ -31,6 +33,8 @@ async def observed_generation(state: ServerState, request: Request,
             async for index, chunk in chunks:
                 if num_generated == 0 and chunk.token_ids:
                     state.metrics.ttft.observe(time.perf_counter() - start)  # queueing included
+                    if log.debug_enabled():
+                        _log_first_token(request, start)
                 num_generated += len(chunk.token_ids)
                 if chunk.stats is not None:
                     state.metrics.observe_stats(chunk.stats)
@@ -39,6 +43,19 @@ async def observed_generation(state: ServerState, request: Request,
         state.metrics.in_flight.dec()
         if num_generated:  # a refused request processed no prompt; the n choices share one prompt
             state.metrics.observe_generation(len(prepared.prompt_ids), num_generated)
+
+
+def _log_first_token(request: Request, submitted: float) -> None:
+    """Where a request's time to first token went on this side of the engine: reading and parsing
+    its body (MetricsMiddleware notes its arrival), the checks, template and tokenizer (from its
+    endpoint's start), and from handing it to the engine to its first token here (the engine logs
+    its own share when the request ends)."""
+    state = request.scope.get("state", {})
+    now = time.perf_counter()
+    arrived, parsed = state.get(ARRIVED_AT, submitted), state.get(PARSED_AT, submitted)
+    log.debug("first token %.1f ms after the request arrived: %.1f ms reading it, %.1f ms preparing it, %.1f ms "
+              "from the engine's queue to here", (now - arrived) * 1000, (parsed - arrived) * 1000,
+              (submitted - parsed) * 1000, (now - submitted) * 1000)
 
 
 @dataclass

@@ -126,6 +126,15 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+ARRIVED_AT = "verispec_arrived_at"  # request.state key: when the request's headers reached the app
+PARSED_AT = "verispec_parsed_at"  # ... when its body was read and validated (its endpoint began)
+
+
+def note_parsed(request) -> None:
+    """An endpoint's start, for the request's first-token log line (server/generation.py)."""
+    request.scope.setdefault("state", {})[PARSED_AT] = time.perf_counter()
+
+
 class MetricsMiddleware:
     """Counts every HTTP request with its final status, errors and auth failures included."""
 
@@ -138,6 +147,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
+        scope.setdefault("state", {})[ARRIVED_AT] = start  # (a request's first-token log line reads it)
         status = 500  # what the client gets if the app raises before starting a response
 
         async def send_and_note_status(message) -> None:

@@ -10,7 +10,8 @@ from verispec.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.grammar.spec import GrammarSpec
 from verispec.server.errors import invalid_request, model_not_found
-from verispec.server.input_checks import check_chat_template_kwargs, check_seed, check_token_ids
+from verispec.server.input_checks import (check_chat_template_kwargs, check_seed, check_token_ids,
+                                          reject_unpaired_surrogates_in)
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 from verispec.server.token_budget import PromptBudget
 from verispec.server.tools.request import (ToolPlan, plan_response_format, plan_tools, special_token_marker,
@@ -47,6 +48,17 @@ class PreparedRequest:
         if seed is None or self.num_choices == 1:
             return [self.params] * self.num_choices
         return [replace(self.params, seed=seed + i) for i in range(self.num_choices)]
+
+
+def prepare_checked(prepare: Callable, req: GenerationRequest, engine: EngineClient, served_name: str,
+                    budget: PromptBudget) -> PreparedRequest:
+    """`prepare` (prepare_chat or prepare_completion) after the body's checks: every string of it
+    Unicode (a walk that is long for a multi-megabyte prompt) and the model its name. Blocking, one
+    call off the event loop for all of it: each hop to a thread and back cost a request about as
+    much as its template and tokenizer, and eight clients' requests queue behind each other's."""
+    reject_unpaired_surrogates_in(req)
+    check_model(req.model, served_name)
+    return prepare(req, engine, budget)
 
 
 def check_model(requested: str | None, served_name: str) -> None:
