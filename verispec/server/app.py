@@ -25,6 +25,7 @@ from verispec.server.metrics import MetricsMiddleware
 from verispec.server.openapi import install_openapi
 from verispec.server.routes import JSON_BODY_PATHS, build_router
 from verispec.server.schema import request_field_names
+from verispec.server.prepare import warm_up_preparation
 from verispec.server.state import ServerState
 from verispec.server.token_budget import PromptBudget
 
@@ -89,6 +90,9 @@ def run_server(engine: EngineClient, host: str, port: int, api_key: str | list[s
         log.startup_phase("prewarm", engine.prewarm())
     app = create_app(engine, served_model_name, api_key, max_request_bytes, bind_host=host,
                      allowed_hosts=allowed_hosts, cors_origins=cors_origins, owns_engine=True)
+    if prewarm:
+        log.startup_phase("a first request's template and tokenizer",
+                          warm_up_preparation(engine, app.state.verispec.prompt_budget))
     cache = engine.describe().cache
     if cache is not None:
         log.info("KV cache: %s", cache)

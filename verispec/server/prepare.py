@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from verispec import log
 from verispec.engine.client import EngineClient
 from verispec.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from verispec.errors import InvalidRequestError
 from verispec.grammar.spec import GrammarSpec
-from verispec.server.errors import invalid_request, model_not_found
+from verispec.server.errors import APIError, invalid_request, model_not_found
 from verispec.server.input_checks import (check_chat_template_kwargs, check_seed, check_token_ids,
                                           reject_unpaired_surrogates_in)
 from verispec.server.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
@@ -48,6 +50,19 @@ class PreparedRequest:
         if seed is None or self.num_choices == 1:
             return [self.params] * self.num_choices
         return [replace(self.params, seed=seed + i) for i in range(self.num_choices)]
+
+
+def warm_up_preparation(engine: EngineClient, budget: PromptBudget) -> float:
+    """One chat request prepared and thrown away before serving, so that the chat template's compile
+    and the tokenizer's first calls (about 0.1 s on the H200's host) are not the first client's.
+    Returns the seconds it took; a model whose template cannot render it is logged and skipped."""
+    t0 = time.perf_counter()
+    request = ChatCompletionRequest(messages=[ChatMessage(role="user", content="Hello")], max_tokens=1)
+    try:
+        prepare_chat(request, engine, budget)
+    except (APIError, InvalidRequestError) as exc:
+        log.debug("request preparation not warmed up: %s", exc)
+    return time.perf_counter() - t0
 
 
 def prepare_checked(prepare: Callable, req: GenerationRequest, engine: EngineClient, served_name: str,
