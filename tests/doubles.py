@@ -78,3 +78,17 @@ class KeyedReplay(PerSequence):
             token = self.continuation[i] if i < len(self.continuation) else 0
             out.append((token + 1) % self.vocab_size if self.wrong_at(i) else token)
         return Draft(out)
+
+
+class DeviceKeyedReplay(KeyedReplay):
+    """KeyedReplay whose greedy drafts are handed over as one tensor (Proposer.propose_on_device),
+    as the chained drafters' are: the engine's round then verifies them without reading them back
+    first, and reads drafts and target tokens together after the pass."""
+
+    drafts_on_device = True
+
+    def propose_on_device(self, seqs, num_drafts) -> torch.Tensor:
+        k = max(num_drafts)
+        rows = [self._copies[s.id].draft(n, None, None).token_ids for s, n in zip(seqs, num_drafts)]
+        # past a row's count: padding the pass computes and nothing reads (here: the next token id)
+        return torch.tensor([row + [(row[-1] + 1) % self.vocab_size] * (k - len(row)) for row in rows])

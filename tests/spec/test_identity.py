@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.doubles import DeviceKeyedReplay
 from tools.tiny import corpus_text
 
 from tests.spec.conftest import (ReplayProposer, assert_greedy_identity, eagle3_proposer, greedy, spec_engine,
@@ -48,6 +49,33 @@ def test_eagle3_trained_drafter_identity_with_acceptance(targets, eagle3_dirs, p
     accepted, drafted = assert_greedy_identity(engines, cases, NEW_TOKENS)
     # both branches of verification must have run for this test to mean anything
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+@pytest.mark.parametrize("right", ["always", "never", "partly"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_drafts_verified_where_they_are_made_on_the_device(targets, prompt_ids, plain, right, k, monkeypatch):
+    """Greedy rounds whose drafts stay on the device (engine `_round_on_device`: the verify pass takes
+    them as its inputs, one read back after it) give plain greedy's tokens, alone and batched, with
+    drafts always right, never right and right at two positions of three; the host path never ran."""
+    engine = targets["qwen3"]
+    continuations = {tuple(ids): plain[("qwen3", i)] for i, ids in enumerate(prompt_ids)}
+    right_at = {"always": lambda i: True, "never": lambda i: False, "partly": lambda i: i % 3 != 2}[right]
+    proposer = DeviceKeyedReplay(continuations, engine.model.vocab_size, wrong_at=lambda i: not right_at(i))
+    spec = spec_engine(engine, proposer, k)
+    host_rounds, host_propose = [], spec.runner.propose  # (a round that drafts nothing goes there)
+    monkeypatch.setattr(spec.runner, "propose",
+                        lambda seqs, counts: host_rounds.append(counts) if any(counts) else host_propose(seqs, counts))
+    alone = [spec.generate_all(ids, greedy(NEW_TOKENS)) for ids in prompt_ids]
+    together = spec.generate_batch(prompt_ids, greedy(NEW_TOKENS))
+    assert not host_rounds  # (the double would have failed the round: its drafts are not read back)
+    for i, (one, batched) in enumerate(zip(alone, together)):
+        assert one.token_ids == batched.token_ids == plain[("qwen3", i)], f"prompt {i}"
+        if right == "always":
+            assert one.stats.accepted == one.stats.drafted and one.stats.rounds == -(-(NEW_TOKENS - 1) // (k + 1))
+        elif right == "never":
+            assert one.stats.accepted == 0 < one.stats.drafted
+        else:
+            assert 0 < one.stats.accepted < one.stats.drafted
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])

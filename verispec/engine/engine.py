@@ -55,7 +55,7 @@ from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.sampling.params import SamplingParams
 from verispec.sampling.sampler import TokenHistory, make_generator
-from verispec.spec.proposer import Proposer
+from verispec.spec.proposer import Draft, Proposer
 
 WORKER_IDLE_S = 0.5
 SLOW_STEP_S = 0.2  # a step longer than this is logged under VERISPEC_DEBUG=1 with what it held
@@ -524,8 +524,13 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         profile = any(num_drafts) and self.profile_rounds
         t0 = time.perf_counter()
         counts = [min(k, s.remaining_tokens - 1) if s.drafting else 0 for s, k in zip(seqs, num_drafts)]
-        drafts = self.runner.propose(seqs, counts)
         grammar = constrained.RoundGrammar.of(self.grammars, seqs)  # None: no sequence is constrained
+        if grammar is None and not profile and self._drafts_stay_on_device(seqs):
+            pending = self.runner.propose_on_device(seqs, counts)
+            if pending is not None:
+                self._round_on_device(seqs, counts, pending, t0)
+                return
+        drafts = self.runner.propose(seqs, counts)
         if grammar is not None:
             drafts = grammar.cut_drafts(drafts)
         inputs = RoundInputs.of(seqs, drafts)
@@ -542,12 +547,42 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             log.info("[round] %d sequences: draft %.2f ms (k=%s), verify and update %.2f ms, accepted %s",
                      len(seqs), (t_drafted - t0) * 1000, counts, (time.perf_counter() - t_drafted) * 1000,
                      accepted)
-        # where a round's time goes (bench --concurrency reports medians): drafting and building the
-        # inputs, launching the target pass, waiting for the device, and the per-sequence host work after
+        self._time_round(seqs, inputs, t0, t_launch, t_launched, t_synced)
+
+    def _time_round(self, seqs: list[Sequence], inputs: RoundInputs, t0: float, t_launch: float,
+                    t_launched: float, t_synced: float) -> None:
+        """Where a round's time went (bench --concurrency reports medians): drafting and building the
+        inputs, launching the target pass, waiting for the device, and the per-sequence host work after."""
         now = time.perf_counter()
         self.round_timings.append((len(seqs), len(inputs.rows[0]), (t_launch - t0) * 1000,
                                    (t_launched - t_launch) * 1000, (t_synced - t_launched) * 1000,
                                    (now - t_synced) * 1000))
+
+    def _drafts_stay_on_device(self, seqs: list[Sequence]) -> bool:
+        """Whether this round's drafts can go to the verify pass without reading them back: a
+        proposer that drafts on the device, and every sequence choosing its tokens by plain greedy
+        (no sampled draft's distribution, no logits processing before the argmax)."""
+        return (self.proposer is not None and self.proposer.drafts_on_device
+                and all(s.params.greedy and not s.params.adjusts_logits for s in seqs))
+
+    def _round_on_device(self, seqs: list[Sequence], counts: list[int], pending: torch.Tensor, t0: float) -> None:
+        """`_round` whose drafts (pending [B, max(counts)] on the device) become the verify pass's
+        inputs where they are: the drafter's passes, the target's pass and its argmax queue back to
+        back, and the host waits for the device once, reading drafts and target tokens together
+        (a round that read its drafts first left the device idle while the host built the pass)."""
+        width = 1 + max(counts)
+        last = torch.tensor([s.last_token for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+        rows = torch.cat([last[:, None], pending[:, :width - 1]], dim=1)  # a row past its count: padding
+        t_launch = time.perf_counter()
+        out = self.runner.verify(seqs, rows, self.runner.capture_layers)
+        t_launched = time.perf_counter()
+        table = torch.cat([pending[:, :width - 1], out.logits.argmax(-1)], dim=1).tolist()  # the one wait
+        t_synced = time.perf_counter()
+        inputs = RoundInputs.of(seqs, [Draft(row[:k]) for row, k in zip(table, counts)])
+        accepted, _ = self.update.verified(seqs, inputs, out, None, greedy_choices=[row[width - 1:] for row in table],
+                                           synced_at=t_synced)
+        self.draft_policy.observe(seqs, counts, accepted)
+        self._time_round(seqs, inputs, t0, t_launch, t_launched, t_synced)
 
     def measure_draft_costs(self) -> None:
         """Time this engine's verify and draft passes into the adaptive draft choice's cost table

@@ -102,6 +102,20 @@ class ModelRunner:
                 drafts[b] = draft
         return drafts
 
+    def propose_on_device(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor | None:
+        """`propose`'s greedy drafts left on the device (Proposer.propose_on_device): [B, max(counts)],
+        a row of zeros for a sequence given none; None when no sequence gets any."""
+        rows = [b for b, k in enumerate(counts) if k > 0]
+        if not rows:
+            return None
+        picked = [seqs[b] for b in rows]
+        self.observe(self.deferred.take(picked))
+        tokens = self.proposer.propose_on_device(picked, [counts[b] for b in rows])
+        if len(rows) == len(seqs):
+            return tokens
+        full = tokens.new_zeros(len(seqs), tokens.shape[1])
+        return full.index_copy_(0, torch.tensor(rows, device=tokens.device), tokens)
+
     def observe(self, rows: list[tuple[Sequence, TargetStep]]) -> None:
         if rows:
             self.proposer.observe(rows)

@@ -141,18 +141,19 @@ class StepUpdate:
 
     # ---- after a verify pass -----------------------------------------------------------------------
     def verified(self, seqs: list[Sequence], inputs: RoundInputs, out: PassOutput,
-                 grammar: constrained.RoundGrammar | None) -> tuple[list[int], float]:
+                 grammar: constrained.RoundGrammar | None, greedy_choices: list[list[int]] | None = None,
+                 synced_at: float | None = None) -> tuple[list[int], float]:
         """Each sequence accepts the longest right prefix of its drafts plus one token of the
         target's, commits them and emits its chunk; its drafter observes the committed rows.
         Returns the number of drafts each accepted, and when the pass's results reached the host
-        (perf_counter seconds)."""
+        (perf_counter seconds). greedy_choices: the pass's argmax per row, where the caller read it
+        back already (with synced_at, when it did)."""
         drafts = inputs.drafts
         # what each grammar allows, computed on the host while the verify pass runs; raw logits stay for logprobs
         logits = grammar.mask(out.logits, drafts) if grammar is not None else out.logits
-        greedy_choices = None
-        if any(s.params.greedy and not s.params.adjusts_logits for s in seqs):
+        if greedy_choices is None and any(s.params.greedy and not s.params.adjusts_logits for s in seqs):
             greedy_choices = logits.argmax(-1).tolist()  # one device sync for the whole batch
-        synced_at = time.perf_counter()
+        synced_at = synced_at if synced_at is not None else time.perf_counter()
         results = []
         for b, (seq, draft) in enumerate(zip(seqs, drafts)):
             n = len(draft.token_ids) + 1

@@ -162,9 +162,28 @@ class ChainedDrafter(Proposer):
         batched form (each step's features are taken one by one)."""
         return None
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """The chain's greedy drafts stay on the device, unless a subclass changed `propose` (a test's
+        scripted drafts) without giving `propose_on_device` the same change."""
+        cls = type(self)
+        return cls.propose is ChainedDrafter.propose or cls.propose_on_device is not ChainedDrafter.propose_on_device
+
     @torch.inference_mode()
     def propose(self, seqs, num_drafts: list[int], params: list, generators: list) -> list[Draft]:
         """Up to num_drafts[b] drafts for each sequence, chained for all of them at once."""
+        chosen, probs = self._chain(seqs, num_drafts, params, generators)
+        return drafts_per_row(chosen, probs, num_drafts)
+
+    @torch.inference_mode()
+    def propose_on_device(self, seqs, num_drafts: list[int]) -> torch.Tensor:
+        chosen, _ = self._chain(seqs, num_drafts, None, None)
+        return torch.stack(chosen, dim=1)
+
+    def _chain(self, seqs, num_drafts: list[int], params: list | None, generators: list | None
+               ) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+        """The chained passes: each step's tokens [B] on the device and, per row, the distribution a
+        sampled one came from (params None: every row greedy, nothing read back)."""
         k = max(num_drafts)
         states = [self._states[s.id] for s in seqs]
         first = states[0]
@@ -182,15 +201,17 @@ class ChainedDrafter(Proposer):
         probs: list[list[torch.Tensor | None]] = []
         zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         for i in range(k):
-            # a row past its own count draws nothing: its generator must advance as it would alone
-            active = [i < n for n in num_drafts]
-            tokens, q = self._choose_rows(logits, params, generators, active)
+            if params is None:
+                tokens, q = self._greedy_tokens(logits), [None] * len(seqs)
+            else:
+                # a row past its own count draws nothing: its generator must advance as it would alone
+                tokens, q = self._choose_rows(logits, params, generators, [i < n for n in num_drafts])
             chosen.append(tokens)
             probs.append(q)
             if i + 1 == k:
                 break
             out, logits = self._batch_pass(seqs, tokens[:, None], out, base_t + i, zero, max(base) + i + 1)
-        return drafts_per_row(chosen, probs, num_drafts)
+        return chosen, probs
 
     def _choose_rows(self, logits: torch.Tensor, params: list, generators: list, active: list[bool]
                      ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:

@@ -113,6 +113,8 @@ class Proposer(ABC):
     # whether `observe` reads the steps' target features (False: only their tokens and positions,
     # so rows it has not seen need no copying until it next observes)
     needs_target_features: bool = True
+    # whether `propose_on_device` drafts greedily without reading its drafts back
+    drafts_on_device: bool = False
 
     def bind(self, target: TargetCache) -> None:
         """Called once, when the engine has sized the target's cache, before any sequence starts."""
@@ -140,6 +142,13 @@ class Proposer(ABC):
                 generators: list[torch.Generator | None]) -> list[Draft]:
         """Up to num_drafts[b] (>= 1) drafts for each sequence, continuing after its last observed
         next_token. A sampling row draws from generators[b] exactly as it would alone."""
+
+    def propose_on_device(self, seqs: list[DraftingSequence], num_drafts: list[int]) -> torch.Tensor:
+        """`propose`'s greedy drafts left on the device: [B, max(num_drafts)] target token ids, row
+        b's first num_drafts[b] its drafts (the rest padding), for the verify pass to take as its
+        inputs and the engine to read back with the pass's result: one wait for the device a round.
+        Only where `drafts_on_device`."""
+        raise NotImplementedError
 
 
 def drafts_per_row(chosen: list[torch.Tensor], probs: list[list[torch.Tensor | None]],
