@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # what verispec caches (GGUF tokenizers) goes to a directory of this session's, not the user's
 os.environ.setdefault("VERISPEC_CACHE_DIR", tempfile.mkdtemp(prefix="verispec-test-cache-"))
+# An engine with exact CPU numerics turns oneDNN off for its process as it loads (its float16
+# products pick a kernel by row count on AMX / AVX512-FP16 CPUs: models/layers/numerics.py). A
+# server has one engine; a test process has hundreds, so off from the start: a test's results then
+# do not depend on whether an exact engine loaded before it.
+torch.backends.mkldnn.enabled = False
 
 
 def _interpreter_loop_bounds_fix() -> None:

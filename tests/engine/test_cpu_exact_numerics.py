@@ -6,6 +6,7 @@ Gated DeltaNet prompt chunks stepping token by token, as decode steps do)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.doubles import KeyedReplay
 from tests.exact_checks import check, corpus_prompts, greedy_with_logprobs, record
@@ -117,9 +118,23 @@ def test_speculation_does_not_change_a_request(reference, family, dtype, replay)
 
 
 def test_fast_numerics_differ_where_exact_do_not(model_dirs):
-    """The checks above have teeth: with prompt chunks attended over the chunk (--numerics fast),
-    16-token chunks change some request's bits."""
-    engines = [load(model_dirs["qwen3"], "float16", numerics="fast", prefill_step_size=n) for n in (16, 2048)]
-    prompts = prompts_of(engines[0])
-    chunked, whole = ([record(e.generate_all(p, params())) for p in prompts] for e in engines)
-    assert chunked != whole
+    """The checks above have teeth: under --numerics fast in float32, where a one-row product runs
+    another kernel than a wider one, the same requests batched change some request's bits."""
+    engine = load(model_dirs["qwen3"], "float32", numerics="fast")
+    prompts = prompts_of(engine)
+    alone = [record(engine.generate_all(p, params())) for p in prompts]
+    assert [record(r) for r in engine.generate_batch(prompts, params())] != alone
+
+
+def test_exact_cpu_numerics_run_without_onednn(monkeypatch):
+    """oneDNN's float16/bfloat16 products pick a kernel by row count on AMX / AVX512-FP16 CPUs (one
+    row alone and the same row in a verify pass got other bits there): an exact CPU engine turns it
+    off as it loads; fast numerics and CUDA leave it as it is."""
+    from verispec.models.layers import numerics
+
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    numerics.keep_cpu_products_row_invariant("fast", "cpu")
+    numerics.keep_cpu_products_row_invariant("exact", "cuda")
+    assert torch.backends.mkldnn.enabled
+    numerics.keep_cpu_products_row_invariant("exact", "cpu")
+    assert not torch.backends.mkldnn.enabled

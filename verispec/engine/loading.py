@@ -21,6 +21,7 @@ from verispec.loading.device import parse_device, parse_dtype
 from verispec.loading.model_loader import load_model, prepare_for_device, read_config, resolve_numerics
 from verispec.loading.resolve import resolve_model
 from verispec.loading.tokenizer import Tokenizer
+from verispec.models.layers import numerics as layer_numerics
 
 
 def load_parts(config: EngineConfig) -> tuple:
@@ -99,6 +100,7 @@ def _finish_parts(config: EngineConfig, model, model_dir, dtype, device, peers, 
     if why_not_exact is not None:  # a warning where exact was asked for; /v1/models and --json say it anyway
         (log.warning if config.numerics == "exact" else log.debug)("numerics: fast (not exact: %s)", why_not_exact)
     config = dataclasses.replace(config, numerics=numerics)
+    layer_numerics.keep_cpu_products_row_invariant(numerics, device)
     if device.type == "cpu" and getattr(model, "layer_stack", None) is not None:
         cpu_threads.use_every_core_for_layer_kernel()
     log.startup_phase("preparing the model for the device", time.perf_counter() - t4)

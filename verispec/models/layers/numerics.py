@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-# On a CPU torch's float16 and bfloat16 products give a row the same bits at every row count; its
+# On a CPU torch's own float16 and bfloat16 products give a row the same bits at every row count; its
 # float32 and float64 ones do not (a one-row product runs another kernel than two rows or more).
+# oneDNN's do not either: on a CPU with AMX or AVX512-FP16 it takes those products and picks its
+# kernel by the row count, so exact numerics on a CPU run without it (keep_cpu_products_row_invariant).
 CPU_EXACT_DTYPES = (torch.float16, torch.bfloat16)
 CHOICES = ("auto", "exact", "fast")
 
@@ -27,6 +29,18 @@ def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: boo
             return None
         return f"{str(dtype).removeprefix('torch.')} on a CPU (a one-row product sums otherwise than a wider one)"
     return f"device {device.type}"
+
+
+def keep_cpu_products_row_invariant(numerics: str, device: torch.device | str) -> None:
+    """Exact numerics on a CPU: float16/bfloat16 products in torch's own kernels, not oneDNN's. A
+    process-wide switch, set as the engine loads (a server's one engine, before any pass runs)."""
+    if numerics != "exact" or torch.device(device).type != "cpu" or not torch.backends.mkldnn.enabled:
+        return
+    from verispec import log
+
+    torch.backends.mkldnn.enabled = False
+    log.debug("exact numerics on a CPU: oneDNN off (on CPUs with AMX or AVX512-FP16 its float16/bfloat16 "
+              "products pick a kernel by the row count; torch's own give a row the same bits at every count)")
 
 
 # A model this small (its weights, dense) spends a step on launches, not on reading weights or on
