@@ -92,6 +92,11 @@ def test_speculative_and_eager_decoding_give_the_graphed_plain_output(root, plai
         engine = Engine.load(config(root, family, dtype, draft_schedule=f"1:{fields['num_draft_tokens']}", **fields))
         assert engine.proposer is not None
     engine.capture_graphs()
+    chains = []  # a chained drafter's greedy rounds of 2+ drafts replay one graph for all its passes
+    graphs = getattr(engine.proposer, "_graphs", None)
+    if graphs is not None and hasattr(graphs, "chains"):
+        whole_chain = graphs.chain
+        graphs.chain = lambda batch, k: chains.append(k) or whole_chain(batch, k)
     divergences = []
     for ids, want in zip(prompts, expected):
         result = engine.generate_all(ids, greedy())
@@ -99,3 +104,5 @@ def test_speculative_and_eager_decoding_give_the_graphed_plain_output(root, plai
         if case != "eager":
             assert result.stats.drafted > 0, "nothing was drafted"
     assert divergences == [None] * len(prompts), f"first divergences: {divergences}"
+    if case in ("mtp-3", "eagle3"):
+        assert chains, "no round replayed its chained drafts as one graph"

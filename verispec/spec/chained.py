@@ -13,6 +13,7 @@ overhead, more than a whole captured target step of a small model.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -177,14 +178,18 @@ class ChainedDrafter(Proposer):
 
     @torch.inference_mode()
     def propose_on_device(self, seqs, num_drafts: list[int]) -> torch.Tensor:
+        k = max(num_drafts)
+        logits, out, base = self._last_rows(seqs)
+        chain = self._graphs.chain(len(seqs), k) if self._graphs is not None else None
+        if chain is not None:  # the k chained passes as one replay
+            self._graphs.new_round()
+            return chain(seqs, logits, out, base)
         chosen, _ = self._chain(seqs, num_drafts, None, None)
         return torch.stack(chosen, dim=1)
 
-    def _chain(self, seqs, num_drafts: list[int], params: list | None, generators: list | None
-               ) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
-        """The chained passes: each step's tokens [B] on the device and, per row, the distribution a
-        sampled one came from (params None: every row greedy, nothing read back)."""
-        k = max(num_drafts)
+    def _last_rows(self, seqs) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Each sequence's last committed drafter row: (logits [B, V'], outputs [B, 1, F], the
+        position its first draft takes)."""
         states = [self._states[s.id] for s in seqs]
         first = states[0]
         if (len(first.logits) == len(states) and
@@ -193,7 +198,14 @@ class ChainedDrafter(Proposer):
         else:
             logits = torch.stack([st.last_logits for st in states])
             out = torch.stack([st.last_out for st in states])  # [B, 1, F]
-        base = [st.next_position for st in states]
+        return logits, out, [st.next_position for st in states]
+
+    def _chain(self, seqs, num_drafts: list[int], params: list | None, generators: list | None
+               ) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+        """The chained passes: each step's tokens [B] on the device and, per row, the distribution a
+        sampled one came from (params None: every row greedy, nothing read back)."""
+        k = max(num_drafts)
+        logits, out, base = self._last_rows(seqs)
         base_t = torch.tensor(base, dtype=torch.long).to(self.device, non_blocking=True)[:, None]  # [B, 1]
         if self._graphs is not None:
             self._graphs.new_round()
@@ -272,6 +284,52 @@ class DrafterGraphs:
                 call = GraphedCall(step, example, pool)
                 pool = call.pool()
                 self.calls[(b, t)] = call
+        # a greedy round's k chained passes (k = 2 .. max_tokens - 1 drafts) as one graph: a replay
+        # a pass cost more host time than the pass (input copies, positions, the argmax, launches)
+        self.chains: dict[tuple[int, int], GraphedCall] = {}
+        for b in sorted(batch_sizes, reverse=True):
+            one_pass_logits = self.calls[(b, 1)].outputs[1]  # [b, V']: a pass's logits, as the chain starts from
+            for k in range(2, max_tokens):
+                example = [torch.zeros_like(one_pass_logits),
+                           torch.zeros(b, 1, feature_size, dtype=dtype, device=device),
+                           torch.zeros(b, 1, dtype=torch.long, device=device),
+                           torch.zeros(b, table_width, dtype=torch.long, device=device)]
+                call = GraphedCall(functools.partial(self._greedy_chain, k), example, pool)
+                pool = call.pool()
+                self.chains[(b, k)] = call
+
+    def _greedy_chain(self, k: int, logits, out, base, tables) -> tuple[torch.Tensor]:
+        """k greedy drafts: the passes and argmaxes `ChainedDrafter._chain` runs, in one graph."""
+        drafter = self.drafter
+        zero = torch.zeros(base.shape[0], dtype=torch.long, device=base.device)
+        chosen = []
+        for i in range(k):
+            tokens = drafter._greedy_tokens(logits)
+            chosen.append(tokens)
+            if i + 1 == k:
+                break
+            positions = base + i
+            cache = BatchCache(drafter.pools, tables, positions, None, 0, use_kernel=True)
+            out, logits = drafter._rows(tokens[:, None], out, positions, cache, zero)
+        return (torch.stack(chosen, dim=1),)
+
+    def chain(self, batch: int, k: int):
+        """The replay of k greedy drafts for `batch` sequences (None: no graph holds it)."""
+        bucket = next((b for b in self.batch_sizes if b >= batch), None)
+        call = self.chains.get((bucket, k)) if bucket is not None else None
+        if call is None:
+            return None
+
+        def replay(seqs, logits, out, base: list[int]) -> torch.Tensor:
+            pad = bucket - len(seqs)
+            tables = self._tables(seqs, call.inputs[3].shape[1], pad)
+            if pad:
+                logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
+                out = torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
+            positions = torch.tensor(base + [0] * pad, dtype=torch.long)[:, None]
+            return call(logits, out, positions, tables)[0][:len(seqs)]
+
+        return replay
 
     def new_round(self) -> None:
         """Forget the cached tables: blocks may have changed since (a preempted sequence gets new ones)."""
