@@ -47,8 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="wait for each plain greedy decode step before queuing the next (default on CUDA: the "
                         "next step is queued while the host handles the last one's output)")
     p.add_argument("--no-batch-prefill", action="store_true",
-                   help="prefill each prompt chunk in a pass of its own (default: the chunks of one step share "
-                        "one padded pass)")
+                   help="prefill each prompt chunk in a pass of its own (default on CUDA: the chunks of one "
+                        "step share one padded pass; on a CPU each has its own)")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="speculate with an EAGLE3 drafter (speculators checkpoint directory)")
     p.add_argument("--num-draft-tokens", "--draft-block", "--mtp-depth", "--num-mtp-tokens", dest="num_draft_tokens",
@@ -336,7 +336,7 @@ def _engine_config(args):
                           eagle3=args.eagle3, num_draft_tokens=args.num_draft_tokens,
                           cuda_graphs=not args.no_cuda_graphs,
                           overlap_decode=False if getattr(args, "no_overlap_decode", False) else None,
-                          batch_prefill=not getattr(args, "no_batch_prefill", False),
+                          batch_prefill=False if getattr(args, "no_batch_prefill", False) else None,
                           prefill_step_seconds=step_seconds,
                           mtp=args.mtp, mtp_hidden=args.mtp_hidden or "post-norm", mtp_model=args.mtp_model,
                           assistant_window=args.assistant_window, max_num_seqs=args.max_num_seqs,

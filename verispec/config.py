@@ -107,7 +107,9 @@ class EngineConfig:
     # on a CPU, a step's prompt tokens are sized so the step takes about this long (engine/prefill_pacer.py;
     # None: 1 s, 0: off, chunks of --prefill-step-size within the token budget as on a GPU)
     prefill_step_seconds: float | None = None
-    batch_prefill: bool = True  # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`)
+    # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`); None:
+    # on CUDA, where a pass's launches are shared, not on a CPU (engine.py `batches_prompts`)
+    batch_prefill: bool | None = None
     # drafts per round: by batch size, "1:3,8:1,32:0", the same for every sequence (None: chosen per
     # sequence per round from the costs below and each sequence's acceptance, engine/draft_policy.py)
     draft_schedule: str | None = None

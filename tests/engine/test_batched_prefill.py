@@ -63,7 +63,9 @@ def check(engine: Engine, label: str) -> None:
 
 
 def engine_for(path, **kw) -> Engine:
+    # batched on the CPU as on CUDA (a CPU's default is one pass a chunk): the batched passes' bits are the test
     return load_engine(str(path), dtype="float64", device="cpu", prefill_step_size=40, max_num_batched_tokens=200,
+                       batch_prefill=True,
                        prefix_cache=False, **kw)
 
 
@@ -97,7 +99,8 @@ def test_qwen3_5_with_the_prefix_cache(tmp_path, tokenizer_dir):
     snapshots taken in a batched pass are the ones a lone pass takes, so later hits agree."""
     d = tmp_path / "qwen3_5"
     build_tiny_qwen3_5(d, seed=19, tokenizer_dir=tokenizer_dir)
-    engine = load_engine(str(d), dtype="float64", device="cpu", prefill_step_size=40, max_num_batched_tokens=200)
+    engine = load_engine(str(d), dtype="float64", device="cpu", prefill_step_size=40, max_num_batched_tokens=200,
+                         batch_prefill=True)
     fresh = engine_for(d)
     ids, ps = prompts(engine), params()
     together = engine.generate_batch(ids, ps)
@@ -189,7 +192,17 @@ def test_cli_flag(qwen3_dir):
     on = cli._engine_config(cli.build_parser().parse_args(["serve", "-m", str(qwen3_dir), "--device", "cpu"]))
     off = cli._engine_config(cli.build_parser().parse_args(["serve", "-m", str(qwen3_dir), "--device", "cpu",
                                                             "--no-batch-prefill"]))
-    assert on.batch_prefill and not off.batch_prefill
+    assert on.batch_prefill is None and off.batch_prefill is False  # None: the device's default
+
+
+def test_prompts_share_a_pass_by_default_on_cuda_only():
+    from verispec.config import EngineConfig
+    from verispec.engine.engine import batches_prompts
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert batches_prompts(EngineConfig(model="m"), cuda) and not batches_prompts(EngineConfig(model="m"), cpu)
+    assert batches_prompts(EngineConfig(model="m", batch_prefill=True), cpu)
+    assert not batches_prompts(EngineConfig(model="m", batch_prefill=False), cuda)
 
 
 def test_default_token_budget_scales_with_model_size():

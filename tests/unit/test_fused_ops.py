@@ -119,7 +119,7 @@ def test_prewarm_prefills_every_length_class_once_unsplit(tiny_models, monkeypat
     from verispec.engine import warmup
 
     engine = load_engine(str(tiny_models.get("qwen3", "qwen3")), device="cpu", dtype="float32", kv_cache_gb=0.05,
-                         max_model_len=256)
+                         max_model_len=256, batch_prefill=True)  # prewarm's batched passes, as on CUDA
     seen = []
     original = engine.runner.prefill
     # one-sequence passes: each length once (the batched passes of each group come on top)
