@@ -10,7 +10,6 @@ regex search per string.
 """
 from __future__ import annotations
 
-import functools
 import re
 import secrets
 from dataclasses import dataclass
@@ -26,17 +25,18 @@ def control_spellings(hf_tokenizer) -> list[str]:
     return sorted(spellings, key=len, reverse=True)
 
 
-@functools.lru_cache(maxsize=8)
-def _spellings_pattern(spellings: tuple[str, ...]) -> re.Pattern:
-    """Compiled once per tokenizer (a request's compile cost more than its search)."""
-    return re.compile("|".join(map(re.escape, spellings)))
+def control_pattern(hf_tokenizer) -> re.Pattern | None:
+    """One pattern matching any control spelling (longest first), compiled once per tokenizer: a
+    request's compile cost more than its search. None: the tokenizer has none."""
+    spellings = control_spellings(hf_tokenizer)
+    return re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
 
 class ControlTextMask:
     """One prompt's client strings with every control-token spelling swapped for a sentinel."""
 
-    def __init__(self, spellings: list[str]):
-        self._pattern = _spellings_pattern(tuple(spellings)) if spellings else None
+    def __init__(self, pattern: re.Pattern | None):
+        self._pattern = pattern  # control_pattern's
         # sentinel i is OPEN nonce ":" i CLOSE; found with str.split, not a regex compiled per nonce
         self._opening = f"{SENTINEL_OPEN}{secrets.token_hex(8)}:"
         self.originals: list[str] = []  # the spelling behind sentinel i

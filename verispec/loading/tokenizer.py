@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from verispec.errors import InvalidRequestError, VerispecError
-from verispec.loading.control_text import ControlTextMask, MaskedPrompt, control_spellings
+from verispec.loading.control_text import ControlTextMask, MaskedPrompt, control_pattern
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -28,7 +28,7 @@ class Tokenizer:
         self._special_ids = set(hf_tokenizer.all_special_ids)
         self._byte_level = _is_byte_level(hf_tokenizer)
         self._backend_decode = _backend_decode(hf_tokenizer)
-        self._control_spellings = control_spellings(hf_tokenizer)
+        self._control_pattern = control_pattern(hf_tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_eos: list[int] | None = None) -> "Tokenizer":
@@ -100,7 +100,7 @@ class Tokenizer:
         """The rendered prompt, not yet tokenized (`encode_chat` does that). A control token's spelling
         inside the messages or tools stays text (loading/control_text.py): only the template writes
         control tokens."""
-        mask = ControlTextMask(self._control_spellings)
+        mask = ControlTextMask(self._control_pattern)
         masked_messages, masked_tools = mask.mask(messages), mask.mask(tools)
         return MaskedPrompt(self.render_chat(masked_messages, chat_template_kwargs, tools=masked_tools), mask)
 

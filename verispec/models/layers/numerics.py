@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec import log
+
 # On a CPU torch's own float16 and bfloat16 products give a row the same bits at every row count; its
 # float32 and float64 ones do not (a one-row product runs another kernel than two rows or more).
 # oneDNN's do not either: on a CPU with AMX or AVX512-FP16 it takes those products and picks its
@@ -36,8 +38,6 @@ def keep_cpu_products_row_invariant(numerics: str, device: torch.device | str) -
     process-wide switch, set as the engine loads (a server's one engine, before any pass runs)."""
     if numerics != "exact" or torch.device(device).type != "cpu" or not torch.backends.mkldnn.enabled:
         return
-    from verispec import log
-
     torch.backends.mkldnn.enabled = False
     log.debug("exact numerics on a CPU: oneDNN off (on CPUs with AMX or AVX512-FP16 its float16/bfloat16 "
               "products pick a kernel by the row count; torch's own give a row the same bits at every count)")
