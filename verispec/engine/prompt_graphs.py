@@ -23,6 +23,7 @@ import torch
 
 from verispec import log
 from verispec.cache.paged import BatchCache, block_table_rows
+from verispec.engine.runner import chunk_rows
 from verispec.kernels.cuda_graph import GraphedCall, failure_line
 
 # chunk lengths captured; a chunk runs in the smallest that holds it (at most twice its work below
@@ -82,11 +83,7 @@ class _CapturedPrompt:
         until the next replay. A padded sequence has one real row at position 0 of the scratch
         block, which no sequence reads."""
         t, pad = self.num_tokens, self.num_seqs - len(seqs)
-        ids, positions = [], []
-        for seq, start, count in zip(seqs, starts, counts):
-            row = seq.token_ids[start:start + count]
-            ids.append(row + [row[-1]] * (t - count))
-            positions.append(list(range(start, start + t)))
+        ids, positions = chunk_rows(seqs, starts, counts, t)
         ids += [[0] * t] * pad
         positions += [list(range(t))] * pad
         tables = block_table_rows(seqs, self.call.inputs[2].shape[1], pad)

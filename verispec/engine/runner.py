@@ -23,6 +23,23 @@ from verispec.models.base import CausalLM
 from verispec.spec.proposer import Draft, Proposer, TargetCache, TargetStep
 
 
+def chunk_rows(seqs: list[Sequence], starts: list[int], counts: list[int], width: int
+               ) -> tuple[list[list[int]], list[list[int]]]:
+    """A prompt pass's rows of `width` tokens: each sequence's counts[b] tokens from starts[b], padded
+    with its last one (ids), and their positions (the padding's run on past the chunk)."""
+    ids, positions = [], []
+    for seq, start, n in zip(seqs, starts, counts):
+        row = seq.token_ids[start:start + n]
+        ids.append(row + [row[-1]] * (width - n))
+        positions.append(list(range(start, start + width)))
+    return ids, positions
+
+
+def each_last_row(x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] -> [B, 1, H]: row last[b] of each sequence b (last [B] on x's device)."""
+    return x.gather(1, last[:, None, None].expand(-1, -1, x.shape[-1]))
+
+
 @dataclass
 class PassOutput:
     hidden: torch.Tensor  # [B, T, H] final-norm hidden states
@@ -167,21 +184,17 @@ class ModelRunner:
         graphed = self.prompt_graphs.get(len(seqs), t) if self.prompt_graphs is not None and not every_row else None
         if graphed is not None:
             return self._graphed_prefill(graphed, seqs, starts, counts, keep_all_rows)
-        ids, positions = [], []
-        for seq, start, n in zip(seqs, starts, counts):
-            row = seq.token_ids[start:start + n]
-            ids.append(row + [row[-1]] * (t - n))
-            positions.append(list(range(start, start + t)))
+        ids, positions = chunk_rows(seqs, starts, counts, t)
         packed = torch.tensor([i + p for i, p in zip(ids, positions)], dtype=torch.long).to(self.device)
         ids_t, positions_t = packed[:, :t], packed[:, t:]
         cache = self.batch_cache(seqs, positions_t, max(s + n for s, n in zip(starts, counts)),
                                  row_starts=starts, row_lengths=counts)
         out = self._forward(ids_t, cache, capture)
         cache.commit(counts)
-        last = torch.tensor(counts, device=self.device)[:, None] - 1  # [B, 1]
+        last = torch.tensor(counts, device=self.device) - 1
 
-        def last_rows(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, 1, H]: each sequence's last token
-            return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
+        def last_rows(x: torch.Tensor) -> torch.Tensor:
+            return each_last_row(x, last)
 
         last_hidden = last_rows(out.hidden)
         if keep_all_rows:
@@ -202,10 +215,10 @@ class ModelRunner:
             def keep(x: torch.Tensor) -> torch.Tensor:
                 return x[:b, :t].clone()
         else:  # each sequence's last row
-            last = torch.tensor(counts, device=self.device)[:, None, None] - 1
+            last = torch.tensor(counts, device=self.device) - 1
 
             def keep(x: torch.Tensor) -> torch.Tensor:
-                return x[:b].gather(1, last.expand(-1, -1, x.shape[-1]))
+                return each_last_row(x[:b], last)
         return PassOutput(keep(hidden), [keep(a) for a in aux], keep(pre_norm) if pre_norm is not None else None,
                           logits[:b].clone(), graphed.cache)
 
