@@ -108,7 +108,7 @@ class EngineConfig:
     # None: 1 s, 0: off, chunks of --prefill-step-size within the token budget as on a GPU)
     prefill_step_seconds: float | None = None
     # prompt chunks of several sequences share one pass (engine/scheduler.py `prefill_groups`); None:
-    # on CUDA, where a pass's launches are shared, not on a CPU (engine.py `batches_prompts`)
+    # on CUDA, where a pass's launches are shared, not on a CPU (engine/scheduler.py `batches_prompts`)
     batch_prefill: bool | None = None
     # drafts per round: by batch size, "1:3,8:1,32:0", the same for every sequence (None: chosen per
     # sequence per round from the costs below and each sequence's acceptance, engine/draft_policy.py)

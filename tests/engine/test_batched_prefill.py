@@ -197,12 +197,11 @@ def test_cli_flag(qwen3_dir):
 
 def test_prompts_share_a_pass_by_default_on_cuda_only():
     from verispec.config import EngineConfig
-    from verispec.engine.engine import batches_prompts
+    from verispec.engine.scheduler import batches_prompts
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert batches_prompts(EngineConfig(model="m"), cuda) and not batches_prompts(EngineConfig(model="m"), cpu)
-    assert batches_prompts(EngineConfig(model="m", batch_prefill=True), cpu)
-    assert not batches_prompts(EngineConfig(model="m", batch_prefill=False), cuda)
+    default = EngineConfig(model="m").batch_prefill
+    assert batches_prompts(default, "cuda") and not batches_prompts(default, "cpu")
+    assert batches_prompts(True, "cpu") and not batches_prompts(False, "cuda")
 
 
 def test_default_token_budget_scales_with_model_size():

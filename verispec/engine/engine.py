@@ -42,7 +42,7 @@ from verispec.engine.output import OutputBuilder
 from verispec.engine.overlap import OverlappedDecode
 from verispec.engine.runner import ModelRunner
 from verispec.engine.prefill_pacer import prefill_pacer_for
-from verispec.engine.scheduler import Scheduler, StepPlan, default_token_budget
+from verispec.engine.scheduler import Scheduler, StepPlan, batches_prompts, default_token_budget
 from verispec.engine.sequence import Sequence
 from verispec.engine.tp_peers import MirroredPools, Peers, TensorParallelError
 from verispec.engine.types import GenerationChunk, GenerationResult
@@ -181,9 +181,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
             sum(p.numel() for p in self.model.parameters()), self.device.type, cfg.prefill_step_size)
         self.pacer = prefill_pacer_for(self.device, cfg.prefill_step_seconds)
         self.scheduler = Scheduler(self.blocks, slots, cfg.max_num_seqs, batched, cfg.prefill_step_size,
-                                   prefix=self.prefix, batch_prefill=batches_prompts(cfg, self.device),
-                                   pacer=self.pacer,
-                                   starts_plain=self._starts_plain)
+                                   prefix=self.prefix, pacer=self.pacer, starts_plain=self._starts_plain,
+                                   batch_prefill=batches_prompts(cfg.batch_prefill, self.device.type))
         self.runner = ModelRunner(self.model, self.pools, self.num_real_tokens,
                                   use_kernel=self.use_graphs or split_k.available(self.device), proposer=self.proposer,
                                   prompt_kernel=cfg.numerics == "exact" and self._exact_prompts(), peers=self.peers)
@@ -611,14 +610,6 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
     def capture_graphs(self) -> float:
         """Capture verify passes (batch buckets x T = 1..k+1) as CUDA graphs. Returns seconds taken."""
         return warmup.capture_graphs(self)
-
-
-def batches_prompts(config: EngineConfig, device: torch.device) -> bool:
-    """Whether one step's prompt chunks share a pass: asked, or by default on CUDA, where they share
-    its launches. On a CPU a pass costs its rows and every first token waited for the whole padded
-    pass; one pass a chunk gets each out as its own pass ends (docs/benchmarks.md, "Several prompts
-    at once")."""
-    return config.batch_prefill if config.batch_prefill is not None else device.type == "cuda"
 
 
 def load_engine(model: str, **kwargs) -> Engine:

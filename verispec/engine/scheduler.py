@@ -106,6 +106,14 @@ PADDING_ALLOWANCE = 1.25
 PADDING_SLACK = 16
 
 
+def batches_prompts(asked: bool | None, device_type: str) -> bool:
+    """Whether one step's prompt chunks share a pass (EngineConfig.batch_prefill, None: the device's
+    default): on CUDA, where they share its launches. On a CPU a pass costs its rows and every first
+    token waited for the whole padded pass; one pass a chunk gets each out as its own pass ends
+    (docs/benchmarks.md, "Several prompts at once")."""
+    return asked if asked is not None else device_type == "cuda"
+
+
 def prefill_groups(chunks: list[tuple[Sequence, int]], batched: bool = True) -> list[list[tuple[Sequence, int]]]:
     """The step's (sequence, chunk tokens) in passes: longest first, each group as long as its
     padding stays within the allowance (a group keeps the plan's order inside). Grouped, chunks
