@@ -54,7 +54,7 @@ def test_eagle3_trained_drafter_identity_with_acceptance(targets, eagle3_dirs, p
 @pytest.mark.parametrize("right", ["always", "never", "partly"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_drafts_verified_where_they_are_made_on_the_device(targets, prompt_ids, plain, right, k, monkeypatch):
-    """Greedy rounds whose drafts stay on the device (engine `_round_on_device`: the verify pass takes
+    """Greedy rounds whose drafts stay on the device (engine/spec_round.py `_round_on_device`: the verify pass takes
     them as its inputs, one read back after it) give plain greedy's tokens, alone and batched, with
     drafts always right, never right and right at two positions of three; the host path never ran."""
     engine = targets["qwen3"]

@@ -31,7 +31,7 @@ from verispec.cache.prefix import PrefixCache
 from verispec.cache.kv import RecurrentLayerSpec
 from verispec.cache.paged import BlockAllocator, CacheBudget, PagedPools, SlotAllocator
 from verispec.config import EngineConfig, env
-from verispec.engine import constrained, cpu_threads, warmup
+from verispec.engine import cpu_threads, warmup
 from verispec.engine.cache_sizing import size_cache
 from verispec.engine.client import ServedEngine
 from verispec.engine.draft_gate import ThroughputGate
@@ -42,11 +42,12 @@ from verispec.engine.output import OutputBuilder
 from verispec.engine.overlap import OverlappedDecode
 from verispec.engine.runner import ModelRunner
 from verispec.engine.prefill_pacer import prefill_pacer_for
+from verispec.engine.spec_round import SpeculativeRounds
 from verispec.engine.scheduler import Scheduler, StepPlan, batches_prompts, default_token_budget
 from verispec.engine.sequence import Sequence
 from verispec.engine.tp_peers import MirroredPools, Peers, TensorParallelError
 from verispec.engine.types import GenerationChunk, GenerationResult
-from verispec.engine.update import RoundInputs, StepUpdate, mark_first_scheduled
+from verispec.engine.update import StepUpdate, mark_first_scheduled
 from verispec.errors import VerispecError
 from verispec.grammar.constraint import GrammarCompiler
 from verispec.kernels import decode_attention as split_k
@@ -55,7 +56,7 @@ from verispec.loading.tokenizer import Tokenizer
 from verispec.models.base import CausalLM
 from verispec.sampling.params import SamplingParams
 from verispec.sampling.sampler import TokenHistory, make_generator
-from verispec.spec.proposer import Draft, Proposer
+from verispec.spec.proposer import Proposer
 
 WORKER_IDLE_S = 0.5
 SLOW_STEP_S = 0.2  # a step longer than this is logged under VERISPEC_DEBUG=1 with what it held
@@ -67,11 +68,6 @@ def _join_workers() -> None:
     """Let a worker finish its step before the interpreter tears torch down under it."""
     for thread in list(_live_workers):
         thread.join(timeout=5)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.py
@@ -115,8 +111,9 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
         self._worker_lock = threading.Lock()
         # per round: (sequences, tokens per sequence, draft+inputs ms, launch ms, device wait ms, host after ms)
         self.round_timings: collections.deque = collections.deque(maxlen=4096)
-        self.profile_rounds = env().eagle3_profile  # VERISPEC_EAGLE3_PROFILE, read once: rounds are hot
         self.update = StepUpdate(self.scheduler, self.runner, self.grammars)
+        self.rounds = SpeculativeRounds(self.runner, self.update, self.grammars, self.draft_policy, self.round_timings,
+                                        profile=env().eagle3_profile)  # VERISPEC_EAGLE3_PROFILE, read once
         overlap = self.use_graphs if config.overlap_decode is None else config.overlap_decode
         self.overlap = OverlappedDecode(self.scheduler, self.runner, self.update, overlap,
                                         new_work=lambda: not self._inbox.empty(), timings=self.round_timings,
@@ -518,71 +515,8 @@ class Engine(ServedEngine):  # describe(), default_seed, close(): engine/client.
                 seq.drafting = True
 
     def _round(self, seqs: list[Sequence], num_drafts: list[int]) -> None:
-        """One speculative round over every decoding sequence (num_drafts[b] drafts for seqs[b]):
-        drafts, one target pass, then per sequence verification, commit of the accepted rows, and
-        output."""
-        profile = any(num_drafts) and self.profile_rounds
-        t0 = time.perf_counter()
-        counts = [min(k, s.remaining_tokens - 1) if s.drafting else 0 for s, k in zip(seqs, num_drafts)]
-        grammar = constrained.RoundGrammar.of(self.grammars, seqs)  # None: no sequence is constrained
-        if grammar is None and not profile and self._drafts_stay_on_device(seqs):
-            pending = self.runner.propose_on_device(seqs, counts)
-            if pending is not None:
-                self._round_on_device(seqs, counts, pending, t0)
-                return
-        drafts = self.runner.propose(seqs, counts)
-        if grammar is not None:
-            drafts = grammar.cut_drafts(drafts)
-        inputs = RoundInputs.of(seqs, drafts)
-        if profile:
-            _sync(self.device)
-            t_drafted = time.perf_counter()
-        t_launch = time.perf_counter()
-        out = self.runner.verify(seqs, inputs.rows, self.runner.capture_layers)
-        t_launched = time.perf_counter()
-        accepted, t_synced = self.update.verified(seqs, inputs, out, grammar)
-        self.draft_policy.observe(seqs, [len(d.token_ids) for d in inputs.drafts], accepted)
-        if profile:
-            _sync(self.device)
-            log.info("[round] %d sequences: draft %.2f ms (k=%s), verify and update %.2f ms, accepted %s",
-                     len(seqs), (t_drafted - t0) * 1000, counts, (time.perf_counter() - t_drafted) * 1000,
-                     accepted)
-        self._time_round(seqs, inputs, t0, t_launch, t_launched, t_synced)
-
-    def _time_round(self, seqs: list[Sequence], inputs: RoundInputs, t0: float, t_launch: float,
-                    t_launched: float, t_synced: float) -> None:
-        """Where a round's time went (bench --concurrency reports medians): drafting and building the
-        inputs, launching the target pass, waiting for the device, and the per-sequence host work after."""
-        now = time.perf_counter()
-        self.round_timings.append((len(seqs), len(inputs.rows[0]), (t_launch - t0) * 1000,
-                                   (t_launched - t_launch) * 1000, (t_synced - t_launched) * 1000,
-                                   (now - t_synced) * 1000))
-
-    def _drafts_stay_on_device(self, seqs: list[Sequence]) -> bool:
-        """Whether this round's drafts can go to the verify pass without reading them back: a
-        proposer that drafts on the device, and every sequence choosing its tokens by plain greedy
-        (no sampled draft's distribution, no logits processing before the argmax)."""
-        return (self.proposer is not None and self.proposer.drafts_on_device
-                and all(s.params.greedy and not s.params.adjusts_logits for s in seqs))
-
-    def _round_on_device(self, seqs: list[Sequence], counts: list[int], pending: torch.Tensor, t0: float) -> None:
-        """`_round` whose drafts (pending [B, max(counts)] on the device) become the verify pass's
-        inputs where they are: the drafter's passes, the target's pass and its argmax queue back to
-        back, and the host waits for the device once, reading drafts and target tokens together
-        (a round that read its drafts first left the device idle while the host built the pass)."""
-        width = 1 + max(counts)
-        last = torch.tensor([s.last_token for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
-        rows = torch.cat([last[:, None], pending[:, :width - 1]], dim=1)  # a row past its count: padding
-        t_launch = time.perf_counter()
-        out = self.runner.verify(seqs, rows, self.runner.capture_layers)
-        t_launched = time.perf_counter()
-        table = torch.cat([pending[:, :width - 1], out.logits.argmax(-1)], dim=1).tolist()  # the one wait
-        t_synced = time.perf_counter()
-        inputs = RoundInputs.of(seqs, [Draft(row[:k]) for row, k in zip(table, counts)])
-        accepted, _ = self.update.verified(seqs, inputs, out, None, greedy_choices=[row[width - 1:] for row in table],
-                                           synced_at=t_synced)
-        self.draft_policy.observe(seqs, counts, accepted)
-        self._time_round(seqs, inputs, t0, t_launch, t_launched, t_synced)
+        """One speculative round over every decoding sequence (engine/spec_round.py)."""
+        self.rounds.run(seqs, num_drafts)
 
     def measure_draft_costs(self) -> None:
         """Time this engine's verify and draft passes into the adaptive draft choice's cost table
