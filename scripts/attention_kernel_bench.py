@@ -7,9 +7,10 @@ paged pools of 16-key blocks) and check the bits they rest on.
 - decode: `paged_decode_attention` (split-K and its combine) at 1 and 4 query tokens a sequence,
   timed inside a CUDA graph of 20 launches, as the engine's steps run it.
 
-    python scripts/attention_kernel_bench.py [--block-n 128] [--stages 3]
+    python scripts/attention_kernel_bench.py [--block-n 128] [--stages 3] [--share-by-share]
 
---block-n / --stages try another key block (both kernels take it, so the bits still agree).
+--block-n / --stages try another key block (both kernels take it, so the bits still agree);
+--share-by-share times the prompt kernel with a loop per share instead of its one walk.
 """
 from __future__ import annotations
 
@@ -95,7 +96,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-n", type=int, help="key block of both kernels (default: split_config's)")
     parser.add_argument("--stages", type=int, help="the split kernel's pipeline depth with --block-n")
+    parser.add_argument("--share-by-share", action="store_true",
+                        help="the prompt kernel's loop per share (prompt_attention.ONE_WALK off)")
     args = parser.parse_args()
+    prompt_attention.ONE_WALK = not args.share_by_share
     if not torch.cuda.is_available():
         raise SystemExit("attention_kernel_bench: needs a CUDA GPU")
     if args.block_n:

@@ -18,6 +18,9 @@ DEVICE = "cuda" if CUDA else "cpu"
 # 64-key blocks, so the shares change size inside the prompt
 CASE = (torch.bfloat16, 32, 8, 128, None) if CUDA else (torch.float32, 4, 2, 16, 2)
 LENGTH = 300 if CUDA else 150
+# the interpreter's prompt also with 4 shares: rows then sum several whole shares before their last
+# one, whose folds the kernel's one walk over a tile's blocks makes inside its loop
+SPLITS = [CASE[4]] if CUDA else [CASE[4], 4]
 
 
 @pytest.fixture(autouse=True)
@@ -37,11 +40,11 @@ def tensors(length: int, batch: int = 1, seed: int = 0):
     return q, k, v
 
 
-def prompt(q, k, v, first: int, n: int, window=None, tile=None):
+def prompt(q, k, v, first: int, n: int, window=None, tile=None, splits=CASE[4]):
     """Queries first..first+n-1 of every sequence, as one chunk."""
     pos = torch.arange(first, first + n, device=DEVICE)[None].expand(q.shape[0], -1).contiguous()
     return prompt_attention.chunk_attention(q[:, :, first:first + n], k, v, pos, q.shape[-1] ** -0.5, window,
-                                  num_splits=CASE[4], query_tile=tile)
+                                  num_splits=splits, query_tile=tile)
 
 
 @pytest.mark.parametrize("window", [None, 40])
@@ -53,29 +56,31 @@ def test_equals_the_reference(window):
     assert float((got.double() - want).norm() / want.norm()) < (1e-2 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("window", [None, 40])
-def test_a_prompt_token_is_its_decode_step_and_any_chunking(window):
+def test_a_prompt_token_is_its_decode_step_and_any_chunking(window, splits):
     q, k, v = tensors(LENGTH)
-    whole = prompt(q, k, v, 0, LENGTH, window)
+    whole = prompt(q, k, v, 0, LENGTH, window, splits=splits)
     for first, n, tile in ((0, 37, None), (37, 64, 3), (101, LENGTH - 101, 16)):
-        assert torch.equal(prompt(q, k, v, first, n, window, tile), whole[:, :, first:first + n]), (first, n)
+        assert torch.equal(prompt(q, k, v, first, n, window, tile, splits), whole[:, :, first:first + n]), (first, n)
     for position in (0, 63, 64, 65, 127, 128, 129, LENGTH - 1):
         pos = torch.tensor([[position]], device=DEVICE)
         step = kernel.decode_attention(q[:, :, position:position + 1].contiguous(), k, v, pos, q.shape[-1] ** -0.5,
-                                       window, num_splits=CASE[4])
+                                       window, num_splits=splits)
         assert torch.equal(step, whole[:, :, position:position + 1]), position
     verify = kernel.decode_attention(q[:, :, 120:124].contiguous(), k, v, torch.arange(120, 124, device=DEVICE)[None],
-                                     q.shape[-1] ** -0.5, window, num_splits=CASE[4])
+                                     q.shape[-1] ** -0.5, window, num_splits=splits)
     assert torch.equal(verify, whole[:, :, 120:124])
 
 
-def test_padded_rows_of_a_batch_leave_each_sequence_alone():
+@pytest.mark.parametrize("splits", SPLITS)
+def test_padded_rows_of_a_batch_leave_each_sequence_alone(splits):
     q, k, v = tensors(LENGTH, batch=3, seed=1)
     lengths = [LENGTH - 40, LENGTH, 17]
-    alone = [prompt(q[i:i + 1], k[i:i + 1], v[i:i + 1], 0, n) for i, n in enumerate(lengths)]
+    alone = [prompt(q[i:i + 1], k[i:i + 1], v[i:i + 1], 0, n, splits=splits) for i, n in enumerate(lengths)]
     pos = torch.arange(LENGTH, device=DEVICE)[None].expand(3, -1).contiguous()
     together = prompt_attention.chunk_attention(q, k, v, pos, q.shape[-1] ** -0.5, None,
-                                      torch.tensor(lengths, device=DEVICE), num_splits=CASE[4])
+                                      torch.tensor(lengths, device=DEVICE), num_splits=splits)
     for i, n in enumerate(lengths):
         assert torch.equal(together[i:i + 1, :, :n], alone[i]), i
         # padding rows are zeros, not what the allocation held: they flow through the next layers,

@@ -93,7 +93,8 @@ def compile_chunk_attention(paged: bool, block_n: int | None = None, num_stages:
     block_n = block_n or launch["BLOCK_N"]
     constexprs = dict(G=4, D=128, SHARES=16, TQ=launch["TQ"], BLOCK_M=launch["BLOCK_M"], BLOCK_N=block_n,
                       BLOCK_D=launch["BLOCK_D"], HAS_WINDOW=False, IEEE=False, PAGED=paged, PAGE=16,
-                      MIN_KEYS=da._min_share_keys(block_n, 8), FP8=False, KBITS=0, VBITS=0)
+                      MIN_KEYS=da._min_share_keys(block_n, 8), FP8=False, KBITS=0, VBITS=0,
+                      ONE_WALK=prompt_attention.ONE_WALK)
     divisible = ("Q", "K", "V", "KS", "VS", "OUT", "KCB", "VCB", *(n for n in strides if n not in ("stride_pb", "stride_btb")))
     return compile_gluon(fn, signature, constexprs, divisible, num_warps or launch["num_warps"],
                          num_stages=num_stages or launch["num_stages"], gluon=False)

@@ -3,8 +3,11 @@ bits a decode step or verify pass at its position gives it (kernels/decode_atten
 token's result does not depend on how its prompt was chunked, cached or batched.
 
 A program holds TQ query tokens of one sequence for one kv head (the GQA group x TQ rows) and sums
-each row's keys share by share, as the split-K path's programs sum them (the same `_share_sums`
-helper, the same key blocks), folding the shares in order as its combine does (`_fold`).
+each row's keys share by share, as the split-K path's programs sum them (the same block step, the
+same key blocks), folding the shares in order as its combine does (`_fold`). Where the tile's rows
+split their keys alike (no window, one share size: nearly every tile), one loop walks all of its
+key blocks and folds each share as it ends (`_one_walk`), so the loads run on across the shares;
+otherwise each share has its own loop (`_share_sums`).
 """
 from __future__ import annotations
 
@@ -16,12 +19,68 @@ from verispec.kernels import kv_turboquant
 # the split path's launch helpers are called through its module, so a setting changed there (a test's
 # MIN_SHARE_KEYS, a bench's split_config) reaches both kernels alike: their key blocks must agree
 triton = split_k.triton
+# whether tiles whose rows split their keys alike take `_one_walk` (False: a loop per share, as
+# scripts/attention_kernel_bench.py --share-by-share times it; the bits are the same)
+ONE_WALK = True
 
 if triton is not None:
     import triton.language as tl
 
     # the split path's helpers, called by the kernel below (Triton resolves them as this module's names)
-    from verispec.kernels.decode_attention import _fold, _share_keys, _share_sums
+    from verispec.kernels.decode_attention import _attend_block, _finish, _fold, _share_keys, _share_sums
+
+    @triton.jit
+    def _close_share(m, l, o, m_i, l_i, acc, has, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A share's running sums (m_i, l_i, acc) finished and folded into the rows' (m, l, o), for
+        the rows that `has` the share (padding, and rows whose keys ended before it, keep theirs),
+        and fresh sums for the next share."""
+        lse, part = _finish(m_i, l_i, acc)
+        m2, l2, o2 = _fold(m, l, o, lse, part)
+        return (tl.where(has, m2, m), tl.where(has, l2, l), tl.where(has[:, None], o2, o),
+                tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
+
+    @triton.jit
+    def _one_walk(q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b, stride_kn, stride_vn, stride_btb, kv_t,
+                   chunk_t, row_valid, offs_d, d_valid, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                   FP8: tl.constexpr, KCB, VCB, KBITS: tl.constexpr, VBITS: tl.constexpr):
+        """Every share of rows whose shares are alike (keys [0, kv) in shares of `chunk` keys), folded
+        as `_share_sums` and `_fold` share by share give them, in one walk over the key blocks: the
+        same blocks, masked where a row's keys end, each share's sums folded in when the walk
+        crosses into the next share. (m, l, o) as the share-by-share loop leaves them."""
+        chunk = tl.max(tl.where(row_valid, chunk_t, 0), 0)
+        kv_min = tl.min(tl.where(row_valid, kv_t, 2147483647), 0)
+        kv_max = tl.max(tl.where(row_valid, kv_t, 0), 0)
+        full_end = tl.where(kv_max > 0, kv_min // BLOCK_N * BLOCK_N, 0)  # blocks every row attends whole
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        share_lo = full_end * 0  # the loop index's type (the positions' integer type)
+        for n0 in range(0, full_end, BLOCK_N):
+            if n0 - share_lo == chunk:  # a share ends: every row had all of it
+                m, l, o, m_i, l_i, acc = _close_share(m, l, o, m_i, l_i, acc, row_valid, BLOCK_M, BLOCK_D)
+                share_lo = n0
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b,
+                                          stride_kn, stride_vn, stride_btb, offs_n, kv_max, offs_n[None, :] >= 0,
+                                          offs_d, d_valid, scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS,
+                                          MASK=False)
+        for n0 in range(full_end, kv_max, BLOCK_N):
+            if n0 - share_lo == chunk:  # a share ends inside the rows' last keys: rows that had any of it
+                m, l, o, m_i, l_i, acc = _close_share(m, l, o, m_i, l_i, acc, row_valid & (share_lo < kv_t),
+                                                      BLOCK_M, BLOCK_D)
+                share_lo = n0
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            allowed = offs_n[None, :] < kv_t[:, None]
+            m_i, l_i, acc = _attend_block(m_i, l_i, acc, q, k_base, v_base, ks_base, vs_base, stride_sn, BT, b,
+                                          stride_kn, stride_vn, stride_btb, offs_n, kv_max, allowed, offs_d,
+                                          d_valid, scale, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
+        m, l, o, _, _, _ = _close_share(m, l, o, m_i, l_i, acc, row_valid & (share_lo < kv_t), BLOCK_M, BLOCK_D)
+        return m, l, o
 
     @triton.jit(do_not_specialize=["stride_pb", "stride_btb", "window", "T", "has_len"],
                 do_not_specialize_on_alignment=["POS", "BT", "LEN"])
@@ -35,7 +94,7 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                       MIN_KEYS: tl.constexpr = 512, FP8: tl.constexpr = False,
-                      KBITS: tl.constexpr = 0, VBITS: tl.constexpr = 0):
+                      KBITS: tl.constexpr = 0, VBITS: tl.constexpr = 0, ONE_WALK: tl.constexpr = True):
         """A prompt chunk: TQ query tokens of one sequence and kv head a program, each row's shares
         summed and folded as the split path does (the same helpers), so a prompt token's output is
         the bits a decode step or verify pass at its position gives it."""
@@ -76,6 +135,15 @@ if triton is not None:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # the common tile: every row's shares alike (no window, one share size), so all rows fold at
+        # the same blocks and one loop walks every share (a loop per share restarted its loads)
+        uniform = tl.min(tl.where(row_valid, chunk_t, 2147483647), 0) == tl.max(tl.where(row_valid, chunk_t, 0), 0)
+        if ONE_WALK and not HAS_WINDOW:
+            if uniform:
+                m, l, o = _one_walk(q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b, stride_kn, stride_vn,
+                                    stride_btb, kv_t, chunk_t, row_valid, offs_d, d_valid, scale, BLOCK_M, BLOCK_N,
+                                    BLOCK_D, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
+                shares = shares * 0
         for s in range(0, shares):
             start_t = lo_t + s * chunk_t
             end_t = tl.minimum(start_t + chunk_t, kv_t)
@@ -161,5 +229,5 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         MIN_KEYS=split_k._min_share_keys(config["BLOCK_N"], hkv), FP8=fp8, **split_k._code_bits(codec),
-        num_warps=num_warps or config["num_warps"], num_stages=config["num_stages"])
+        ONE_WALK=ONE_WALK, num_warps=num_warps or config["num_warps"], num_stages=config["num_stages"])
     return out.transpose(1, 2)
