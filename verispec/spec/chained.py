@@ -209,20 +209,32 @@ class ChainedDrafter(Proposer):
         base_t = torch.tensor(base, dtype=torch.long).to(self.device, non_blocking=True)[:, None]  # [B, 1]
         if self._graphs is not None:
             self._graphs.new_round()
+
+        def sampled(i: int, logits: torch.Tensor):
+            # a row past its own count draws nothing: its generator must advance as it would alone
+            return self._choose_rows(logits, params, generators, [i < n for n in num_drafts])
+        return self._chained_passes(k, logits, out, base_t, max(base) + 1, functools.partial(self._batch_pass, seqs),
+                                    None if params is None else sampled)
+
+    def _chained_passes(self, k: int, logits: torch.Tensor, out: torch.Tensor, base: torch.Tensor, num_keys: int,
+                        run_pass, choose=None) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+        """k drafts from logits [B, V'], each fed back (but the last) with the last outputs at positions
+        base + i through run_pass(ids, features, positions, last, num_keys); choose(i, logits) -> (tokens,
+        distributions), None: greedy. The eager and the captured chain (DrafterGraphs) both run this loop,
+        so a graph's drafts are the eager ones bit for bit."""
+        zero = torch.zeros(base.shape[0], dtype=torch.long, device=base.device)
         chosen: list[torch.Tensor] = []
         probs: list[list[torch.Tensor | None]] = []
-        zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         for i in range(k):
-            if params is None:
-                tokens, q = self._greedy_tokens(logits), [None] * len(seqs)
+            if choose is None:
+                tokens, q = self._greedy_tokens(logits), [None] * base.shape[0]
             else:
-                # a row past its own count draws nothing: its generator must advance as it would alone
-                tokens, q = self._choose_rows(logits, params, generators, [i < n for n in num_drafts])
+                tokens, q = choose(i, logits)
             chosen.append(tokens)
             probs.append(q)
             if i + 1 == k:
                 break
-            out, logits = self._batch_pass(seqs, tokens[:, None], out, base_t + i, zero, max(base) + i + 1)
+            out, logits = run_pass(tokens[:, None], out, base + i, zero, num_keys + i)
         return chosen, probs
 
     def _choose_rows(self, logits: torch.Tensor, params: list, generators: list, active: list[bool]
@@ -265,13 +277,7 @@ class DrafterGraphs:
         self.drafter = drafter
         self.batch_sizes = batch_sizes
         self.calls: dict[tuple[int, int], GraphedCall] = {}
-        pools = drafter.pools
-        device, dtype = pools.device, pools.dtype
-
-        def step(ids, features, positions, tables, last):
-            cache = BatchCache(pools, tables, positions, None, 0, use_kernel=True)
-            return drafter._rows(ids, features, positions, cache, last)
-
+        device, dtype = drafter.pools.device, drafter.pools.dtype
         self._last_tables = None
         pool = None
         for b in sorted(batch_sizes, reverse=True):  # largest first, so the shared pool fits the rest
@@ -281,7 +287,7 @@ class DrafterGraphs:
                            torch.arange(t, device=device)[None].repeat(b, 1),
                            torch.zeros(b, table_width, dtype=torch.long, device=device),
                            torch.zeros(b, dtype=torch.long, device=device)]
-                call = GraphedCall(step, example, pool)
+                call = GraphedCall(self._pass, example, pool)
                 pool = call.pool()
                 self.calls[(b, t)] = call
         # a greedy round's k chained passes (k = 2 .. max_tokens - 1 drafts) as one graph: a replay
@@ -298,19 +304,16 @@ class DrafterGraphs:
                 pool = call.pool()
                 self.chains[(b, k)] = call
 
+    def _pass(self, ids, features, positions, tables, last) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter pass as the graphs run it: the attention kernel reads the tables, no key count."""
+        cache = BatchCache(self.drafter.pools, tables, positions, None, 0, use_kernel=True)
+        return self.drafter._rows(ids, features, positions, cache, last)
+
     def _greedy_chain(self, k: int, logits, out, base, tables) -> tuple[torch.Tensor]:
-        """k greedy drafts: the passes and argmaxes `ChainedDrafter._chain` runs, in one graph."""
-        drafter = self.drafter
-        zero = torch.zeros(base.shape[0], dtype=torch.long, device=base.device)
-        chosen = []
-        for i in range(k):
-            tokens = drafter._greedy_tokens(logits)
-            chosen.append(tokens)
-            if i + 1 == k:
-                break
-            positions = base + i
-            cache = BatchCache(drafter.pools, tables, positions, None, 0, use_kernel=True)
-            out, logits = drafter._rows(tokens[:, None], out, positions, cache, zero)
+        """k greedy drafts: the loop `ChainedDrafter._chain` runs, its passes as the one-pass graphs'."""
+        def run_pass(ids, features, positions, last, num_keys):
+            return self._pass(ids, features, positions, tables, last)
+        chosen, _ = self.drafter._chained_passes(k, logits, out, base, 0, run_pass)
         return (torch.stack(chosen, dim=1),)
 
     def chain(self, batch: int, k: int):
