@@ -30,6 +30,9 @@ except ImportError:  # CPU-only installs: the torch reference is used instead
     tl = None
 
 MAX_QUERY_TOKENS = 8
+# the kernels' softmax runs in base 2 (exp2 is one instruction, exp a multiply and then it): the
+# launchers scale the scores by log2(e) along with the softmax scale
+LOG2E = 1.4426950408889634
 # A share of a layer with 8 or more kv heads holds at least this many keys, one with fewer heads
 # proportionally fewer (read at launch, by the split and prompt kernels alike, so their shares
 # agree): a 512-key context decodes as one share per head where 8 heads keep the GPU busy, not 16
@@ -149,18 +152,20 @@ if triton is not None:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        # the scores scaled and shifted by one fused multiply-add, written out: left to the compiler,
-        # the product and the subtraction were fused where no mask stood between them and not where
-        # one did, so an unmasked block's sums differed in the last bits from a masked block's
+        # `scale` is the softmax scale times log2(e): the sums run in base 2, one ex2 a score. A row's
+        # largest score is scaled once (rounding is monotonic, so it is the largest scaled score).
+        # The scores are scaled and shifted by one fused multiply-add, written out: left to the
+        # compiler, the product and the subtraction were fused where no mask stood between them and
+        # not where one did, so an unmasked block's sums differed in the last bits from a masked one's
         if MASK:
-            m_new = tl.maximum(m_i, tl.max(tl.where(allowed, qk * scale, float("-inf")), 1))
+            m_new = tl.maximum(m_i, tl.max(tl.where(allowed, qk, float("-inf")), 1) * scale)
         else:
-            m_new = tl.maximum(m_i, tl.max(qk * scale, 1))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(tl.fma(qk, scale, -m_safe[:, None]))
+        p = tl.exp2(tl.fma(qk, scale, -m_safe[:, None]))
         if MASK:
             p = tl.where(allowed, p, 0.0)
-        alpha = tl.exp(m_i - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + _row_sums(p, q.dtype, IEEE)
         if VBITS > 0:
             v = kv_turboquant.decode_tile(v_base, rows * stride_vn, offs_d, kv_mask,
@@ -226,9 +231,9 @@ if triton is not None:
 
     @triton.jit
     def _finish(m_i, l_i, acc):
-        """A share's running sums as (log-sum-exp, its weighted values)."""
+        """A share's running sums as (log-sum-exp in base 2, its weighted values)."""
         has = l_i > 0
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         return lse, acc / tl.where(has, l_i, 1.0)[:, None]
 
     @triton.jit
@@ -238,8 +243,8 @@ if triton is not None:
         empty share (lse = -inf, part = 0) leaves the sums as they were."""
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m - m_safe)
-        w = tl.exp(lse - m_safe)
+        a = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
         return m_new, l * a + w, o * a[:, None] + part * w[:, None]
 
     # Arguments that vary between calls of one model and do not speed the kernel up when specialised
@@ -437,7 +442,7 @@ def _launch(q, k_cache, v_cache, positions, scale, window, block_tables, block_s
         q.stride(0), q.stride(1), q.stride(2),
         *strides_k, *strides_v,
         positions.stride(0), table_stride, k_scale.stride(0) if scaled else 0,
-        scale, window or 0,
+        scale * LOG2E, window or 0,
         T=t, G=group, D=d, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
         MIN_KEYS=_min_share_keys(block_n, hkv), num_warps=num_warps or config["num_warps"], num_stages=num_stages,

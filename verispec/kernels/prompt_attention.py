@@ -224,7 +224,7 @@ def _launch_chunk(q, k_cache, v_cache, positions, scale, window, block_tables, b
         lengths if lengths is not None else positions, out, table, *split_k._codebooks(codec, k_cache),
         q.stride(0), q.stride(1), q.stride(2), *strides_k, *strides_v, positions.stride(0), table_stride,
         k_scale.stride(0) if scaled else 0,
-        scale, window or 0, t, int(lengths is not None),
+        scale * split_k.LOG2E, window or 0, t, int(lengths is not None),
         G=group, D=d, SHARES=splits, TQ=config["TQ"], BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"], BLOCK_D=config["BLOCK_D"], HAS_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32, PAGED=paged, PAGE=max(block_size, 1),
