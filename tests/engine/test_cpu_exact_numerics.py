@@ -1,8 +1,10 @@
 """Exact numerics on the CPU in float16 and bfloat16: a request's tokens and logprobs are bit for bit
 the same alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 others, with
 16-token prompt chunks, under preemption, and speculating with replays of its own output that are
-always right and always wrong. Tiny random Llama, Qwen3 and Qwen3.5 hybrid checkpoints (the hybrid's
-Gated DeltaNet prompt chunks stepping token by token, as decode steps do)."""
+always right and always wrong. Tiny random Llama, Qwen3, Qwen3.5 hybrid (its Gated DeltaNet prompt
+chunks stepping token by token, as decode steps do), Gemma 3 (sliding windows), Gemma 4 dense and
+MoE, and Qwen3-MoE checkpoints (routed experts: each expert's rows one product, summed into their
+tokens in expert order, whatever else is in the pass)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from tests.doubles import KeyedReplay
 from tests.exact_checks import check, corpus_prompts, greedy_with_logprobs, record
-from tools.tiny import build_tiny_qwen3_5
+from tools.tiny import build_tiny_gemma3, build_tiny_gemma4, build_tiny_qwen3_5
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
 from verispec.sampling.params import SamplingParams
@@ -19,16 +21,23 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = [17, 70, 129, 250, 33, 190, 96, 5]
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
-FAMILIES = ["llama", "qwen3", "qwen3_5"]
+FAMILIES = ["llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "gemma4_moe", "qwen3_moe"]
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+           decoder_sparse_step=1, mlp_only_layers=[1])
 DTYPES = ["float16", "bfloat16"]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_models, tmp_path_factory, tokenizer_dir) -> dict:
-    hybrid = tmp_path_factory.mktemp("exact-hybrid") / "qwen3_5"
-    build_tiny_qwen3_5(hybrid, seed=41, tokenizer_dir=tokenizer_dir)
+    root = tmp_path_factory.mktemp("exact-families")
+    build_tiny_qwen3_5(root / "qwen3_5", seed=41, tokenizer_dir=tokenizer_dir)
+    build_tiny_gemma3(root / "gemma3", seed=43, tokenizer_dir=tokenizer_dir)
+    build_tiny_gemma4(root / "gemma4", seed=44, tokenizer_dir=tokenizer_dir)
+    build_tiny_gemma4(root / "gemma4_moe", moe=True, seed=45, tokenizer_dir=tokenizer_dir)
     return {"llama": tiny_models.get("exact-llama", "llama", **SHAPE),
-            "qwen3": tiny_models.get("exact-qwen3", "qwen3", head_dim=16, **SHAPE), "qwen3_5": hybrid}
+            "qwen3": tiny_models.get("exact-qwen3", "qwen3", head_dim=16, **SHAPE),
+            "qwen3_moe": tiny_models.get("exact-qwen3-moe", "qwen3_moe", head_dim=16, **SHAPE, **MOE),
+            **{family: root / family for family in ("qwen3_5", "gemma3", "gemma4", "gemma4_moe")}}
 
 
 def load(model_dir, dtype: str, **fields) -> Engine:
@@ -93,8 +102,9 @@ def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(mo
 @pytest.mark.parametrize("case", ["chunks-of-16", "preempted"])
 def test_engine_settings_do_not_change_a_request(model_dirs, reference, family, dtype, case):
     _, prompts, alone = reference(family, dtype)
-    # the hybrid has one attention layer in four, so a token takes fewer bytes of cache
-    small = 0.0001 if family == "qwen3_5" else 0.0002
+    # a cache that holds the longest request but not the batch: the hybrid has one attention layer in
+    # four, so a token takes fewer bytes of it; the Gemmas' take more
+    small = {"qwen3_5": 0.0001, "gemma3": 0.00023, "gemma4": 0.00023, "gemma4_moe": 0.00023}.get(family, 0.0002)
     fields = {"chunks-of-16": dict(prefill_step_size=16), "preempted": dict(kv_cache_gb=small)}[case]
     engine = load(model_dirs[family], dtype, **fields)
     check([record(r) for r in engine.generate_batch(prompts, params())], alone, case)

@@ -1,6 +1,7 @@
-"""Which numerics a mixture-of-experts model runs: float experts take exact numerics where the
-row-invariant expert kernels run (CUDA with Triton), and say why not elsewhere; quantized experts
-stay fast (their GEMV is chosen by the pass's token count)."""
+"""Which numerics a mixture-of-experts model runs: float experts take exact numerics on a CPU (each
+expert's rows one product, summed into their tokens in expert order: tests/engine/test_cpu_exact_numerics.py
+holds it to bits) and where the row-invariant expert kernels run (CUDA with Triton); quantized
+experts stay fast (their GEMV is chosen by the pass's token count)."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,10 @@ def model(tiny_models):
     return load_model(tiny_models.get("qwen3_moe", "qwen3_moe", **QWEN3_MOE), torch.bfloat16, torch.device("cpu"))
 
 
-def test_float_experts_are_exact_where_their_kernels_run(model, monkeypatch):
-    numerics, reason = resolve_numerics(model, "exact")
-    assert numerics == "fast" and "mixture-of-experts" in reason  # no CUDA here
+def test_float_experts_are_exact_on_a_cpu_and_where_their_kernels_run(model, monkeypatch):
+    assert resolve_numerics(model, "exact") == ("exact", None)  # a CPU: the loop over experts
+    numerics, reason = resolve_numerics(model, "auto")
+    assert numerics == "fast" and "on a CPU" in reason  # as for dense models: exact prompts cost prefill time
     monkeypatch.setattr(expert_gemv, "available", lambda device: True)
     assert resolve_numerics(model, "exact") == ("exact", None)
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]

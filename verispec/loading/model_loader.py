@@ -141,7 +141,7 @@ def resolve_numerics(model: CausalLM, requested: str) -> tuple[str, str | None]:
     return numerics.resolve(
         requested, param.device, param.dtype, recurrent=any(isinstance(m, GatedDeltaNet) for m in modules),
         experts=any(isinstance(m, (MLXQuantizedExperts, QuantizedExpertStack)) for m in modules)
-        or (float_experts and not expert_gemv.available(param.device)),
+        or (float_experts and param.device.type != "cpu" and not expert_gemv.available(param.device)),
         quantized=any(isinstance(m, QuantizedLinear) for m in modules),
         float_experts=float_experts, layer_kernel=getattr(model, "layer_stack", None) is not None,
         weight_bytes=dense.dense_bytes(model, param.dtype))

@@ -23,7 +23,7 @@ def why_not_exact(device: torch.device | str, dtype: torch.dtype, recurrent: boo
     device = torch.device(device)
     if experts:
         return ("mixture-of-experts layers without row-invariant kernels here (quantized experts, or "
-                "float experts off CUDA with Triton: their kernel is chosen by the pass's token count)")
+                "float experts on a GPU without Triton: their kernel is chosen by the pass's token count)")
     if device.type == "cuda":
         return None
     if device.type == "cpu":
