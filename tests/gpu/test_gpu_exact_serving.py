@@ -3,7 +3,7 @@ alone, repeated (a full prefix-cache hit), after a partial hit, beside 2 or 7 ot
 prompt chunks, without the prefix cache, under preemption, eagerly (prompt chunks and decode steps
 without CUDA graphs), and speculating with replays of
 its own output that are always right and always wrong. Llama, Qwen3 (q/k norms), Gemma 3 (sliding
-windows, soft-capped logits), Qwen3 in MLX 4- and 8-bit (their exact kernels, and decoded to bf16 as
+windows, soft-capped logits), Gemma 4 dense and MoE, Qwen3 in MLX 4- and 8-bit (their exact kernels, and decoded to bf16 as
 `auto` runs a small quantized model), the Qwen3.5 hybrid and Qwen3-MoE (routed experts), tiny
 random checkpoints with the engine's real kernels."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tests.exact_checks import check, corpus_prompts, greedy_with_logprobs, record
 from tests.gpu.replay import KeyedReplay
-from tools.tiny import build_tiny_gemma3, build_tiny_model, build_tiny_qwen3_5
+from tools.tiny import build_tiny_gemma3, build_tiny_gemma4, build_tiny_model, build_tiny_qwen3_5
 from verispec.cli import main as cli_main
 from verispec.config import EngineConfig
 from verispec.engine.engine import Engine
@@ -32,7 +32,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
 # "qwen3_5": the hybrid, whose Gated DeltaNet prompt chunks step token by token under exact numerics
 # "qwen3_moe": routed experts on the union kernel (up to 16 tokens) and the grouped one (more)
 FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-mlx-4bit", "qwen3-mlx-8bit", "qwen3-mlx-4bit-decoded", "qwen3_5",
-            "qwen3_moe"]
+            "qwen3_moe", "gemma4", "gemma4_moe"]
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
            decoder_sparse_step=1, mlp_only_layers=[2])
 
@@ -46,6 +46,8 @@ def root(tmp_path_factory, tokenizer_dir):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
     build_tiny_qwen3_5(root / "qwen3_5", seed=41, tokenizer_dir=tokenizer_dir)
     build_tiny_model(root / "qwen3_moe", "qwen3_moe", tokenizer_dir=tokenizer_dir, head_dim=64, **SHAPE, **MOE)
+    build_tiny_gemma4(root / "gemma4", seed=44, tokenizer_dir=tokenizer_dir)
+    build_tiny_gemma4(root / "gemma4_moe", moe=True, seed=45, tokenizer_dir=tokenizer_dir)
     for quant in ("mlx-4bit", "mlx-8bit"):
         assert cli_main(["quantize", "-m", str(root / "qwen3"), "--format", quant, "--out",
                          str(root / f"qwen3-{quant}")]) == 0
@@ -109,10 +111,10 @@ def test_repeated_batched_and_partially_cached_requests_are_the_request_alone(ro
 def settings_cases():
     for family in FAMILIES:
         for case in ("chunks-of-64", "no-prefix-cache", "eager", "preempted"):
-            # Gemma 3's sliding layers keep a window's blocks only: no cache that holds its longest
-            # request alone preempted any of the 8 on the H200
-            # (and the hybrid's state slots take most of a cache that small: its preemption is tested on the CPU)
-            if case != "preempted" or family not in ("gemma3", "qwen3_5"):
+            # Gemma 3's and 4's sliding layers keep a window's blocks only: no cache that holds its
+            # longest request alone preempted any of the 8 on the H200 (their preemption is tested on
+            # the CPU, as the hybrid's, whose state slots take most of a cache that small)
+            if case != "preempted" or family not in ("gemma3", "gemma4", "gemma4_moe", "qwen3_5"):
                 yield pytest.param(family, case, id=f"{case}-{family}")
 
 
