@@ -68,8 +68,10 @@ static void product(const product_t *p, int R, const int16_t *xq, const float *d
     int lo, hi;
     pool_share(N, thread, threads, &lo, &hi);
     float sums[MAX_TILE_ROWS];
+    const char *share_end = (const char *)p->blocks + (size_t)hi * row_bytes;
     for (int n = lo; n < hi; n++) {
         const void *wrow = (const char *)p->blocks + (size_t)n * row_bytes;
+        prefetch_ahead(wrow, row_bytes, share_end);
         const float bias = p->bias ? load_x(p->bias, dtype, n) : 0.0f;
         for (int m0 = 0; m0 < R; m0 += MAX_TILE_ROWS) {
             const int rows = R - m0 < MAX_TILE_ROWS ? R - m0 : MAX_TILE_ROWS;

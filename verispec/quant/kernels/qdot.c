@@ -241,6 +241,23 @@ static inline size_t weight_row_bytes(int bits, int nblocks) {
     return (size_t)nblocks * (bits == 4 ? sizeof(block4) : sizeof(block8));
 }
 
+/* How far ahead of its products a thread asks the memory for its weights: a decode step streams
+ * every weight once from DRAM, and one sequential stream per core runs ahead of what the hardware
+ * prefetcher fetches by itself (docs/benchmarks.md, "The default model on a CPU") */
+#define PREFETCH_AHEAD 2048
+
+/* Asks for the cache lines of [p + PREFETCH_AHEAD, + bytes) of a thread's weights, before [p, + bytes)
+ * is read; none at or past `end`, where its share ends. A hint: the products read the same bytes */
+static inline void prefetch_ahead(const char *p, size_t bytes, const char *end) {
+#ifdef __AVX2__
+    const uintptr_t stop = (uintptr_t)p + PREFETCH_AHEAD + bytes, last = (uintptr_t)end;
+    for (uintptr_t q = (uintptr_t)p + PREFETCH_AHEAD; q < stop && q < last; q += 64)
+        _mm_prefetch((const char *)q, _MM_HINT_T0);
+#else
+    (void)p; (void)bytes; (void)end;
+#endif
+}
+
 /* Rows lo..hi-1 of x [M, K] (dtype x_dtype) as int16 blocks: xq [M, K], dx / sx [M, K/32] */
 static void quantize_rows(const void *x, int x_dtype, int K, int lo, int hi, int16_t *xq, float *dx, float *sx) {
     const int nblocks = K / QK;
@@ -267,8 +284,10 @@ static void linear_rows(void *arg, pool_t *pool, int thread) {
     pool_barrier(pool);
     pool_share(job->N, thread, threads, &lo, &hi);
     float out[MAX_TILE_ROWS];
+    const char *share_end = (const char *)job->w + (size_t)hi * row_bytes;
     for (int n = lo; n < hi; n++) {
         const void *wrow = (const char *)job->w + (size_t)n * row_bytes;
+        prefetch_ahead(wrow, row_bytes, share_end);
         for (int m0 = 0; m0 < job->M; m0 += MAX_TILE_ROWS) {
             int rows = job->M - m0 < MAX_TILE_ROWS ? job->M - m0 : MAX_TILE_ROWS;
             tile_for(job->bits, rows)(wrow, nblocks, job->xq, job->dx, job->sx, m0, out);
