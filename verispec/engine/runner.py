@@ -192,16 +192,12 @@ class ModelRunner:
         out = self._forward(ids_t, cache, capture)
         cache.commit(counts)
         last = torch.tensor(counts, device=self.device) - 1
-
-        def last_rows(x: torch.Tensor) -> torch.Tensor:
-            return each_last_row(x, last)
-
-        last_hidden = last_rows(out.hidden)
+        last_hidden = each_last_row(out.hidden, last)
         if keep_all_rows:
             hidden, aux, pre_norm = out.hidden, out.aux, out.pre_norm
         else:
-            hidden, aux = last_hidden, [last_rows(a) for a in out.aux]
-            pre_norm = last_rows(out.pre_norm) if out.pre_norm is not None else None
+            hidden, aux = last_hidden, [each_last_row(a, last) for a in out.aux]
+            pre_norm = each_last_row(out.pre_norm, last) if out.pre_norm is not None else None
         all_rows = {b: out.hidden[b, :counts[b]] for b in every_row} if every_row else None
         return PassOutput(hidden, aux, pre_norm, self.logits(last_hidden), cache, all_rows)
 

@@ -143,7 +143,7 @@ if triton is not None:
                 m, l, o = _one_walk(q, k_base, v_base, KS + h, VS + h, stride_sn, BT, b, stride_kn, stride_vn,
                                     stride_btb, kv_t, chunk_t, row_valid, offs_d, d_valid, scale, BLOCK_M, BLOCK_N,
                                     BLOCK_D, IEEE, PAGED, PAGE, FP8, KCB, VCB, KBITS, VBITS)
-                shares = shares * 0
+                shares = shares * 0  # the share-by-share loop below has nothing left to do
         for s in range(0, shares):
             start_t = lo_t + s * chunk_t
             end_t = tl.minimum(start_t + chunk_t, kv_t)

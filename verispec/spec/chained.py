@@ -178,14 +178,13 @@ class ChainedDrafter(Proposer):
 
     @torch.inference_mode()
     def propose_on_device(self, seqs, num_drafts: list[int]) -> torch.Tensor:
-        k = max(num_drafts)
-        logits, out, base = self._last_rows(seqs)
-        chain = self._graphs.chain(len(seqs), k) if self._graphs is not None else None
-        if chain is not None:  # the k chained passes as one replay
-            self._graphs.new_round()
-            return chain(seqs, logits, out, base)
-        chosen, _ = self._chain(seqs, num_drafts, None, None)
-        return torch.stack(chosen, dim=1)
+        chain = self._graphs.chain(len(seqs), max(num_drafts)) if self._graphs is not None else None
+        if chain is None:
+            chosen, _ = self._chain(seqs, num_drafts, None, None)
+            return torch.stack(chosen, dim=1)
+        logits, out, base = self._last_rows(seqs)  # the k chained passes as one replay
+        self._graphs.new_round()
+        return chain(seqs, logits, out, base)
 
     def _last_rows(self, seqs) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Each sequence's last committed drafter row: (logits [B, V'], outputs [B, 1, F], the
